@@ -1,0 +1,334 @@
+"""The tiny-llm model: a Llama-style decoder, its presets, its FLOP count and transformers interop.
+
+Layout follows transformers' LlamaForCausalLM exactly (RMSNorm before attention and MLP, rotary positions
+with the rotate-half convention, SwiGLU, tied embeddings, no biases), so weights map one to one. Two
+projections are stored fused for speed at small widths, with the same math: q, k, v as one matrix
+(`wqkv`) and the SwiGLU gate and up projections as one (`w13`). `to_hf` splits them again.
+"""
+import math
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 32000
+    dim: int = 320
+    n_layers: int = 8
+    n_heads: int = 5
+    hidden_dim: int = 896  # SwiGLU inner width
+    max_seq_len: int = 1024
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def __post_init__(self):
+        for field in ("vocab_size", "dim", "n_layers", "n_heads", "hidden_dim", "max_seq_len"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model {field} must be a positive integer, got {value!r}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"model width {self.dim} is not divisible by the head count {self.n_heads}; "
+                             f"choose a width that is a multiple of n_heads (heads of 64: width = 64 x n_heads)")
+        if self.head_dim % 2:
+            raise ValueError(f"head size {self.head_dim} (width / heads) must be even for rotary positions")
+
+    @property
+    def head_dim(self):
+        return self.dim // self.n_heads
+
+    def to_dict(self):
+        return asdict(self)
+
+
+PRESETS = {
+    # 20,403,520 parameters: the exact shape of the system tiny-llm replaces.
+    "20m": ModelConfig(),
+    # 50.5M and 88.3M: the same family with heads of 64 and SwiGLU at 3x and 8/3 x width.
+    "50m": ModelConfig(dim=512, n_layers=10, n_heads=8, hidden_dim=1536),
+    "90m": ModelConfig(dim=768, n_layers=9, n_heads=12, hidden_dim=2048),
+}
+
+# Pinning one SDPA kernel makes a benchmark measure the kernel it names; "auto" lets PyTorch choose.
+ATTENTION_BACKENDS = {
+    "auto": None,
+    "flash": [SDPBackend.FLASH_ATTENTION],
+    "efficient": [SDPBackend.EFFICIENT_ATTENTION],
+    "cudnn": [SDPBackend.CUDNN_ATTENTION],
+    "math": [SDPBackend.MATH],
+}
+
+# How the loss is computed from the last hidden state: "full" materializes all logits (float32 inside
+# cross-entropy); "chunked" runs the LM head and cross-entropy over slices of tokens, recomputing each
+# slice's logits in backward, so the full logits never exist at once. Same math, different memory.
+LOSS_IMPLEMENTATIONS = ("full", "chunked")
+
+
+def get_preset(name, **overrides):
+    """The preset called `name`, with any field replaced by `overrides` (e.g. vocab_size from the data)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
+    return replace(PRESETS[name], **overrides)
+
+
+def flops_per_token(config, seq_len):
+    """Training FLOPs per token: 6 x matmul parameters (forward 2, backward 4) plus attention scores.
+
+    Matmul parameters are the attention and MLP projections plus the LM head (the embedding lookup does
+    no multiplication, but the tied matrix is used again as the head). The attention term counts QK^T and
+    attention x V over the full T x T square, 12 x layers x width x T per token, as PaLM, nanoGPT and
+    torchtitan do. Causal masking lets a flash kernel skip about half of that square; we do NOT halve it,
+    so our MFU is comparable with theirs and slightly flatters attention-heavy shapes.
+    """
+    c = config
+    per_layer = 4 * c.dim * c.dim + 3 * c.dim * c.hidden_dim
+    matmul_params = c.n_layers * per_layer + c.vocab_size * c.dim
+    attention = 12 * c.n_layers * c.dim * seq_len
+    return 6 * matmul_params + attention
+
+
+def rotary_tables(config, device=None):
+    """cos and sin of shape (max_seq_len, head_dim), transformers' rotate-half layout, in float32."""
+    half = torch.arange(0, config.head_dim, 2, dtype=torch.int64, device=device).float() / config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** half)
+    angles = torch.outer(torch.arange(config.max_seq_len, device=device).float(), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x, cos, sin):
+    """x: (B, T, H, D); cos, sin: (T, D). Rotate-half as in transformers' Llama."""
+    cos = cos[:, None, :].to(x.dtype)
+    sin = sin[:, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.n_heads, self.head_dim = config.n_heads, config.head_dim
+        self.wqkv = nn.Linear(config.dim, 3 * config.dim, bias=False)
+        self.wo = nn.Linear(config.dim, config.dim, bias=False)
+
+    def forward(self, x, cos, sin, backends):
+        B, T, C = x.shape
+        q, k, v = self.wqkv(x).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        if backends is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            with sdpa_kernel(backends):
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(B, T, C))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.w13 = nn.Linear(config.dim, 2 * config.hidden_dim, bias=False)  # [gate; up]
+        self.w2 = nn.Linear(config.hidden_dim, config.dim, bias=False)
+
+    def forward(self, x):
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x, cos, sin, backends):
+        x = x + self.attention(self.attention_norm(x), cos, sin, backends)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config, attention_backend="auto", loss_impl="full", loss_chunk_tokens=8192):
+        super().__init__()
+        if isinstance(config, str):
+            config = get_preset(config)
+        self.config = config
+        self.set_attention_backend(attention_backend)
+        if loss_impl not in LOSS_IMPLEMENTATIONS:
+            raise ValueError(f"unknown loss_impl {loss_impl!r}; valid: {', '.join(LOSS_IMPLEMENTATIONS)}")
+        self.loss_impl, self.loss_chunk_tokens = loss_impl, loss_chunk_tokens
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.output.weight = self.tok_embeddings.weight  # tied
+        # Computed once here and moved with the module; recomputing them per forward cost the system we
+        # replace a quarter of its GPU kernel time.
+        cos, sin = rotary_tables(config)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def set_attention_backend(self, name):
+        if name not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {name!r}; valid: {', '.join(ATTENTION_BACKENDS)}")
+        self.attention_backend = name
+        self._sdpa_backends = ATTENTION_BACKENDS[name]
+
+    def reset_parameters(self):
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                nn.init.ones_(p)  # RMSNorm gains
+            elif name.endswith(("wo.weight", "w2.weight")):
+                nn.init.normal_(p, mean=0.0, std=residual_std)
+            else:
+                nn.init.normal_(p, mean=0.0, std=0.02)
+
+    def check_input(self, idx):
+        """Shape and token-id checks, run before any kernel so that a bad input is one clear error.
+
+        The id range is checked only for CPU tensors: on the GPU it would cost a host sync per forward.
+        Batches reach the GPU from the data loader, which checks ids on the CPU side first.
+        """
+        if idx.dim() != 2:
+            raise ValueError(f"model input must be (batch, sequence) token ids, got shape {tuple(idx.shape)}")
+        if idx.shape[1] > self.config.max_seq_len:
+            raise ValueError(f"sequence length {idx.shape[1]} is longer than the model's context "
+                             f"{self.config.max_seq_len}; use at most max_seq_len tokens")
+        if idx.device.type == "cpu" and idx.numel():
+            low, high = int(idx.min()), int(idx.max())
+            if low < 0 or high >= self.config.vocab_size:
+                raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}) (the vocabulary), "
+                                 f"got ids from {low} to {high}")
+
+    def hidden_states(self, idx):
+        T = idx.shape[1]
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x, cos, sin, self._sdpa_backends)
+        return self.norm(x)
+
+    def forward(self, idx, targets=None, reduction="mean"):
+        """Logits (B, T, V) without targets; else the token cross-entropy, ignoring targets of -100.
+
+        reduction "mean" averages over the counted targets; "sum" adds them (the training step divides
+        by the update's token count itself, so that a partial update weighs each token the same).
+        """
+        if not torch.compiler.is_compiling():
+            self.check_input(idx)
+        h = self.hidden_states(idx)
+        if targets is None:
+            return self.output(h)
+        if self.loss_impl == "chunked":
+            total = chunked_cross_entropy(h.flatten(0, 1), self.output.weight, targets.flatten(),
+                                          self.loss_chunk_tokens)
+        else:
+            logits = self.output(h)
+            total = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                                    ignore_index=-100, reduction="sum")
+        if reduction == "sum":
+            return total
+        return total / (targets != -100).sum().clamp(min=1)
+
+
+def _chunk_loss(h, weight, targets):
+    logits = F.linear(h, weight)
+    return F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
+
+
+def chunked_cross_entropy(h, weight, targets, chunk_tokens):
+    """Sum of cross-entropy over token slices; each slice's logits are recomputed in backward."""
+    total = h.new_zeros((), dtype=torch.float32)
+    for start in range(0, h.shape[0], chunk_tokens):
+        end = start + chunk_tokens
+        total = total + torch.utils.checkpoint.checkpoint(
+            _chunk_loss, h[start:end], weight, targets[start:end], use_reentrant=False)
+    return total
+
+
+# ---------------------------------------------------------------- transformers interop
+
+def hf_config(config):
+    from transformers import LlamaConfig
+    return LlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=config.dim, intermediate_size=config.hidden_dim,
+        num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads,
+        num_key_value_heads=config.n_heads, head_dim=config.head_dim, hidden_act="silu",
+        max_position_embeddings=config.max_seq_len, rms_norm_eps=config.norm_eps,
+        rope_theta=config.rope_theta, rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        tie_word_embeddings=True, attention_bias=False, mlp_bias=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def hf_named_tensors(model, of=lambda p: p):
+    """Our weights (or, with of=lambda p: p.grad, their gradients) under transformers' Llama names.
+
+    Fused matrices are split into views, so copying into a returned tensor writes into our weights.
+    """
+    out = {"model.embed_tokens.weight": of(model.tok_embeddings.weight),
+           "model.norm.weight": of(model.norm.weight)}
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        q, k, v = of(layer.attention.wqkv.weight).chunk(3, dim=0)
+        gate, up = of(layer.feed_forward.w13.weight).chunk(2, dim=0)
+        out.update({
+            p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+            p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": of(layer.attention.wo.weight),
+            p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+            p + "mlp.down_proj.weight": of(layer.feed_forward.w2.weight),
+            p + "input_layernorm.weight": of(layer.attention_norm.weight),
+            p + "post_attention_layernorm.weight": of(layer.ffn_norm.weight),
+        })
+    return out
+
+
+def to_hf(model):
+    """A transformers LlamaForCausalLM with this model's weights (float32, on the CPU)."""
+    from transformers import LlamaForCausalLM
+    hf = LlamaForCausalLM(hf_config(model.config))
+    state = {k: v.detach().float().cpu().clone() for k, v in hf_named_tensors(model).items()}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied to embed_tokens
+    if missing or unexpected:
+        raise RuntimeError(f"weights do not map onto LlamaForCausalLM: missing {missing}, unexpected {unexpected}")
+    hf.tie_weights()
+    return hf
+
+
+def config_from_hf(hf_cfg):
+    head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
+    rope = getattr(hf_cfg, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(hf_cfg, "rope_theta", 10000.0))
+    problems = []
+    if hf_cfg.num_key_value_heads != hf_cfg.num_attention_heads:
+        problems.append("grouped-query attention (num_key_value_heads != num_attention_heads)")
+    if head_dim * hf_cfg.num_attention_heads != hf_cfg.hidden_size:
+        problems.append("head_dim x heads != hidden_size")
+    if getattr(hf_cfg, "attention_bias", False) or getattr(hf_cfg, "mlp_bias", False):
+        problems.append("biases")
+    if not getattr(hf_cfg, "tie_word_embeddings", False):
+        problems.append("untied input and output embeddings")
+    if rope.get("rope_type", "default") != "default":
+        problems.append(f"rope scaling {rope.get('rope_type')!r}")
+    if problems:
+        raise ValueError("this Llama checkpoint is outside the tiny-llm family: " + ", ".join(problems))
+    return ModelConfig(vocab_size=hf_cfg.vocab_size, dim=hf_cfg.hidden_size, n_layers=hf_cfg.num_hidden_layers,
+                       n_heads=hf_cfg.num_attention_heads, hidden_dim=hf_cfg.intermediate_size,
+                       max_seq_len=hf_cfg.max_position_embeddings, norm_eps=hf_cfg.rms_norm_eps,
+                       rope_theta=float(theta))
+
+
+def from_hf(hf_model):
+    """A Transformer with the weights of a transformers LlamaForCausalLM of the tiny-llm family."""
+    model = Transformer(config_from_hf(hf_model.config))
+    src = hf_model.state_dict()
+    with torch.no_grad():
+        for name, target in hf_named_tensors(model).items():
+            target.copy_(src[name])
+    return model
