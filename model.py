@@ -218,13 +218,18 @@ class Transformer(nn.Module):
         """Logits (B, T, V) without targets; else the token cross-entropy, ignoring targets of -100.
 
         reduction "mean" averages over the counted targets; "sum" adds them (the training step divides
-        by the update's token count itself, so that a partial update weighs each token the same).
+        by the update's token count itself, so that a partial update weighs each token the same); "none"
+        gives each position's loss, 0 where ignored (evaluation uses it for the loss's spread).
         """
         if not torch.compiler.is_compiling():
             self.check_input(idx)
         h = self.hidden_states(idx)
         if targets is None:
             return self.output(h)
+        if reduction == "none":
+            logits = self.output(h)
+            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100,
+                                   reduction="none")
         if self.loss_impl == "chunked":
             total = chunked_cross_entropy(h.flatten(0, 1), self.output.weight, targets.flatten(),
                                           self.loss_chunk_tokens)

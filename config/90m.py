@@ -1,0 +1,11 @@
+# The 90m preset (88.3M parameters) on the reference recipe's data and schedule.
+name = "90m"
+preset = "90m"
+data_dir = "data/cache/gutenberg"
+tokens_per_update = 32768
+train_subset_tokens = 10_000_000
+epochs = 10
+learning_rate = 1e-3
+min_lr = 1e-4
+micro_batch_size = 32
+compile = True

@@ -1,0 +1,22 @@
+# A model small enough to train for real in about a minute on 2 CPU cores: 4 layers of width 128,
+# context 128, on the shared corpus tokenized with a 4096-token BPE (see docs/DATA.md).
+name = "tiny-cpu"
+preset = "20m"
+dim = 128
+n_layers = 4
+n_heads = 2
+hidden_dim = 384
+seq_len = 128
+data_dir = "data/cache/gutenberg-4k"
+train_subset_tokens = 400_000
+val_subset_tokens = 32_768
+full_validation = True
+epochs = 2
+tokens_per_update = 4096
+learning_rate = 3e-3
+min_lr = 3e-4
+warmup_updates = 20
+micro_batch_size = 16
+eval_batch_size = 32
+log_interval = 20
+device = "cpu"

@@ -1,0 +1,181 @@
+"""Reading token caches made by data/prepare.py: verified, memory-mapped, shuffled per epoch.
+
+A training sequence i is tokens[i*T : i*T + T + 1] (inputs are the first T, targets the last T), so the
+sequences of an epoch step by T and every token after the first is a target exactly once. The order of an
+epoch's sequences depends only on (seed, epoch), and update u takes the u-th slice of that order: two runs
+with the same seed see the same tokens in the same updates whatever their micro-batch, accumulation or
+number of GPUs. Only how an update's sequences are split into micro-batches depends on those.
+"""
+import hashlib
+import json
+import math
+import queue
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+IGNORE = -100  # target of a padded position: the loss skips it
+
+
+class CacheError(ValueError):
+    """A token cache that is missing, truncated, foreign or does not fit the model."""
+
+
+def _sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class TokenCache:
+    """train.bin and val.bin of a prepared folder, checked against its meta.json."""
+
+    def __init__(self, path, verify=True):
+        self.path = Path(path)
+        meta_path = self.path / "meta.json"
+        if not meta_path.is_file():
+            raise CacheError(f"token cache {self.path} has no meta.json; prepare it first, e.g. "
+                             f"python data/prepare.py --source ../shared/data/gutenberg --out {self.path}")
+        self.meta = json.loads(meta_path.read_text())
+        dtype = np.dtype(self.meta["dtype"])
+        self.identity = self.meta["cache_identity"]
+        self.vocab_size = int(self.meta["vocab_size"])
+        for split in ("train", "val"):
+            path = self.path / f"{split}.bin"
+            if not path.is_file():
+                raise CacheError(f"token cache {self.path} has no {split}.bin; prepare it again")
+            size = path.stat().st_size
+            if size % dtype.itemsize:
+                raise CacheError(f"{path} holds {size} bytes, not a whole number of {dtype} tokens: it is "
+                                 f"truncated or foreign; prepare the cache again")
+            expected = int(self.meta[f"{split}_tokens"])
+            if size // dtype.itemsize != expected:
+                raise CacheError(f"{path} holds {size // dtype.itemsize} tokens but meta.json says {expected}: "
+                                 f"it is truncated or foreign; prepare the cache again")
+            if verify and _sha256(path) != self.meta[f"{split}_sha256"]:
+                raise CacheError(f"{path} does not match the identity in meta.json (its bytes changed "
+                                 f"after preparation); prepare the cache again")
+            tokens = np.memmap(path, dtype=dtype, mode="r") if expected else np.zeros(0, dtype)
+            if verify and expected and int(tokens.max()) >= self.vocab_size:
+                raise CacheError(f"{path} holds token id {int(tokens.max())}, outside its vocabulary of "
+                                 f"{self.vocab_size}; prepare the cache again")
+            setattr(self, split, tokens)
+
+
+def sequence_count(n_tokens, seq_len):
+    return max(0, (n_tokens - 1) // seq_len)
+
+
+def read_rows(tokens, starts, seq_len, rows):
+    """Inputs and targets (int64, `rows` x seq_len) of the sequences starting at `starts`.
+
+    Rows past len(starts), and positions past the end of the tokens, are padding: input 0, target -100.
+    """
+    x = np.zeros((rows, seq_len), dtype=np.int64)
+    y = np.full((rows, seq_len), IGNORE, dtype=np.int64)
+    for r, start in enumerate(starts):
+        chunk = np.asarray(tokens[start:start + seq_len + 1], dtype=np.int64)
+        n = len(chunk) - 1
+        if n > 0:
+            x[r, :n] = chunk[:-1]
+            y[r, :n] = chunk[1:]
+    return torch.from_numpy(x), torch.from_numpy(y)
+
+
+def epoch_order(n_sequences, seed, epoch):
+    """The shuffled sequence order of an epoch: a function of (seed, epoch) alone."""
+    return np.random.default_rng([seed, epoch]).permutation(n_sequences)
+
+
+class TrainData:
+    """The fixed training subset, cut into sequences and grouped into updates."""
+
+    def __init__(self, tokens, seq_len, sequences_per_update, seed, subset_tokens=0):
+        if subset_tokens:
+            if subset_tokens > len(tokens):
+                raise CacheError(f"train_subset_tokens {subset_tokens:,} exceeds the {len(tokens):,} training "
+                                 f"tokens of the cache; use at most that, or 0 for all of them")
+            tokens = tokens[:subset_tokens]
+        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
+        self.sequences_per_update = sequences_per_update
+        self.n_sequences = sequence_count(len(tokens), seq_len)
+        if self.n_sequences == 0:
+            raise CacheError(f"the training subset ({len(tokens)} tokens) is shorter than one sequence of "
+                             f"{seq_len + 1} tokens")
+        self.updates_per_epoch = math.ceil(self.n_sequences / sequences_per_update)
+        self.tokens_per_epoch = self.n_sequences * seq_len
+        self._order_cache = (None, None)
+
+    def update_sequences(self, epoch, update):
+        if self._order_cache[0] != epoch:
+            self._order_cache = (epoch, epoch_order(self.n_sequences, self.seed, epoch))
+        per = self.sequences_per_update
+        return self._order_cache[1][update * per:(update + 1) * per]
+
+    def micro_batches(self, epoch, update, micro_batch_size, rank=0, world_size=1):
+        """This rank's micro-batches of one update, each padded to micro_batch_size rows, and the update's
+        target-token count over all ranks.
+
+        Ranks take disjoint contiguous shares of the update's sequences. Every rank makes the same number
+        of micro-steps (so gradient syncs line up); a short share is padded with ignored rows, which keeps
+        one batch shape for the whole run and so never triggers a recompile.
+        """
+        sequences = self.update_sequences(epoch, update)
+        share = np.array_split(sequences, world_size)[rank]
+        steps = math.ceil(math.ceil(len(sequences) / world_size) / micro_batch_size)
+        batches = [read_rows(self.tokens, share[i * micro_batch_size:(i + 1) * micro_batch_size] * self.seq_len,
+                             self.seq_len, micro_batch_size) for i in range(steps)]
+        return batches, len(sequences) * self.seq_len
+
+
+def eval_batches(tokens, seq_len, batch_size, max_tokens=0):
+    """(inputs, targets) over the first max_tokens tokens (0: all), every token after the first scored once.
+
+    The last sequence may be short and the last batch may hold fewer rows: both are padded with ignored
+    targets, so every batch has one shape.
+    """
+    if max_tokens:
+        tokens = tokens[:max_tokens]
+    starts = np.arange(0, max(len(tokens) - 1, 0), seq_len)
+    for i in range(0, len(starts), batch_size):
+        yield read_rows(tokens, starts[i:i + batch_size], seq_len, batch_size)
+
+
+class Prefetcher:
+    """Builds batches on a background thread and copies them to the device without blocking.
+
+    On CUDA the batches are pinned, so the host-to-device copy overlaps the GPU's work on the last update.
+    """
+
+    def __init__(self, make_batches, keys, device, depth=2):
+        self.device = torch.device(device)
+        self.pin = self.device.type == "cuda"
+        self.queue = queue.Queue(maxsize=depth)
+        self.thread = threading.Thread(target=self._work, args=(make_batches, list(keys)), daemon=True)
+        self.thread.start()
+
+    def _work(self, make_batches, keys):
+        try:
+            for key in keys:
+                batches, n_tokens = make_batches(key)
+                if self.pin:
+                    batches = [(x.pin_memory(), y.pin_memory()) for x, y in batches]
+                self.queue.put((key, batches, n_tokens))
+        except BaseException as exc:  # surface loader errors in the training thread
+            self.queue.put(exc)
+        self.queue.put(None)
+
+    def __iter__(self):
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            key, batches, n_tokens = item
+            yield key, [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+                        for x, y in batches], n_tokens

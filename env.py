@@ -1,0 +1,355 @@
+"""What every script shares besides the model: config loading, identities, the fingerprint and the results file.
+
+One place for each fact: scripts import these, never copy them.
+"""
+import ast
+import contextlib
+import datetime
+import difflib
+import hashlib
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or a --key=value override."""
+
+
+class ResultsFileError(RuntimeError):
+    """The results file cannot be safely read or written."""
+
+
+# ---------------------------------------------------------------- configuration
+
+def _parse_value(key, text, default):
+    kind = type(default)
+    if kind is bool:
+        low = text.strip().lower()
+        if low in ("true", "1", "yes", "on"):
+            return True
+        if low in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"--{key}={text}: expected a boolean (True or False)")
+    if kind is str:
+        return text
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise ConfigError(f"--{key}={text}: expected {kind.__name__}, like the default {default!r}") from None
+    return _check_type(key, value, default, f"--{key}={text}")
+
+
+def _check_type(key, value, default, where):
+    kind = type(default)
+    if kind is float and type(value) is int:
+        return float(value)
+    if type(value) is not kind:
+        raise ConfigError(f"{where}: {key} must be {kind.__name__} (like the default {default!r}), "
+                          f"got {type(value).__name__} {value!r}")
+    return value
+
+
+def _unknown_key(key, defaults, where):
+    close = difflib.get_close_matches(key, list(defaults), n=3, cutoff=0.5)
+    hint = f"closest valid keys: {', '.join(close)}" if close else "see the defaults at the top of train.py"
+    return ConfigError(f"{where}: unknown config key {key!r}; {hint}")
+
+
+def load_config(defaults, argv):
+    """nanoGPT-style configuration: defaults <- config files (plain assignments) <- --key=value overrides.
+
+    argv holds config file paths and overrides in order; overrides are `--key=value` or `--key value`.
+    Every key must exist in `defaults` and keep its type. Returns a new dict; defaults is not changed.
+    """
+    config = dict(defaults)
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        if arg.startswith("--"):
+            key, eq, text = arg[2:].partition("=")
+            key = key.replace("-", "_")
+            if key not in defaults:
+                raise _unknown_key(key, defaults, f"--{key}")
+            if not eq:  # --key value, or a bare --flag for a boolean
+                takes_next = args and not args[0].startswith("--")
+                if takes_next and type(defaults[key]) is bool:
+                    takes_next = args[0].strip().lower() in ("true", "false", "1", "0", "yes", "no", "on", "off")
+                if takes_next:
+                    text = args.pop(0)
+                elif type(defaults[key]) is bool:
+                    text = "True"
+                else:
+                    raise ConfigError(f"--{key} needs a value: --{key}=VALUE")
+            config[key] = _parse_value(key, text, defaults[key])
+        else:
+            path = Path(arg)
+            if not path.is_file():
+                raise ConfigError(f"config file {arg!r} does not exist; pass a file such as config/tiny_cpu.py "
+                                  f"or overrides as --key=value")
+            namespace = {}
+            try:
+                exec(compile(path.read_text(), str(path), "exec"), {}, namespace)
+            except Exception as exc:  # a config file is user input: report, don't trace back
+                raise ConfigError(f"config file {arg} could not be run: {type(exc).__name__}: {exc}") from None
+            for key, value in namespace.items():
+                if key.startswith("_"):
+                    continue
+                if key not in defaults:
+                    raise _unknown_key(key, defaults, f"config file {arg}")
+                config[key] = _check_type(key, value, defaults[key], f"config file {arg}")
+    return config
+
+
+def write_config_file(path, config, defaults, header=""):
+    """Write the keys of `config` that differ from `defaults` as a config file that reproduces it."""
+    lines = [f"# {line}" for line in header.splitlines()]
+    lines += [f"{k} = {v!r}" for k, v in config.items() if k in defaults and v != defaults[k]]
+    atomic_write_text(path, "\n".join(lines) + "\n")
+
+
+# ---------------------------------------------------------------- identities
+
+def hash_json(obj):
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def config_identity(config):
+    """Hash of every config key: two runs with the same identity ran the same settings."""
+    return hash_json(config)
+
+
+def source_hash(root=REPO):
+    """Hash of the repository's Python files (path and bytes), so an entry names the code that produced it."""
+    digest = hashlib.sha256()
+    skip = {".venv", "venv", "__pycache__", "out", "runs", "cache", ".git", ".whl", ".carry"}
+    for path in sorted(Path(root).rglob("*.py")):
+        rel = path.relative_to(root)
+        if any(part in skip or part.startswith(".") for part in rel.parts[:-1]):
+            continue
+        digest.update(str(rel).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------- fingerprint
+
+def _run(cmd, cwd=None):
+    try:
+        out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _package_versions():
+    from importlib import metadata
+    versions = {}
+    for name in ("torch", "triton", "numpy", "datasets", "transformers", "tokenizers"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def compiler_cache():
+    """The inductor and Triton cache folders in effect (env var, else the library's default)."""
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if inductor is None:
+        with contextlib.suppress(Exception):
+            from torch._inductor.runtime.cache_dir_utils import cache_dir
+            inductor = cache_dir()
+    triton = os.environ.get("TRITON_CACHE_DIR") or str(Path.home() / ".triton" / "cache")
+    return {"TORCHINDUCTOR_CACHE_DIR": inductor, "TRITON_CACHE_DIR": triton}
+
+
+def fingerprint(cache_identity=None):
+    """The machine and software a result came from; a field that does not exist here is null."""
+    import torch
+    cuda = torch.cuda.is_available()
+    try:
+        affinity = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        affinity = None
+    slurm = {k: v for k, v in os.environ.items() if k.startswith("SLURM_")} or None
+    smi = "nvidia-smi"
+    return {
+        "python": sys.version,
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "versions": _package_versions(),
+        "cuda": torch.version.cuda if cuda else None,
+        "git_revision": _run(["git", "rev-parse", "HEAD"], cwd=REPO),
+        "git_status": _run(["git", "status", "--porcelain"], cwd=REPO),
+        "gpu": torch.cuda.get_device_name(0) if cuda else None,
+        "gpu_count": torch.cuda.device_count() if cuda else 0,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "source_hash": source_hash(),
+        "compiler_cache": compiler_cache(),
+        "cpu_affinity": affinity,
+        "cpu_threads": torch.get_num_threads(),
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "slurm": slurm,
+        "gpu_status": _run([smi, "--query-gpu=uuid,name,driver_version,memory.total,power.limit,power.draw,"
+                                 "clocks.current.sm,clocks.current.memory,utilization.gpu", "--format=csv"]),
+        "gpu_topology": _run([smi, "topo", "-m"]),
+        "cache_identity": cache_identity,
+    }
+
+
+def allocation_usage(environ=None, now=None):
+    """Under SLURM, what this job's allocation has used so far (the reference's allocation-usage); else None."""
+    environ = os.environ if environ is None else environ
+    job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
+    if not job:
+        return None
+    now = time.time() if now is None else now
+    gpus_text = environ.get("SLURM_GPUS_ON_NODE") or environ.get("SLURM_GPUS") or "0"
+    try:
+        gpus = int(gpus_text.split(":")[-1]) * int(environ.get("SLURM_NNODES", "1"))
+    except ValueError:
+        gpus = None
+    start = environ.get("SLURM_JOB_START_TIME")
+    end = environ.get("SLURM_JOB_END_TIME")
+    iso = lambda t: datetime.datetime.fromtimestamp(int(t)).isoformat() if t else None
+    elapsed = int(now - int(start)) if start else None
+    return {
+        "job_id": job,
+        "account": environ.get("SLURM_JOB_ACCOUNT"),
+        "partition": environ.get("SLURM_JOB_PARTITION"),
+        "gpus": gpus,
+        "start_local": iso(start),
+        "end_local": iso(end),
+        "timezone": time.strftime("%Z"),
+        "elapsed_seconds": elapsed,
+        "gpu_hours": elapsed * gpus / 3600 if elapsed is not None and gpus is not None else None,
+    }
+
+
+# Dense bf16 tensor-core peak by device name, for MFU. Longest names first so "GH200" wins over "H200".
+PEAK_BF16_FLOPS = {"GH200": 989e12, "H200": 989e12, "H100": 989e12, "A100": 312e12}
+
+
+def peak_flops(device_name):
+    """Dense bf16 peak FLOP/s of a named GPU, or None when unknown (MFU is then reported as null)."""
+    if not device_name:
+        return None
+    for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
+        if key in device_name:
+            return PEAK_BF16_FLOPS[key]
+    return None
+
+
+# ---------------------------------------------------------------- atomic writes and the results file
+
+def atomic_write(path, write):
+    """Call write(f) on a temporary file in the same folder, fsync, then rename over `path`.
+
+    Readers see the old file or the new one, never half of one, even if this process is killed.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path, text):
+    atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def read_results(path):
+    """The results file as a dict ({} when it does not exist yet); a file that does not parse is an error."""
+    path = Path(path)
+    if not path.exists():
+        return {}
+    text = path.read_text()
+    try:
+        data = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise ResultsFileError(f"results file {path} is not valid JSON ({exc}); it was left as it is: "
+                               f"fix or move it, or pass another --results_file") from None
+    if not isinstance(data, dict):
+        raise ResultsFileError(f"results file {path} holds a {type(data).__name__}, not a JSON object; "
+                               f"it was left as it is: pass another --results_file")
+    return data
+
+
+def _lock(path):
+    from filelock import FileLock
+    return FileLock(str(path) + ".lock", timeout=600)
+
+
+def record(path, keys, value):
+    """Put `value` at results[keys[0]][keys[1]]... under a lock, replacing the file atomically.
+
+    Nothing already in the file is lost or reordered: a value replaced by a different one, unless it is
+    the same run updating its own entry (same "run_id"), is first appended to the top-level "history"
+    list with its path and the time it was replaced. Appending to a list is `keys` ending in "+".
+    """
+    path = Path(path)
+    keys = [keys] if isinstance(keys, str) else list(keys)
+    with _lock(path):
+        data = read_results(path)
+        node = data
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ResultsFileError(f"results file {path}: {'.'.join(keys)} runs through a non-object")
+        last = keys[-1]
+        if last == "+":
+            raise ResultsFileError("use append() to add to a list")
+        old = node.get(last)
+        same_run = isinstance(old, dict) and isinstance(value, dict) and old.get("run_id") is not None \
+            and old.get("run_id") == value.get("run_id")
+        if last in node and old != value and not same_run:
+            data.setdefault("history", []).append(
+                {"path": keys, "replaced_at": time.time(), "value": old})
+        node[last] = value
+        atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
+
+
+def append(path, keys, item):
+    """Append `item` to the list at results[keys...] (created when missing), under the lock."""
+    path = Path(path)
+    keys = [keys] if isinstance(keys, str) else list(keys)
+    with _lock(path):
+        data = read_results(path)
+        node = data
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        items = node.setdefault(keys[-1], [])
+        if not isinstance(items, list):
+            raise ResultsFileError(f"results file {path}: {'.'.join(keys)} is not a list")
+        items.append(item)
+        atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
+
+
+def lookup(path, keys, default=None):
+    node = read_results(path)
+    for key in ([keys] if isinstance(keys, str) else keys):
+        if not isinstance(node, dict) or key not in node:
+            return default
+        node = node[key]
+    return node
+
+
+def new_run_id():
+    return f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:6]}"

@@ -1,0 +1,41 @@
+"""Shared test fixtures: small token caches in the format data/prepare.py writes."""
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+SHARED_CORPUS = REPO.parent / "shared" / "data" / "gutenberg"
+
+
+def write_cache(folder, train, val, vocab_size):
+    """A token cache with meta.json as data/prepare.py writes it, from given token arrays."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    dtype = np.uint16 if vocab_size <= 65536 else np.uint32
+    meta = {"format": 1, "tokenizer": "test", "vocab_size": vocab_size, "dtype": np.dtype(dtype).name,
+            "eot_token_id": 0}
+    for split, tokens in (("train", train), ("val", val)):
+        data = np.asarray(tokens, dtype=dtype).tobytes()
+        (folder / f"{split}.bin").write_bytes(data)
+        meta[f"{split}_tokens"] = len(tokens)
+        meta[f"{split}_sha256"] = hashlib.sha256(data).hexdigest()
+    meta["cache_identity"] = hashlib.sha256((meta["train_sha256"] + meta["val_sha256"]).encode()).hexdigest()
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder
+
+
+@pytest.fixture
+def text_cache(tmp_path):
+    """A cache of real English text from the shared corpus, tokenized by bytes (vocabulary 256)."""
+    import gzip
+    books = sorted((SHARED_CORPUS / "train").glob("*.txt.gz"))[:2]
+    val_book = sorted((SHARED_CORPUS / "val").glob("*.txt.gz"))[0]
+    read = lambda p, n: np.frombuffer(gzip.open(p).read()[:n], dtype=np.uint8)
+    train = np.concatenate([read(b, 60_000) for b in books])
+    val = read(val_book, 20_000)
+    return write_cache(tmp_path / "cache", train, val, 256)
