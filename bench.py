@@ -1,0 +1,335 @@
+"""Protocol-v2 throughput benchmark of the real training update.
+
+    python bench.py config/20m_gh200.py --compile=True --micro_batch_size=32 --name=final-20m
+
+20 warmup updates, then 3 windows of 100 updates; each is train.Trainer.update, the step train.py runs
+(forward, backward, clipping, optimizer). The headline is the median window's tokens/s. The entry goes to
+benchmarks.NAME in the results file. Under torchrun, tokens/s are totals over all GPUs and per GPU.
+"""
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import env
+import model as model_lib
+import train
+from data.loader import Prefetcher, TrainData, read_rows
+
+# ---------------------------------------------------------------- defaults (plus everything train.py takes)
+warmup = 20
+steps = 100
+windows = 3
+data_mode = "real"             # real: the token cache; synthetic: random tokens, no dataset needed
+profile = False                # GPU kernel time by category over profile_updates updates, in profiles.NAME
+profile_updates = 3
+cold = False                   # compile with fresh, empty inductor and Triton caches
+partial_probe = False          # time single updates of 32, 11, 25 and 32 sequences
+presets = ""                   # e.g. "20m,50m,90m": run each preset, shown beside its previous entry
+scaling_reference = ""         # a one-GPU benchmarks entry to compute scaling efficiency against
+
+BENCH_KEYS = ("warmup", "steps", "windows", "data_mode", "profile", "profile_updates", "cold", "partial_probe",
+              "presets", "scaling_reference")
+DEFAULTS = dict(train.DEFAULTS, name="bench", **{k: globals()[k] for k in BENCH_KEYS})
+
+# Kernel-name patterns by category, first match wins (order matters: attention before softmax, etc.).
+CATEGORIES = [
+    ("attention", ("flash", "fmha", "attention", "sdpa", "attn")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm", "aten::bmm",
+                "aten::matmul", "aten::linear", "splitkreduce", "sm90_", "sm80_")),
+    ("cross_entropy", ("log_softmax", "nll_loss", "cross_entropy", "softmax")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "lpnorm", "clip_grad", "_amp_")),
+    ("norm", ("rms_norm", "rmsnorm", "rsqrt", "layer_norm")),
+    ("rotary", ("rotary", "rope", "cat_neg", "neg_cat", "cos", "sin")),
+    ("elementwise", ("triton_poi", "triton_per", "triton_red", "elementwise", "vectorized", "copy", "fill",
+                     "add", "mul", "silu", "sigmoid", "catarray", "aten::cat", "index", "embedding", "reduce")),
+]
+PROFILE_CATEGORIES = [c for c, _ in CATEGORIES] + ["other"]
+
+
+def categorize(kernel_name):
+    low = kernel_name.lower()
+    for category, patterns in CATEGORIES:
+        if any(p in low for p in patterns):
+            return category
+    return "other"
+
+
+def kernel_breakdown(kernels):
+    """kernels: [(name, count, milliseconds)] -> counts and milliseconds by category, with totals."""
+    by_ms = {c: 0.0 for c in PROFILE_CATEGORIES}
+    by_count = {c: 0 for c in PROFILE_CATEGORIES}
+    for name, count, ms in kernels:
+        category = categorize(name)
+        by_ms[category] += ms
+        by_count[category] += count
+    return {"kernel_count": sum(by_count.values()), "kernel_ms": sum(by_ms.values()),
+            "kernel_ms_by_category": by_ms, "kernel_count_by_category": by_count}
+
+
+def profiled_kernels(trainer, batches, n_updates):
+    """Run n_updates under torch.profiler; the device kernels (or, on the CPU, the ops) that ran."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    cuda = trainer.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch_profile(activities=activities) as prof:
+        for _ in range(n_updates):
+            trainer.update(*next(batches))
+        if cuda:
+            torch.cuda.synchronize()
+    kernels, op_names = [], set()
+    for evt in prof.key_averages():
+        op_names.add(evt.key)
+        if cuda:
+            device_us = getattr(evt, "self_device_time_total", None)
+            if device_us is None:
+                device_us = getattr(evt, "self_cuda_time_total", 0)
+            if device_us > 0 and str(evt.device_type).endswith("CUDA"):
+                kernels.append((evt.key, evt.count, device_us / 1e3))
+        elif evt.self_cpu_time_total > 0:
+            kernels.append((evt.key, evt.count, evt.self_cpu_time_total / 1e3))
+    attention = sorted(n for n in op_names | {k for k, _, _ in kernels} if categorize(n) == "attention")
+    return kernels, attention
+
+
+def window_summary(window, seconds, n_updates, tokens_per_update, loss_sum, grad_norm):
+    """One window's figures; loss is the token mean over its updates."""
+    return {"window": window, "timestamp": time.time(), "seconds": seconds, "updates": n_updates,
+            "tokens_per_second": n_updates * tokens_per_update / seconds,
+            "loss": loss_sum / (n_updates * tokens_per_update), "grad_norm": grad_norm}
+
+
+def median_window(measurements):
+    return statistics.median(m["tokens_per_second"] for m in measurements)
+
+
+def synthetic_batches(cfg, vocab, sequences_per_update, rank, world_size):
+    """A few updates of random tokens, cycled: the same shapes as real data, no dataset needed."""
+    rng = np.random.default_rng(cfg.seed)
+    n_seq = 4 * sequences_per_update
+    tokens = rng.integers(0, vocab, size=n_seq * cfg.seq_len + 1, dtype=np.int64)
+    data = TrainData(tokens, cfg.seq_len, sequences_per_update, cfg.seed)
+    return data, lambda u: data.micro_batches(0, u % data.updates_per_epoch, cfg.micro_batch_size, rank, world_size)
+
+
+def batch_stream(make_batches, device, total):
+    for _, micro_batches, n_tokens in Prefetcher(make_batches, range(total), device):
+        yield micro_batches, n_tokens
+
+
+def cache_state(cold_requested):
+    """Point the compiler caches at fresh folders when a cold compile is asked for; report their state."""
+    if cold_requested:
+        root = tempfile.mkdtemp(prefix="tiny-llm-cold-")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(root, "triton")
+    folders = env.compiler_cache()
+    inductor = folders["TORCHINDUCTOR_CACHE_DIR"]
+    was_cold = not (inductor and Path(inductor).is_dir() and any(Path(inductor).iterdir()))
+    return folders, was_cold
+
+
+def device_used_bytes(device):
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
+def run_protocol(cfg):
+    """One protocol-v2 run; returns its entry (status "error" with the error text if it failed)."""
+    rank, local_rank, world_size = train.distributed()
+    entry = {"name": cfg.name, "run_id": env.new_run_id(), "status": "running", "preset": cfg.preset,
+             "micro_batch_size": cfg.micro_batch_size, "compile": cfg.compile, "compile_mode": cfg.compile_mode,
+             "sdpa_backend": cfg.sdpa_backend, "loss_impl": cfg.loss_impl, "cpu_threads": cfg.cpu_threads,
+             "world_size": world_size, "config_identity": env.config_identity(dict(cfg)),
+             "source_hash": env.source_hash(), "config": dict(cfg)}
+    folders, was_cold = cache_state(cfg.cold)
+    entry.update(compiler_cache=folders, cache_was_cold=was_cold if cfg.compile else None)
+    protocol = {"version": 2, "warmup": cfg.warmup, "steps": cfg.steps, "windows": cfg.windows,
+                "data_mode": cfg.data_mode, "profile": cfg.profile, "cache_identity": None}
+    entry["protocol"] = protocol
+    trainer = None
+    try:
+        if cfg.data_mode not in ("real", "synthetic"):
+            raise env.ConfigError(f"data_mode {cfg.data_mode!r} is not one of real, synthetic")
+        if cfg.warmup < 1 or cfg.steps < 1 or cfg.windows < 1:
+            raise env.ConfigError("warmup, steps and windows must each be at least 1")
+        device = train.resolve_device(cfg)
+        if device == "cuda":
+            device = f"cuda:{local_rank}"
+            torch.cuda.set_device(local_rank)
+            torch.cuda.reset_peak_memory_stats()
+        sequences_per_update = train.check_execution(cfg, world_size)
+        if cfg.data_mode == "real":
+            cache, mcfg, _ = train.setup(cfg)
+            protocol["cache_identity"] = cache.identity
+            data = TrainData(cache.train, cfg.seq_len, sequences_per_update, cfg.seed, cfg.train_subset_tokens)
+            full_updates = data.n_sequences // sequences_per_update  # the timed updates are all full ones
+            if full_updates == 0:
+                raise env.ConfigError("the training subset holds less than one full update")
+            make = lambda u: data.micro_batches(u // full_updates, u % full_updates, cfg.micro_batch_size,
+                                                rank, world_size)
+        else:
+            mcfg = train.model_config(cfg, cfg.vocab_size or 32000)
+            data, make = synthetic_batches(cfg, mcfg.vocab_size, sequences_per_update, rank, world_size)
+        total = cfg.warmup + cfg.windows * cfg.steps + (cfg.profile_updates if cfg.profile else 1)
+        trainer = train.Trainer(cfg, mcfg, device, total_updates=total, world_size=world_size, local_rank=local_rank)
+        dev = trainer.device
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        entry["parameters"] = sum(p.numel() for p in trainer.raw_model.parameters())
+        used_before = device_used_bytes(dev)
+        batches = batch_stream(make, device, total)
+        # Warmup: the first update carries the compile; it is timed alone.
+        sync()
+        start = time.perf_counter()
+        trainer.update(*next(batches))
+        sync()
+        entry["first_update_seconds"] = time.perf_counter() - start
+        for _ in range(cfg.warmup - 1):
+            trainer.update(*next(batches))
+        sync()
+        entry["warmup_seconds"] = time.perf_counter() - start
+        device_peaks = [device_used_bytes(dev)]
+        measurements = []
+        for w in range(cfg.windows):
+            loss_total = torch.zeros((), device=dev)
+            sync()
+            start = time.perf_counter()
+            for _ in range(cfg.steps):
+                loss_sum, grad_norm = trainer.update(*next(batches))
+                loss_total += loss_sum
+            sync()
+            seconds = time.perf_counter() - start
+            loss_total = train.all_reduce_sum(loss_total, world_size)
+            measurements.append(window_summary(w, seconds, cfg.steps, cfg.tokens_per_update, loss_total.item(),
+                                               grad_norm.item()))
+            device_peaks.append(device_used_bytes(dev))
+        tokens_per_second = median_window(measurements)
+        flops = model_lib.flops_per_token(mcfg, cfg.seq_len)
+        peak = env.peak_flops(torch.cuda.get_device_name(dev) if dev.type == "cuda" else None)
+        kernels, attention = profiled_kernels(trainer, batches, cfg.profile_updates if cfg.profile else 1)
+        entry.update(
+            status="ok", tokens_per_second=tokens_per_second, tokens_per_second_per_gpu=tokens_per_second / world_size,
+            flops_per_token=flops, mfu=flops * tokens_per_second / world_size / peak if peak else None,
+            measurements=measurements, attention_kernels=attention,
+            peak_memory_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else train.peak_memory_bytes(dev),
+            peak_reserved_bytes=torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else None,
+            # What the device had in use at the window ends (CUDA graph pools, the context, everything),
+            # and before the model existed, so the difference is ours.
+            device_peak_used_bytes=max(device_peaks) if dev.type == "cuda" else None,
+            device_used_before_bytes=used_before)
+        if cfg.profile:
+            entry["profile"] = dict(kernel_breakdown(kernels), profiled_updates=cfg.profile_updates,
+                                    device=dev.type)
+        if cfg.partial_probe:
+            entry["partial_probe"] = probe_partial_updates(trainer, data, cfg, sync, rank, world_size)
+        if world_size > 1 and cfg.scaling_reference:
+            reference = env.lookup(cfg.results_file, ["benchmarks", cfg.scaling_reference, "tokens_per_second"])
+            entry["scaling_efficiency"] = tokens_per_second / world_size / reference if reference else None
+    except train.USER_ERRORS:
+        raise  # a user mistake, not a measurement
+    except Exception as exc:  # an out-of-memory or a compile failure is a result too
+        entry.update(status="error", error=f"{type(exc).__name__}: {exc}",
+                     traceback=traceback.format_exc(limit=8))
+    finally:
+        del trainer
+        torch._dynamo.reset()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return entry
+
+
+def probe_partial_updates(trainer, data, cfg, sync, rank, world_size):
+    """Single updates of 32, 11, 25 and 32 sequences (scaled to the update size): a recompile shows as a
+    slow update on a new count."""
+    per_update = data.sequences_per_update
+    probes = []
+    for count in [per_update, max(1, per_update * 11 // 32), max(1, per_update * 25 // 32), per_update]:
+        sequences = np.arange(count)
+        share = np.array_split(sequences, world_size)[rank]
+        mb = cfg.micro_batch_size
+        n_micro = math.ceil(math.ceil(count / world_size) / mb)
+        micro = [read_rows(data.tokens, share[i * mb:(i + 1) * mb] * cfg.seq_len, cfg.seq_len, mb)
+                 for i in range(n_micro)]
+        micro = [(x.to(trainer.device), y.to(trainer.device)) for x, y in micro]
+        sync()
+        start = time.perf_counter()
+        loss_sum, _ = trainer.update(micro, count * cfg.seq_len)
+        sync()
+        probes.append({"sequences": count, "seconds": time.perf_counter() - start,
+                       "loss": loss_sum.item() * world_size / (count * cfg.seq_len) if world_size == 1
+                       else None})
+    return probes
+
+
+def record_entry(cfg, entry):
+    env.record(cfg.results_file, ["benchmarks", cfg.name], entry)
+    if "profile" in entry:
+        env.record(cfg.results_file, ["profiles", cfg.name], dict(entry["profile"], run_id=entry["run_id"]))
+    if "partial_probe" in entry:
+        env.record(cfg.results_file, ["partial-probe"], {"benchmark": cfg.name, "run_id": entry["run_id"],
+                                                          "probes": entry["partial_probe"]})
+
+
+def run(cfg):
+    """Run the protocol (once, or per preset) and record it; returns the entries."""
+    rank = int(os.environ.get("RANK", "0"))
+    runs = [(cfg.name, cfg)]
+    if cfg.presets:
+        runs = []
+        for preset in [p.strip() for p in cfg.presets.split(",") if p.strip()]:
+            model_lib.get_preset(preset)  # unknown names fail here, before any run
+            runs.append((f"{cfg.name}-{preset}", train.Config(cfg, preset=preset, name=f"{cfg.name}-{preset}")))
+    entries = []
+    fingerprint = None
+    for name, run_cfg in runs:
+        previous = env.lookup(cfg.results_file, ["benchmarks", name]) if rank == 0 else None
+        entry = run_protocol(run_cfg)
+        if rank == 0:
+            fingerprint = fingerprint or env.fingerprint(entry["protocol"]["cache_identity"])
+            entry["environment"] = fingerprint
+            record_entry(run_cfg, entry)
+        entries.append((name, previous, entry))
+    if rank == 0:
+        print_table(entries)
+    return [e for _, _, e in entries]
+
+
+def print_table(entries):
+    gb = lambda b: f"{b / 2**30:.2f}" if b else "-"
+    header = f"{'name':<28}{'status':>7}{'tok/s':>12}{'before':>12}{'ratio':>7}{'MFU':>7}{'first s':>9}" \
+             f"{'peak GiB':>9}{'dev GiB':>9}"
+    print(header)
+    for name, previous, e in entries:
+        before = previous.get("tokens_per_second") if isinstance(previous, dict) else None
+        now = e.get("tokens_per_second")
+        ratio = f"{now / before:.2f}" if now and before else "-"
+        mfu = f"{100 * e['mfu']:.1f}%" if e.get("mfu") else "-"
+        first = f"{e['first_update_seconds']:.1f}" if e.get("first_update_seconds") is not None else "-"
+        print(f"{name:<28}{e['status']:>7}{(f'{now:,.0f}' if now else '-'):>12}"
+              f"{(f'{before:,.0f}' if before else '-'):>12}{ratio:>7}{mfu:>7}{first:>9}"
+              f"{gb(e.get('peak_memory_bytes')):>9}{gb(e.get('device_peak_used_bytes')):>9}")
+        if e["status"] == "error":
+            print(f"  error: {e['error']}")
+
+
+def main(argv):
+    try:
+        cfg = train.Config(env.load_config(DEFAULTS, argv))
+        entries = run(cfg)
+    except (*train.USER_ERRORS, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0 if all(e["status"] == "ok" for e in entries) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
