@@ -226,6 +226,8 @@ class Transformer(nn.Module):
         h = self.hidden_states(idx)
         if targets is None:
             return self.output(h)
+        if reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"unknown loss reduction {reduction!r}; valid: mean, sum, none")
         if reduction == "none":
             logits = self.output(h)
             return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100,

@@ -75,6 +75,10 @@ RESERVED_NAMES = {"environment", "benchmarks", "tuning", "profiles", "history", 
                   "partial-probe", "trained-parity", "allocation-usage"}
 
 
+# Mistakes a user can fix: reported as one line, never a traceback.
+USER_ERRORS = (env.ConfigError, env.ResultsFileError, CacheError)
+
+
 class Config(dict):
     """The resolved configuration; keys read as attributes."""
     __getattr__ = dict.__getitem__
@@ -248,7 +252,10 @@ def setup(cfg, world_size=1, local_rank=0):
         cache = TokenCache(cfg.data_dir)
     except CacheError as exc:
         raise env.ConfigError(str(exc)) from None
-    mcfg = model_config(cfg, cache.vocab_size)
+    try:
+        mcfg = model_config(cfg, cache.vocab_size)
+    except ValueError as exc:  # unknown preset, width not divisible by heads, ...
+        raise env.ConfigError(str(exc)) from None
     if cache.vocab_size > mcfg.vocab_size:
         raise env.ConfigError(f"the data's tokenizer has {cache.vocab_size} tokens but the model's vocabulary "
                               f"holds {mcfg.vocab_size}; set vocab_size=0 (follow the data) or at least "
@@ -302,8 +309,7 @@ class StopRequest:
         if self.signal is not None:  # a second signal: stop now
             signal.signal(signum, self.previous[signum])
             raise KeyboardInterrupt
-        self.signal = signum
-        print(f"\nsignal {signal.Signals(signum).name}: checkpointing after this update", flush=True)
+        self.signal = signum  # no print here: printing inside a handler can hit a reentrant stdout write
 
     def restore(self):
         for sig, handler in self.previous.items():
@@ -468,6 +474,12 @@ def train(cfg):
                                   f"over {result['tokens']:,} tokens")
                     if stop_now:
                         status = "interrupted"
+                        if main_process:
+                            reason = (f"signal {signal.Signals(stop.signal).name}" if stop.signal is not None
+                                      else f"stop_after_updates={cfg.stop_after_updates}"
+                                      if cfg.stop_after_updates else "stop on another process")
+                            print(f"{reason}: checkpointed at update {trainer.step}; resume with --resume=True",
+                                  flush=True)
                     checkpoint()
                     last_checkpoint = time.time()
                     record(status)
@@ -525,7 +537,7 @@ def main(argv):
     try:
         cfg = Config(env.load_config(DEFAULTS, argv))
         train(cfg)
-    except (env.ConfigError, env.ResultsFileError) as exc:
+    except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
