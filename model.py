@@ -5,6 +5,7 @@ with the rotate-half convention, SwiGLU, tied embeddings, no biases), so weights
 projections are stored fused for speed at small widths, with the same math: q, k, v as one matrix
 (`wqkv`) and the SwiGLU gate and up projections as one (`w13`). `to_hf` splits them again.
 """
+import contextlib
 import math
 from dataclasses import asdict, dataclass, replace
 
@@ -339,3 +340,84 @@ def from_hf(hf_model):
         for name, target in hf_named_tensors(model).items():
             target.copy_(src[name])
     return model
+
+
+# ---------------------------------------------------------------- parity figures and the preset table
+
+def parity(model, idx, targets, device="cpu", autocast=True):
+    """Our loss and gradients against transformers' LlamaForCausalLM on the same weights and tokens.
+
+    Returns the reference file's trained-parity fields; relative_gradient_error is the norm of the
+    difference of all gradients over the norm of the reference's. With autocast (bf16 on CUDA), both
+    models round differently, so expect about 1e-2, not float32's 1e-6.
+    """
+    hf = to_hf(model).to(device)
+    model = model.to(device)
+    idx, targets = idx.to(device), targets.to(device)
+    context = (torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if autocast
+               else contextlib.nullcontext())
+    model.zero_grad(set_to_none=True)
+    with context:
+        loss = model(idx, targets)
+    loss.backward()
+    with context:
+        logits = hf(input_ids=idx).logits
+    reference = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+    reference.backward()
+    ours = hf_named_tensors(model, of=lambda p: p.grad)
+    theirs = dict(hf.named_parameters())
+    diff = sum(float((ours[n].float() - theirs[n].grad.float()).pow(2).sum()) for n in ours)
+    norm = sum(float(theirs[n].grad.float().pow(2).sum()) for n in ours)
+    return {"tokens": int((targets != -100).sum()), "loss": loss.item(), "reference_loss": reference.item(),
+            "relative_gradient_error": math.sqrt(diff / norm), "autocast": "bfloat16" if autocast else None,
+            "device": str(device)}
+
+
+def _main(argv):
+    import argparse
+    import sys
+    parser = argparse.ArgumentParser(description="The preset table, or parity figures against transformers.")
+    parser.add_argument("--parity", metavar="PRESET", help="compare a preset (or --checkpoint) with LlamaForCausalLM")
+    parser.add_argument("--checkpoint", help="a train.py checkpoint (out/NAME/ckpt.pt): the trained weights")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--seq_len", type=int, default=1024)
+    parser.add_argument("--results_file", default="results.json")
+    args = parser.parse_args(argv)
+    if not args.parity:
+        print(f"{'preset':<8}{'parameters':>14}{'width':>7}{'layers':>7}{'heads':>6}{'hidden':>8}"
+              f"{'FLOPs/token (T=1024)':>22}")
+        for name, cfg in PRESETS.items():
+            params = sum(p.numel() for p in Transformer(cfg).parameters())
+            print(f"{name:<8}{params:>14,}{cfg.dim:>7}{cfg.n_layers:>7}{cfg.n_heads:>6}{cfg.hidden_dim:>8}"
+                  f"{flops_per_token(cfg, 1024) / 1e6:>20.1f}M")
+        return 0
+    try:
+        trained = args.checkpoint is not None
+        if trained:
+            ckpt = torch.load(args.checkpoint, map_location="cpu", weights_only=False)
+            model = Transformer(ModelConfig(**ckpt["model_config"]))
+            model.load_state_dict(ckpt["model"])
+            from data.loader import TokenCache
+            tokens = torch.from_numpy(TokenCache(ckpt["config"]["data_dir"], verify=False).val[:args.tokens + 1]
+                                      .astype("int64"))
+        else:
+            model = Transformer(get_preset(args.parity))
+            tokens = torch.randint(0, model.config.vocab_size, (args.tokens + 1,),
+                                   generator=torch.Generator().manual_seed(0))
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    rows = args.tokens // args.seq_len
+    idx = tokens[:rows * args.seq_len].view(rows, args.seq_len)
+    targets = tokens[1:rows * args.seq_len + 1].view(rows, args.seq_len)
+    figures = dict(preset=args.parity, trained=trained, **parity(model, idx, targets, args.device))
+    print(figures)
+    import env
+    env.append(args.results_file, ["trained-parity"], figures)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(_main(sys.argv[1:]))
