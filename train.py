@@ -170,7 +170,11 @@ class Trainer:
             from torch.nn.parallel import DistributedDataParallel
             # No buffer broadcast: the rotary tables are identical on every rank, and a broadcast per forward
             # would make evaluation (ranks see different batch counts) a collective.
-            self.model = DistributedDataParallel(self.model, broadcast_buffers=False,
+            import inspect
+            no_buffer_sync = ({"forward_sync_buffers": False}
+                              if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                              else {"broadcast_buffers": False})  # renamed after PyTorch 2.11
+            self.model = DistributedDataParallel(self.model, **no_buffer_sync,
                                                  device_ids=[local_rank] if self.device.type == "cuda" else None)
         decay = [p for p in self.raw_model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.raw_model.parameters() if p.dim() < 2]
