@@ -1,0 +1,259 @@
+"""data/prepare.py on a few truncated books of the shared corpus and on small made-up corpora (CPU, no network)."""
+import gzip
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data import prepare as prep
+from data.prepare import PrepareError, prepare
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "gutenberg"
+META_KEYS = {"format", "tokenizer", "tokenizer_files_sha256", "vocab_size", "eot_token_id", "dtype", "train_tokens",
+             "val_tokens", "train_documents", "val_documents", "source", "source_sha256", "split_rule", "train_sha256",
+             "val_sha256", "inputs_identity", "cache_identity", "seconds", "created"}
+VOCAB = 512  # small, so the BPE trains in well under a second
+
+
+def read_book(path, n=100_000):
+    return gzip.open(path, "rt", encoding="utf-8").read()[:n]
+
+
+@pytest.fixture(scope="module")
+def books(tmp_path_factory):
+    """3 train books and 1 val book, ~100 KB each: two as plain .txt, two as .txt.gz. Returns (folder, texts)."""
+    if not CORPUS.is_dir():
+        pytest.skip(f"shared corpus not found at {CORPUS}")
+    src = tmp_path_factory.mktemp("books")
+    texts = {}
+    picks = [("train", p) for p in sorted((CORPUS / "train").glob("*.txt.gz"))[:3]] + \
+            [("val", sorted((CORPUS / "val").glob("*.txt.gz"))[0])]
+    for i, (split, path) in enumerate(picks):
+        (src / split).mkdir(exist_ok=True)
+        text = read_book(path)
+        name = path.name if i % 2 else path.name[:-3]  # alternate .txt.gz and plain .txt
+        opener = gzip.open if name.endswith(".gz") else open
+        with opener(src / split / name, "wt", encoding="utf-8") as f:
+            f.write(text)
+        texts[f"{split}/{name}"] = text
+    return src, texts
+
+
+@pytest.fixture(scope="module")
+def built(books, tmp_path_factory):
+    src, _ = books
+    out = tmp_path_factory.mktemp("cache") / "books"
+    return out, prepare(src, out, vocab_size=VOCAB, num_proc=2)  # 2 workers here; the other tests use 1
+
+
+def load_bin(out, split, meta):
+    return np.fromfile(out / f"{split}.bin", dtype=meta["dtype"])
+
+
+def split_docs(ids, eot):
+    """Token ids of each document: the bin is documents each followed by EOT."""
+    ends = np.flatnonzero(ids == eot)
+    assert len(ends) and ends[-1] == len(ids) - 1
+    return np.split(ids, ends + 1)[:-1]
+
+
+def decode_docs(out, split, meta):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(out)
+    return [tok.decode(d[:-1].tolist()) for d in split_docs(load_bin(out, split, meta), meta["eot_token_id"])]
+
+
+def test_end_to_end(books, built):
+    src, texts = books
+    out, meta = built
+    assert set(meta) == META_KEYS
+    assert json.loads((out / "meta.json").read_text()) == meta
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == VOCAB and meta["eot_token_id"] == 0
+    assert meta["tokenizer"] == f"bpe-{VOCAB}-trained" and meta["split_rule"] == "folders train/ and val/"
+    assert meta["train_documents"] == 3 and meta["val_documents"] == 1
+    for split in ("train", "val"):
+        ids = load_bin(out, split, meta)
+        assert (out / f"{split}.bin").stat().st_size == 2 * meta[f"{split}_tokens"] == 2 * len(ids)
+        assert int((ids == meta["eot_token_id"]).sum()) == meta[f"{split}_documents"]
+        assert ids.max() < meta["vocab_size"]
+        assert hashlib.sha256((out / f"{split}.bin").read_bytes()).hexdigest() == meta[f"{split}_sha256"]
+    # byte-level BPE round-trips exactly; documents are in sorted file order
+    train_texts = [texts[k] for k in sorted(texts) if k.startswith("train/")]
+    assert decode_docs(out, "train", meta) == train_texts
+    assert decode_docs(out, "val", meta) == [texts[k] for k in texts if k.startswith("val/")]
+    assert not list(out.parent.glob("books.tmp-*")) and not list(out.parent.glob("books.old-*"))
+
+
+def test_identity_stable_and_input_changes_rebuild(books, built, tmp_path, capsys):
+    src0, _ = books
+    src = tmp_path / "src"
+    shutil.copytree(src0, src)
+    out = tmp_path / "cache"
+    first = prepare(src, out, vocab_size=VOCAB, num_proc=1)
+    assert first["cache_identity"] == built[1]["cache_identity"]  # same inputs elsewhere: same bytes
+    mtime = (out / "train.bin").stat().st_mtime_ns
+    capsys.readouterr()
+    again = prepare(src, out, vocab_size=VOCAB, num_proc=1)
+    assert again == first and (out / "train.bin").stat().st_mtime_ns == mtime
+    assert "is up to date" in capsys.readouterr().out
+
+    other = prepare(src, out, vocab_size=VOCAB + 64, num_proc=1)
+    assert other["inputs_identity"] != first["inputs_identity"]
+    assert other["cache_identity"] != first["cache_identity"] and other["vocab_size"] == VOCAB + 64
+    assert json.loads((out / "meta.json").read_text()) == other
+
+    book = next((src / "train").glob("*.txt"))
+    book.write_text(book.read_text() + "\nOne more line at the end.\n")
+    edited = prepare(src, out, vocab_size=VOCAB, num_proc=1)
+    assert edited["source_sha256"] != first["source_sha256"]
+    assert edited["inputs_identity"] != first["inputs_identity"]
+    assert edited["train_sha256"] != first["train_sha256"] and edited["train_tokens"] > first["train_tokens"]
+    assert (out / "train.bin").stat().st_mtime_ns != mtime
+    assert not list(tmp_path.glob("cache.tmp-*")) and not list(tmp_path.glob("cache.old-*"))
+
+
+def in_val(text, fraction):
+    """The documented held-out rule: first 8 bytes of sha256(text) as an integer / 2**64 < fraction."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") / 2**64 < fraction
+
+
+def test_held_out_split_is_by_whole_document(books, tmp_path):
+    _, texts = books
+    text = next(iter(texts.values()))
+    docs = [f"Document {i}.\n" + text[i * 1500:(i + 1) * 1500] for i in range(40)]
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for i, d in enumerate(docs):
+        (flat / f"doc{i:02d}.txt").write_text(d)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(docs)))
+
+    meta = prepare(flat, tmp_path / "c-txt", vocab_size=VOCAB, val_fraction=0.2, num_proc=1)
+    assert meta["split_rule"] == "held-out fraction 0.2 by document sha256"
+    val = decode_docs(tmp_path / "c-txt", "val", meta)
+    train = decode_docs(tmp_path / "c-txt", "train", meta)
+    assert val == [d for d in docs if in_val(d, 0.2)] and 0 < len(val) < 40  # whole documents, the rule's ones
+    assert train == [d for d in docs if not in_val(d, 0.2)]
+    assert not set(val) & set(train) and meta["val_documents"] + meta["train_documents"] == 40
+
+    # the same documents as jsonl rows split and tokenize identically; a rerun elsewhere gives the same cache
+    meta_jsonl = prepare(tmp_path / "docs.jsonl", tmp_path / "c-jsonl", vocab_size=VOCAB, val_fraction=0.2, num_proc=1)
+    assert (meta_jsonl["train_sha256"], meta_jsonl["val_sha256"]) == (meta["train_sha256"], meta["val_sha256"])
+    again = prepare(flat, tmp_path / "c-txt-2", vocab_size=VOCAB, val_fraction=0.2, num_proc=1)
+    assert again["cache_identity"] == meta["cache_identity"]
+
+
+def test_tiny_corpus_still_gets_a_val_document(tmp_path):
+    (tmp_path / "src").mkdir()
+    for i in range(3):
+        (tmp_path / "src" / f"d{i}.txt").write_text(f"Short document number {i}, with a few words in it.")
+    meta = prepare(tmp_path / "src", tmp_path / "cache", vocab_size=300, val_fraction=0.001, num_proc=1)
+    assert meta["val_documents"] == 1 and meta["train_documents"] == 2
+
+
+def run_cli(*args, crash=None):
+    env = dict(os.environ, **({prep.CRASH_ENV: crash} if crash else {}))
+    return subprocess.run([sys.executable, str(ROOT / "data" / "prepare.py"), *map(str, args)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_killed_run_leaves_old_cache_or_none(books, tmp_path):
+    src, _ = books
+    out = tmp_path / "cache"
+    # no previous cache: a run killed after writing train.bin leaves no DIR (only a tmp folder)
+    r = run_cli("--source", src, "--out", out, "--vocab_size", VOCAB, "--num_proc", 1, crash="train.bin")
+    assert r.returncode == 1 and not out.exists() and list(tmp_path.glob("cache.tmp-*"))
+    meta = prepare(src, out, vocab_size=VOCAB, num_proc=1)  # the next run succeeds and removes the leftover
+    assert not list(tmp_path.glob("cache.tmp-*"))
+    meta_text, mtime = (out / "meta.json").read_text(), (out / "train.bin").stat().st_mtime_ns
+
+    # a previous cache: killed mid-build of other inputs, the old cache is untouched
+    r = run_cli("--source", src, "--out", out, "--vocab_size", VOCAB + 64, "--num_proc", 1, crash="train.bin")
+    assert r.returncode == 1 and (out / "meta.json").read_text() == meta_text
+    # killed between moving the old cache aside and moving the new one in: the next run puts the old one back
+    r = run_cli("--source", src, "--out", out, "--vocab_size", VOCAB + 64, "--num_proc", 1, crash="rename")
+    assert r.returncode == 1 and not out.exists() and list(tmp_path.glob("cache.old-*"))
+    assert prepare(src, out, vocab_size=VOCAB, num_proc=1) == meta  # recovered, up to date, no work done
+    assert (out / "meta.json").read_text() == meta_text and (out / "train.bin").stat().st_mtime_ns == mtime
+    assert not list(tmp_path.glob("cache.tmp-*")) and not list(tmp_path.glob("cache.old-*"))
+
+
+def blank_corpus(tmp_path):
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "a.txt").write_text("   \n\n")
+    (tmp_path / "blank" / "b.txt").write_text("\t\n")
+    return tmp_path / "blank"
+
+
+def jsonl_without_text(tmp_path):
+    (tmp_path / "rows.jsonl").write_text('{"body": "hello"}\n{"body": "world"}\n')
+    return tmp_path / "rows.jsonl"
+
+
+def csv_file(tmp_path):
+    (tmp_path / "table.csv").write_text("text\nhello\n")
+    return tmp_path / "table.csv"
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda d: d / "missing", ["missing", "does not exist"]),
+    (lambda d: str(d / "nothing-*.txt"), ["nothing-*.txt", "matches no file"]),
+    (blank_corpus, ["blank", "no documents with text"]),
+    (csv_file, ["table.csv", "unsupported", ".jsonl"]),
+    (jsonl_without_text, ["rows.jsonl", "no 'text' column", "body"]),
+])
+def test_bad_input_is_one_clear_error_and_touches_nothing(tmp_path, make, words):
+    src = make(tmp_path)
+    out = tmp_path / "cache"
+    out.mkdir()
+    (out / "meta.json").write_text("{}")  # something existing that must survive the error
+    with pytest.raises(PrepareError) as e:
+        prepare(src, out, vocab_size=VOCAB, num_proc=1)
+    message = str(e.value)
+    assert "\n" not in message and all(w in message for w in words), message
+    assert os.listdir(out) == ["meta.json"] and (out / "meta.json").read_text() == "{}"
+    assert not list(tmp_path.glob("cache.tmp-*")) and not list(tmp_path.glob("cache.old-*"))
+
+
+def test_max_vocab_and_hub_errors(books, built, monkeypatch):
+    out, _ = built
+    with pytest.raises(PrepareError, match=f"has {VOCAB} tokens but the model's vocabulary holds 256"):
+        prepare(books[0], out.parent / "x", vocab_size=VOCAB, max_vocab=256)
+    assert prep.parse_hf("hf:HuggingFaceFW/fineweb-edu:sample-10BT@train") == ("HuggingFaceFW/fineweb-edu", "sample-10BT", "train")
+    assert prep.parse_hf("hf:roneneldan/TinyStories") == ("roneneldan/TinyStories", None, None)
+    monkeypatch.setattr(prep, "hub_reachable", lambda: False)  # never touch the network from a test
+    with pytest.raises(PrepareError, match="cannot reach the Hugging Face hub to load dataset 'roneneldan/TinyStories'"):
+        prepare("hf:roneneldan/TinyStories", out.parent / "x")
+    assert not (out.parent / "x").exists()
+
+
+def test_hub_code_path_on_a_local_dataset_folder(tmp_path, monkeypatch):
+    """hf:NAME runs datasets.load_dataset(NAME); a local folder as NAME exercises that path without a network."""
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    for split, n in (("train", 30), ("validation", 4)):
+        rows = [{"text": f"{split} story {i}: once upon a time there was a fox. " * (i % 4 + 1), "id": i} for i in range(n)]
+        (hub / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    import datasets
+    monkeypatch.setattr(prep, "hub_reachable", lambda: True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")  # not the user's cache
+    meta = prepare(f"hf:{hub}", tmp_path / "c1", vocab_size=300, num_proc=1)
+    assert meta["split_rule"] == "dataset split validation"
+    assert (meta["train_documents"], meta["val_documents"]) == (30, 4)
+    meta = prepare(f"hf:{hub}", tmp_path / "c2", vocab_size=300, num_proc=1, streaming=True, max_documents=10)
+    assert (meta["train_documents"], meta["val_documents"]) == (10, 4)
+    meta = prepare(f"hf:{hub}@validation", tmp_path / "c3", vocab_size=300, num_proc=1)  # no other split: held out
+    assert meta["split_rule"].startswith("held-out") and meta["train_documents"] + meta["val_documents"] == 4
+
+
+def test_cli_prints_one_error_line_and_exits_2(tmp_path):
+    r = run_cli("--source", tmp_path / "no-such-corpus", "--out", tmp_path / "cache")
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("error: ") and "no-such-corpus" in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "cache").exists()
