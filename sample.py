@@ -1,0 +1,167 @@
+"""Generate text from a trained checkpoint, or export it for any Llama-compatible tool.
+
+    python sample.py --out_dir=out/tiny-cpu --prompt="Once upon a time" --num_samples=3
+    python sample.py config/tiny_cpu.py                   # out_dir follows the config's name, as in train.py
+    python sample.py --out_dir=out/tiny-cpu --export_hf=hf/tiny-cpu   # LlamaForCausalLM folder + tokenizer
+
+The checkpoint is out_dir/ckpt.pt as train.py writes it; the tokenizer is the one data/prepare.py saved in
+the run's data_dir. Samples go to stdout, one after another, each followed by a line of dashes.
+"""
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import env
+import model as model_lib
+import train
+
+# ---------------------------------------------------------------- defaults (train.py's keys are accepted too)
+prompt = "Once upon a time"      # "" starts from the end-of-text token, i.e. a new document
+max_new_tokens = 200
+temperature = 0.8                # 0 is greedy decoding
+top_k = 50                       # sample only among the k likeliest tokens (0: all of them)
+num_samples = 1
+export_hf = ""                   # a folder: save the model as transformers' LlamaForCausalLM there, with the tokenizer
+
+OWN_DEFAULTS = {k: v for k, v in dict(globals()).items() if not k.startswith("_") and type(v) in (bool, int, float, str)}
+DEFAULTS = dict(train.DEFAULTS, **OWN_DEFAULTS)  # seed, device, name and out_dir mean what they mean in train.py
+
+
+class SampleError(ValueError):
+    """A user mistake: a missing checkpoint or tokenizer, a bad setting. Reported in one line."""
+
+
+def load_checkpoint(out_dir, device):
+    """(model in eval mode on device, the checkpoint dict) from out_dir/ckpt.pt."""
+    path = Path(out_dir) / "ckpt.pt"
+    if not path.is_file():
+        raise SampleError(f"no checkpoint at {path}; train one first (python train.py CONFIG --name=NAME saves "
+                          f"out/NAME/ckpt.pt) or pass the --out_dir of a trained run")
+    try:
+        # weights_only=False: train.py's checkpoint also holds numpy RNG state; it is our own file.
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        model = model_lib.Transformer(model_lib.ModelConfig(**ckpt["model_config"]))
+        model.load_state_dict(ckpt["model"])
+    except Exception as exc:  # a truncated or foreign file: say which, not a traceback
+        raise SampleError(f"checkpoint {path} could not be loaded ({type(exc).__name__}: {exc}); "
+                          f"is it a train.py checkpoint?") from None
+    return model.to(device).eval(), ckpt
+
+
+def load_tokenizer(data_dir):
+    """The tokenizer data/prepare.py saved into the token cache folder the run trained on."""
+    folder = Path(data_dir)
+    if not (folder / "tokenizer_config.json").is_file() and not (folder / "tokenizer.json").is_file():
+        raise SampleError(f"no tokenizer in {folder} (the run's data_dir); data/prepare.py saves it there: "
+                          f"python data/prepare.py --source ../shared/data/gutenberg --out {folder}")
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as exc:
+        raise SampleError(f"the tokenizer in {folder} could not be loaded ({exc}); prepare the cache again") from None
+
+
+def start_token(tokenizer, data_dir):
+    """What an empty prompt starts from: the end-of-text token that ends every training document."""
+    meta = Path(data_dir) / "meta.json"
+    eot = json.loads(meta.read_text()).get("eot_token_id") if meta.is_file() else None
+    eot = eot if eot is not None else tokenizer.eos_token_id
+    if eot is None:
+        raise SampleError("the prompt is empty and the tokenizer has no end-of-text token to start from; "
+                          "give a --prompt")
+    return eot
+
+
+def encode_prompt(tokenizer, text, model, data_dir):
+    """The prompt as (1, T) token ids on the CPU, checked against the model before any kernel sees them."""
+    ids = tokenizer.encode(text, add_special_tokens=False) if text else [start_token(tokenizer, data_dir)]
+    idx = torch.tensor([ids], dtype=torch.long)
+    try:
+        # On the CPU the model checks the id range (it skips that on the GPU); only the context is fed.
+        model.check_input(idx[:, -model.config.max_seq_len:])
+    except ValueError as exc:
+        raise SampleError(f"the prompt does not fit the model: {exc}; was the checkpoint trained with this "
+                          f"tokenizer?") from None
+    return idx
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0, generator=None):
+    """idx (B, T) extended by max_new_tokens sampled tokens; temperature 0 (or top_k 1) is greedy.
+
+    No KV cache: each step runs the whole context again, cropped to the model's max_seq_len. For these small
+    models and a few hundred tokens that takes seconds, and it keeps the model code free of inference paths.
+    """
+    context = model.config.max_seq_len
+    for _ in range(max_new_tokens):
+        logits = model(idx[:, -context:])[:, -1, :].float()
+        if temperature == 0:
+            next_ids = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if 0 < top_k < logits.shape[-1]:
+                kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            next_ids = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+        idx = torch.cat((idx, next_ids), dim=1)
+    return idx
+
+
+def check_settings(cfg):
+    for key, low in (("max_new_tokens", 0), ("top_k", 0), ("num_samples", 1)):
+        if cfg[key] < low:
+            raise SampleError(f"{key} must be at least {low}, got {cfg[key]}")
+    if not cfg.temperature >= 0:
+        raise SampleError(f"temperature must be 0 (greedy) or positive, got {cfg.temperature}")
+
+
+def export(model, tokenizer, folder):
+    """Save transformers' LlamaForCausalLM of this model and the tokenizer into folder."""
+    hf = model_lib.to_hf(model)
+    hf.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    print(f"exported {folder}: load it with transformers.AutoModelForCausalLM.from_pretrained({str(folder)!r}) "
+          f"and AutoTokenizer.from_pretrained({str(folder)!r})", file=sys.stderr)
+
+
+def sample(cfg):
+    """The configured samples as texts (each the prompt and its continuation); with export_hf, export instead."""
+    check_settings(cfg)
+    device = train.resolve_device(cfg)
+    out_dir = cfg.out_dir or f"out/{cfg.name}"
+    model, ckpt = load_checkpoint(out_dir, device)
+    data_dir = ckpt["config"]["data_dir"]
+    tokenizer = load_tokenizer(data_dir)
+    if cfg.export_hf:
+        export(model, tokenizer, cfg.export_hf)
+        return []
+    print(f"{out_dir}/ckpt.pt: update {ckpt.get('step')}, epoch {ckpt.get('epoch')}, "
+          f"{sum(p.numel() for p in model.parameters()):,} parameters, {device}", file=sys.stderr)
+    idx = encode_prompt(tokenizer, cfg.prompt, model, data_dir)
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    out = generate(model, idx.to(device).repeat(cfg.num_samples, 1), cfg.max_new_tokens, cfg.temperature,
+                   cfg.top_k, generator)
+    start = 0 if cfg.prompt else 1  # an empty prompt's start token is not text
+    # Decode the prompt and continuation together: a byte-level token may finish a character the prompt began.
+    return [tokenizer.decode(row[start:].tolist(), clean_up_tokenization_spaces=False) for row in out.cpu()]
+
+
+def main(argv):
+    try:
+        cfg = train.Config(env.load_config(DEFAULTS, argv))
+        texts = sample(cfg)
+    except (env.ConfigError, SampleError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    for text in texts:
+        print(text)
+        print("-" * 40, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,128 @@
+"""sample.py: generation from a train.py checkpoint with the cache folder's tokenizer, and the transformers export."""
+import gzip
+
+import numpy as np
+import pytest
+import torch
+
+import env
+import sample
+import train
+from tests.conftest import SHARED_CORPUS, write_cache
+
+PROMPT = "It was the best of"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A cache tokenized by a byte-level BPE of 300 tokens saved in the folder, and a model trained on it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    root = tmp_path_factory.mktemp("sample")
+    book = sorted((SHARED_CORPUS / "train").glob("*.txt.gz"))[0]
+    text = gzip.open(book).read()[:60_000].decode("utf-8", errors="ignore")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([text[:8_000]], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+    cache = root / "cache"
+    tokenizer.save_pretrained(cache)
+    ids = np.array(tokenizer.encode(text), dtype=np.int64)
+    split = len(ids) * 4 // 5
+    write_cache(cache, ids[:split], ids[split:], vocab_size=len(tokenizer))
+    out = root / "out"
+    code = train.main([f"--data_dir={cache}", f"--out_dir={out}", f"--results_file={root / 'results.json'}",
+                       "--name=sample-test", "--dim=64", "--n_layers=2", "--n_heads=2", "--hidden_dim=128",
+                       "--seq_len=64", "--device=cpu", "--epochs=1", "--train_subset_tokens=4096",
+                       "--tokens_per_update=512", "--micro_batch_size=8", "--val_subset_tokens=1024",
+                       "--warmup_updates=2", "--learning_rate=1e-2", "--full_validation=False"])
+    assert code == 0
+    return {"out": out, "cache": cache, "tokenizer": tokenizer, "root": root}
+
+
+def config(trained, *args):
+    return train.Config(env.load_config(sample.DEFAULTS, [f"--out_dir={trained['out']}", "--device=cpu",
+                                                                 "--max_new_tokens=12", *args]))
+
+
+def test_samples_start_with_the_prompt_and_repeat_with_the_seed(trained):
+    texts = sample.sample(config(trained, f"--prompt={PROMPT}", "--num_samples=3"))
+    assert len(texts) == 3
+    tokenizer = trained["tokenizer"]
+    prompt_tokens = len(tokenizer.encode(PROMPT))
+    for text in texts:
+        assert text.startswith(PROMPT)
+        assert len(tokenizer.encode(text)) > prompt_tokens
+    assert sample.sample(config(trained, f"--prompt={PROMPT}", "--num_samples=3")) == texts
+    assert sample.sample(config(trained, f"--prompt={PROMPT}", "--num_samples=3", "--seed=7")) != texts
+
+
+def test_top_k_1_and_temperature_0_are_greedy(trained):
+    model, _ = sample.load_checkpoint(trained["out"], "cpu")
+    tokenizer = trained["tokenizer"]
+    ids = torch.tensor([tokenizer.encode(PROMPT)])
+    with torch.no_grad():
+        for _ in range(12):
+            ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    greedy = tokenizer.decode(ids[0].tolist(), clean_up_tokenization_spaces=False)
+    assert sample.sample(config(trained, f"--prompt={PROMPT}", "--top_k=1", "--temperature=1.0")) == [greedy]
+    assert sample.sample(config(trained, f"--prompt={PROMPT}", "--temperature=0")) == [greedy]
+
+
+def test_long_prompt_is_cropped_to_the_context(trained):
+    long_prompt = "the " * 100  # more tokens than the 64-token context
+    assert len(trained["tokenizer"].encode(long_prompt)) > 64
+    [text] = sample.sample(config(trained, f"--prompt={long_prompt}", "--top_k=1"))
+    assert text.startswith(long_prompt) and len(text) > len(long_prompt)
+
+
+def test_empty_prompt_starts_a_document(trained):
+    [text] = sample.sample(config(trained, "--prompt=", "--max_new_tokens=20"))
+    assert text and not text.startswith("<|endoftext|>")
+
+
+def test_cli_prints_samples(trained, capsys):
+    assert sample.main([f"--out_dir={trained['out']}", "--device=cpu", f"--prompt={PROMPT}",
+                        "--max_new_tokens=5", "--num_samples=2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(PROMPT) == 2 and out.count("-" * 40) == 2
+
+
+def test_export_hf_loads_in_transformers_with_equal_logits(trained, tmp_path):
+    from transformers import AutoTokenizer, LlamaForCausalLM
+    folder = tmp_path / "hf"
+    assert sample.main([f"--out_dir={trained['out']}", "--device=cpu", f"--export_hf={folder}"]) == 0
+    hf = LlamaForCausalLM.from_pretrained(folder).eval()
+    hf_tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = torch.tensor([hf_tokenizer.encode(PROMPT, add_special_tokens=False)])
+    assert ids[0].tolist() == trained["tokenizer"].encode(PROMPT)
+    model, _ = sample.load_checkpoint(trained["out"], "cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids), atol=1e-4, rtol=0)
+
+
+def test_missing_checkpoint_and_tokenizer_are_one_line_errors(trained, tmp_path, capsys):
+    assert sample.main([f"--out_dir={tmp_path / 'nothing'}", "--device=cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no checkpoint at ") and "ckpt.pt" in err and "train.py" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+    # The same checkpoint pointing at a cache folder without a tokenizer.
+    ckpt = torch.load(trained["out"] / "ckpt.pt", weights_only=False)
+    bare = write_cache(tmp_path / "bare", [1, 2, 3], [1, 2], vocab_size=300)
+    ckpt["config"]["data_dir"] = str(bare)
+    (tmp_path / "run").mkdir()
+    torch.save(ckpt, tmp_path / "run" / "ckpt.pt")
+    assert sample.main([f"--out_dir={tmp_path / 'run'}", "--device=cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: no tokenizer in {bare}") and "data/prepare.py" in err
+    assert err.count("\n") == 1
+
+
+def test_bad_settings_are_errors(trained, capsys):
+    assert sample.main([f"--out_dir={trained['out']}", "--temperature=-1"]) == 2
+    assert "temperature" in capsys.readouterr().err
+    assert sample.main([f"--out_dir={trained['out']}", "--num_samples=0"]) == 2
+    assert "num_samples" in capsys.readouterr().err
