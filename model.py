@@ -101,9 +101,9 @@ def rotary_tables(config, device=None):
 
 
 def apply_rotary(x, cos, sin):
-    """x: (B, T, H, D); cos, sin: (T, D). Rotate-half as in transformers' Llama."""
-    cos = cos[:, None, :].to(x.dtype)
-    sin = sin[:, None, :].to(x.dtype)
+    """x: (B, T, ..., D); cos, sin: (T, D) in x's dtype. Rotate-half as in transformers' Llama."""
+    shape = (x.shape[1],) + (1,) * (x.dim() - 3) + (x.shape[-1],)
+    cos, sin = cos.view(shape), sin.view(shape)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -117,9 +117,9 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, backends):
         B, T, C = x.shape
-        q, k, v = self.wqkv(x).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        qkv = self.wqkv(x).view(B, T, 3, self.n_heads, self.head_dim)
+        q, k = apply_rotary(qkv[:, :, :2], cos, sin).unbind(2)  # q and k rotated in one pass
+        q, k, v = (t.transpose(1, 2) for t in (q, k, qkv[:, :, 2]))  # (B, H, T, D)
         if backends is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
@@ -209,7 +209,10 @@ class Transformer(nn.Module):
 
     def hidden_states(self, idx):
         T = idx.shape[1]
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        # q and k come out of the projection in the autocast dtype: cast the tables to it once per forward.
+        device_type = idx.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else self.rope_cos.dtype
+        cos, sin = self.rope_cos[:T].to(dtype), self.rope_sin[:T].to(dtype)
         x = self.tok_embeddings(idx)
         for layer in self.layers:
             x = layer(x, cos, sin, self._sdpa_backends)
@@ -227,6 +230,11 @@ class Transformer(nn.Module):
         h = self.hidden_states(idx)
         if targets is None:
             return self.output(h)
+        return self.loss(h, targets, reduction)
+
+    def loss(self, h, targets, reduction="mean"):
+        """The LM head and cross-entropy on the last hidden state (a method of its own so that it can be
+        compiled apart from the blocks)."""
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"unknown loss reduction {reduction!r}; valid: mean, sum, none")
         if reduction == "none":
