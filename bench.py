@@ -56,6 +56,8 @@ PROFILE_CATEGORIES = [c for c, _ in CATEGORIES] + ["other"]
 
 def categorize(kernel_name):
     low = kernel_name.lower()
+    if "nccl" in low:
+        return "other"  # communication (DDP's all-reduce), whose names would match "reduce" below
     for category, patterns in CATEGORIES:
         if any(p in low for p in patterns):
             return category

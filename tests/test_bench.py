@@ -1,0 +1,130 @@
+"""bench.py on the CPU: the same code path as on the GPU, with a tiny model and a short protocol."""
+import json
+import statistics
+
+import pytest
+
+import bench
+import env
+import train
+
+SHAPE = ["--dim=64", "--n_layers=2", "--n_heads=2", "--hidden_dim=128"]
+TINY = ["--preset=20m", *SHAPE, "--seq_len=64", "--tokens_per_update=512", "--micro_batch_size=4", "--device=cpu", "--cpu_threads=1",
+        "--train_subset_tokens=60000", "--warmup=2", "--steps=3", "--windows=3"]
+
+
+def run_bench(tmp_path, cache, *extra, base=TINY):
+    results = tmp_path / "results.json"
+    argv = base + [f"--data_dir={cache}", f"--results_file={results}", *extra]
+    code = bench.main(argv)
+    return code, env.read_results(results)
+
+
+def test_window_arithmetic_and_median():
+    w = bench.window_summary(0, seconds=2.0, n_updates=100, tokens_per_update=32768, loss_sum=100 * 32768 * 4.5,
+                             grad_norm=0.7)
+    assert w["tokens_per_second"] == pytest.approx(100 * 32768 / 2.0)
+    assert w["loss"] == pytest.approx(4.5)
+    windows = [{"tokens_per_second": v} for v in (3.0, 1.0, 2.0)]
+    assert bench.median_window(windows) == 2.0
+
+
+def test_protocol_entry_real_data(tmp_path, text_cache):
+    code, results = run_bench(tmp_path, text_cache, "--name=cpu-real", "--profile=True", "--partial_probe=True")
+    assert code == 0
+    entry = results["benchmarks"]["cpu-real"]
+    assert entry["status"] == "ok"
+    # the reference file's fields
+    for field in ("tokens_per_second", "micro_batch_size", "compile", "compile_mode", "sdpa_backend", "cpu_threads",
+                  "warmup_seconds", "first_update_seconds", "peak_memory_bytes", "attention_kernels",
+                  "measurements", "protocol", "config_identity", "status", "source_hash", "compiler_cache",
+                  "environment"):
+        assert field in entry, field
+    assert entry["protocol"] == {"version": 2, "warmup": 2, "steps": 3, "windows": 3, "data_mode": "real",
+                                 "profile": True, "cache_identity": json.loads((text_cache / "meta.json")
+                                                                               .read_text())["cache_identity"]}
+    windows = entry["measurements"]
+    assert [w["window"] for w in windows] == [0, 1, 2]
+    for w in windows:
+        assert w["tokens_per_second"] == pytest.approx(3 * 512 / w["seconds"])
+        assert 0 < w["loss"] < 10 and w["grad_norm"] > 0
+    assert entry["tokens_per_second"] == statistics.median(w["tokens_per_second"] for w in windows)
+    assert entry["warmup_seconds"] >= entry["first_update_seconds"] > 0
+    assert entry["mfu"] is None  # no GPU: unknown peak
+    assert any("scaled_dot_product" in k or "attention" in k for k in entry["attention_kernels"])
+    assert entry["config_identity"] == env.config_identity(entry["config"])
+    # the loss falls over the windows: these are real training updates, not a replay of one
+    assert windows[-1]["loss"] < windows[0]["loss"]
+    # profile categories partition the total
+    profile = results["profiles"]["cpu-real"]
+    assert set(profile["kernel_ms_by_category"]) == set(bench.PROFILE_CATEGORIES)
+    assert sum(profile["kernel_ms_by_category"].values()) == pytest.approx(profile["kernel_ms"])
+    assert sum(profile["kernel_count_by_category"].values()) == profile["kernel_count"]
+    assert profile["kernel_ms_by_category"]["matmul"] > 0
+    probes = results["partial-probe"]["probes"]
+    assert [p["sequences"] for p in probes] == [8, 2, 6, 8]  # 32, 11, 25, 32 scaled to 8 sequences per update
+
+
+def test_synthetic_mode_needs_no_dataset(tmp_path):
+    code, results = run_bench(tmp_path, tmp_path / "no-such-cache", "--name=cpu-synth", "--data_mode=synthetic",
+                              "--vocab_size=512")
+    assert code == 0
+    entry = results["benchmarks"]["cpu-synth"]
+    assert entry["status"] == "ok" and entry["protocol"]["data_mode"] == "synthetic"
+    assert entry["protocol"]["cache_identity"] is None
+
+
+def test_error_is_recorded_not_lost(tmp_path, text_cache, monkeypatch):
+    def out_of_memory(self, micro_batches, n_tokens):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 4.00 GiB")
+    monkeypatch.setattr(train.Trainer, "update", out_of_memory)
+    code, results = run_bench(tmp_path, text_cache, "--name=cpu-oom")
+    assert code == 1
+    entry = results["benchmarks"]["cpu-oom"]
+    assert entry["status"] == "error" and "out of memory" in entry["error"]
+    assert entry["config_identity"] and entry["protocol"]["version"] == 2
+
+
+def test_user_mistake_is_one_line(tmp_path, text_cache, capsys):
+    code, _ = run_bench(tmp_path, text_cache, "--name=bad", "--data_mode=imaginary")
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "data_mode" in err[0] and "synthetic" in err[0]
+
+
+def test_presets_print_before_and_after(tmp_path, text_cache, capsys):
+    argv = ["--name=reg", "--presets=20m,50m", "--warmup=1", "--steps=1", "--windows=1", "--data_mode=synthetic",
+            "--vocab_size=512"]
+    base = [a for a in TINY if a not in SHAPE and not a.startswith("--preset=")]  # the presets' own shapes
+    assert run_bench(tmp_path, text_cache, *argv, base=base)[0] == 0
+    first = env.read_results(tmp_path / "results.json")["benchmarks"]
+    assert set(first) == {"reg-20m", "reg-50m"}
+    assert first["reg-50m"]["preset"] == "50m" and first["reg-50m"]["parameters"] > first["reg-20m"]["parameters"]
+    capsys.readouterr()
+    assert run_bench(tmp_path, text_cache, *argv, base=base)[0] == 0
+    table = capsys.readouterr().out
+    before = f"{first['reg-20m']['tokens_per_second']:,.0f}"
+    assert before in table  # the previous entry's figure is shown beside the new one
+    history = env.read_results(tmp_path / "results.json")["history"]
+    assert {tuple(h["path"]) for h in history} == {("benchmarks", "reg-20m"), ("benchmarks", "reg-50m")}
+
+
+@pytest.mark.parametrize("name,category", [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
+    ("nvjet_tst_128x64_64x8_1x2_h_bz_coopA_NTT", "matmul"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7", "attention"),
+    ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>", "attention"),
+    ("triton_red_fused__log_softmax__to_copy_nll_loss_forward_0", "cross_entropy"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
+    ("triton_per_fused__fused_rms_norm_mean_pow_rsqrt_1", "norm"),
+    ("triton_poi_fused_add_mul_silu_2", "elementwise"),
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "other"),
+])
+def test_kernel_categories(name, category):
+    assert bench.categorize(name) == category
+
+
+def test_mfu_peak_table():
+    assert env.peak_flops("NVIDIA H200") == 989e12
+    assert env.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert env.peak_flops("Some Future GPU") is None

@@ -1,0 +1,133 @@
+"""tune.py: the sweep strategy with a fake clock, and a real sweep of bench.py processes on the CPU."""
+import pytest
+
+import env
+import train
+import tune
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def fake_measure(clock, rates, seconds=60.0, oom_from=None, tried=None):
+    """A candidate 'runs' for `seconds` of fake time; its rate comes from `rates` by micro-batch size."""
+    def measure(candidate, seconds_left):
+        clock.now += seconds
+        if tried is not None:
+            tried.append(candidate)
+        if oom_from is not None and candidate["micro_batch_size"] >= oom_from:
+            return {"status": "error", "error": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate"}
+        bonus = {"cudnn": 1.05, "flash": 0.97}.get(candidate["sdpa_backend"], 1.0)
+        bonus *= {"reduce-overhead": 1.02, "eager": 0.3}.get(candidate["compile_mode"] if candidate["compile"]
+                                                             else "eager", 1.0)
+        return {"status": "ok", "tokens_per_second": rates[candidate["micro_batch_size"]] * bonus}
+    return measure
+
+
+RATES = {4: 400.0, 8: 700.0, 16: 1300.0, 32: 1900.0, 64: 1950.0}
+MODES = ["default", "reduce-overhead", "eager"]
+
+
+def test_never_above_a_size_that_ran_out_of_memory():
+    clock, tried = FakeClock(), []
+    sweep = tune.Sweep([4, 8, 16, 32, 64], MODES, ["auto", "cudnn"], [0],
+                       fake_measure(clock, RATES, oom_from=32, tried=tried), budget_seconds=3600, clock=clock)
+    sweep.run()
+    sizes = [c["micro_batch_size"] for c in tried]
+    assert 64 not in sizes and sizes.count(32) == 1  # 32 ran out of memory once; nothing at or above it again
+    best, result = sweep.best()
+    assert best == tune.make_candidate(16, "reduce-overhead", "cudnn", 0)
+    assert result["tokens_per_second"] == pytest.approx(1300 * 1.05 * 1.02)
+    assert not sweep.exhausted
+
+
+def test_knee_stops_the_size_search_and_modes_run_at_the_best_size():
+    clock, tried = FakeClock(), []
+    sweep = tune.Sweep([4, 8, 16, 32, 64, 128], MODES, ["auto"], [0],
+                       fake_measure(clock, {**RATES, 128: 1960.0}, tried=tried), budget_seconds=3600, clock=clock)
+    sweep.run()
+    sizes = [c["micro_batch_size"] for c in tried if c["compile_mode"] == "default" and c["compile"]]
+    assert sizes == [4, 8, 16, 32, 64]  # 64 gained under 3% over 32: the knee, so 128 is not tried
+    later = tried[len(sizes):]
+    assert {c["micro_batch_size"] for c in later} == {64}  # modes at the best size
+    assert {("eager" if not c["compile"] else c["compile_mode"]) for c in later} == {"reduce-overhead", "eager"}
+
+
+def test_budget_stops_before_a_candidate_that_would_not_finish():
+    clock, tried = FakeClock(), []
+    sweep = tune.Sweep([4, 8, 16, 32], MODES, ["auto", "flash", "cudnn"], [0],
+                       fake_measure(clock, RATES, seconds=100, tried=tried), budget_seconds=450, clock=clock)
+    sweep.run()
+    assert sweep.exhausted
+    assert len(tried) == 4 and clock.now == 400  # a fifth 100 s candidate would end past 450 s
+    assert sweep.best()[0]["micro_batch_size"] == 32
+
+
+def test_estimate_uses_measured_durations():
+    clock = FakeClock()
+    sweep = tune.Sweep([4], MODES, ["auto"], [0], fake_measure(clock, RATES), budget_seconds=1e9, clock=clock)
+    sweep.results = [(tune.make_candidate(4, "default", "auto", 0), {"status": "ok"}, 30.0),
+                     (tune.make_candidate(8, "eager", "auto", 0), {"status": "ok"}, 10.0)]
+    assert sweep.estimate(tune.make_candidate(16, "default", "auto", 0)) == 30.0
+    assert sweep.estimate(tune.make_candidate(16, "eager", "auto", 0)) == 10.0
+    assert sweep.estimate(tune.make_candidate(16, "max-autotune", "auto", 0)) == 60.0  # compiles longer
+
+
+TINY = ["--preset=20m", "--dim=64", "--n_layers=2", "--n_heads=2", "--hidden_dim=128", "--seq_len=64",
+        "--tokens_per_update=512", "--device=cpu", "--cpu_threads=1", "--train_subset_tokens=60000",
+        "--warmup=1", "--steps=2", "--windows=1", "--tune_compile_modes=eager", "--tune_micro_batch_sizes=2,4,3",
+        "--tune_backends=auto,math,cudnn"]
+
+
+def test_cpu_sweep_selects_records_errors_and_reuses(tmp_path, text_cache, capsys):
+    results = tmp_path / "results.json"
+    argv = TINY + [f"--data_dir={text_cache}", f"--results_file={results}", f"--tuned_dir={tmp_path / 'tuned'}",
+                   "--budget=5", "--name=cpu-tune"]
+    assert tune.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "skipping micro-batch 3" in out  # 3 does not divide the 8 sequences of an update
+    tuning = env.read_results(results)["tuning"]
+    names = [c["name"] for c in tuning["candidates"]]
+    assert names[:2] == ["micro-2-compile-0-auto-eager-threads-1", "micro-4-compile-0-auto-eager-threads-1"]
+    cudnn = [c for c in tuning["candidates"] if c["sdpa_backend"] == "cudnn"]
+    assert len(cudnn) == 1 and cudnn[0]["status"] == "error" and "backend" in cudnn[0]["error"]
+    ok = [c for c in tuning["candidates"] if c["status"] == "ok"]
+    best = max(ok, key=lambda c: c["tokens_per_second"])
+    assert tuning["selected"]["name"] == best["name"]
+    assert tuning["selected_config_path"] == best["config_path"]
+    assert tuning["budget_minutes"] == 5 and tuning["budget_exhausted"] is False
+    assert all(not c["reused"] for c in tuning["candidates"])
+    for line in out.splitlines():
+        if line.startswith("["):
+            assert "min" in line and "best:" in line  # n of m, elapsed / budget, result, best so far
+
+    # the written config reproduces the candidate with the base recipe
+    cfg = env.load_config(train.DEFAULTS, [best["config_path"]])
+    assert cfg["micro_batch_size"] == best["micro_batch_size"] and cfg["sdpa_backend"] == best["sdpa_backend"]
+    assert cfg["compile"] is False and cfg["n_layers"] == 2 and cfg["data_dir"] == str(text_cache)
+    run = train.train(train.Config(cfg, epochs=1, results_file=str(results), out_dir=str(tmp_path / "run"),
+                                   full_validation=False, val_subset_tokens=512))
+    assert run["status"] == "complete"
+
+    # a rerun with the same code and config measures nothing again
+    assert tune.main(argv) == 0
+    again = env.read_results(results)["tuning"]
+    assert [c["name"] for c in again["candidates"]] == names
+    assert all(c["reused"] for c in again["candidates"])
+    assert again["selected"]["tokens_per_second"] == tuning["selected"]["tokens_per_second"]
+
+
+def test_cpu_sweep_runs_out_of_budget(tmp_path, text_cache):
+    results = tmp_path / "results.json"
+    argv = TINY + [f"--data_dir={text_cache}", f"--results_file={results}", f"--tuned_dir={tmp_path / 'tuned'}",
+                   "--budget=0.2", "--name=cpu-tune", "--tune_micro_batch_sizes=1,2,4,8",
+                   "--tune_backends=auto,math,efficient,cudnn"]  # 12 s: room for a few of about 8 candidates
+    tune.main(argv)
+    tuning = env.read_results(results)["tuning"]
+    assert tuning["budget_exhausted"] is True
+    assert 1 <= len(tuning["candidates"]) < 7
