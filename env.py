@@ -297,13 +297,8 @@ def _lock(path):
     return FileLock(str(path) + ".lock", timeout=600)
 
 
-def record(path, keys, value):
-    """Put `value` at results[keys[0]][keys[1]]... under a lock, replacing the file atomically.
-
-    Nothing already in the file is lost or reordered: a value replaced by a different one, unless it is
-    the same run updating its own entry (same "run_id"), is first appended to the top-level "history"
-    list with its path and the time it was replaced. Appending to a list is `keys` ending in "+".
-    """
+def _update(path, keys, change):
+    """Under the file's lock: read, call change(data, parent, last_key), write back atomically."""
     path = Path(path)
     keys = [keys] if isinstance(keys, str) else list(keys)
     with _lock(path):
@@ -313,33 +308,36 @@ def record(path, keys, value):
             node = node.setdefault(key, {})
             if not isinstance(node, dict):
                 raise ResultsFileError(f"results file {path}: {'.'.join(keys)} runs through a non-object")
-        last = keys[-1]
-        if last == "+":
-            raise ResultsFileError("use append() to add to a list")
+        change(data, node, keys[-1])
+        atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
+
+
+def record(path, keys, value):
+    """Put `value` at results[keys[0]][keys[1]]... under a lock, replacing the file atomically.
+
+    Nothing already in the file is lost or reordered: a value replaced by a different one, unless it is
+    the same run updating its own entry (same "run_id"), is first appended to the top-level "history"
+    list with its path and the time it was replaced.
+    """
+    def change(data, node, last):
         old = node.get(last)
         same_run = isinstance(old, dict) and isinstance(value, dict) and old.get("run_id") is not None \
             and old.get("run_id") == value.get("run_id")
         if last in node and old != value and not same_run:
-            data.setdefault("history", []).append(
-                {"path": keys, "replaced_at": time.time(), "value": old})
+            data.setdefault("history", []).append({"path": list(keys) if not isinstance(keys, str) else [keys],
+                                                   "replaced_at": time.time(), "value": old})
         node[last] = value
-        atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
+    _update(path, keys, change)
 
 
 def append(path, keys, item):
     """Append `item` to the list at results[keys...] (created when missing), under the lock."""
-    path = Path(path)
-    keys = [keys] if isinstance(keys, str) else list(keys)
-    with _lock(path):
-        data = read_results(path)
-        node = data
-        for key in keys[:-1]:
-            node = node.setdefault(key, {})
-        items = node.setdefault(keys[-1], [])
+    def change(data, node, last):
+        items = node.setdefault(last, [])
         if not isinstance(items, list):
-            raise ResultsFileError(f"results file {path}: {'.'.join(keys)} is not a list")
+            raise ResultsFileError(f"results file {path}: {last} is not a list")
         items.append(item)
-        atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
+    _update(path, keys, change)
 
 
 def lookup(path, keys, default=None):
