@@ -461,11 +461,15 @@ def train(cfg):
                               f"grad norm {grad_norm.item():.3f} | lr {trainer.lr_at(trainer.step - 1):.2e} | "
                               f"{rate / 1e3:,.1f}K tok/s | MFU {mfu} | ETA {format_seconds(eta)}", flush=True)
                     interval_start, interval_tokens, loss_total = now, 0, None
-                stop_now = stop.signal is not None or (cfg.stop_after_updates and
-                                                       session_updates >= cfg.stop_after_updates)
+                signalled = stop.signal is not None
                 if world_size > 1:
-                    flag = torch.tensor([float(stop_now)], device=device)
-                    stop_now = all_reduce_sum(flag, world_size).item() > 0
+                    # Every rank must stop at the same update, so they agree on a signal; only where the
+                    # log line syncs anyway, never with a host sync on every update.
+                    signalled = False
+                    if trainer.step % cfg.log_interval == 0 or last_update:
+                        flag = torch.tensor([float(stop.signal is not None)], device=device)
+                        signalled = all_reduce_sum(flag, world_size).item() > 0
+                stop_now = signalled or bool(cfg.stop_after_updates and session_updates >= cfg.stop_after_updates)
                 timed_checkpoint = cfg.checkpoint_minutes and time.time() - last_checkpoint > 60 * cfg.checkpoint_minutes
                 if stop_now or timed_checkpoint or last_update:
                     if device.startswith("cuda"):
@@ -553,8 +557,11 @@ def main(argv):
         cfg = Config(env.load_config(DEFAULTS, argv))
         train(cfg)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # Left to interpreter exit, gloo's worker threads can abort the process (SIGABRT, "terminate
-            # called without an active exception"), and torchrun then fails the job and kills rank 0.
+            # Free the DDP wrapper (it sits in reference cycles) and the process group now: left to interpreter
+            # exit, gloo's threads can abort the process (SIGABRT, "terminate called without an active
+            # exception"), and torchrun then fails the job and kills rank 0, maybe before it records the run.
+            import gc
+            gc.collect()
             torch.distributed.destroy_process_group()
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
