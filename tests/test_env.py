@@ -1,0 +1,321 @@
+"""env.py: configuration, the results file, atomic writes, the fingerprint and the machine facts."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import env
+import train
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- load_config
+
+def test_defaults_come_from_train_and_are_not_changed():
+    before = dict(train.DEFAULTS)
+    config = env.load_config(train.DEFAULTS, [])
+    assert config == train.DEFAULTS and config is not train.DEFAULTS
+    env.load_config(train.DEFAULTS, ["--learning_rate=0.5"])
+    assert train.DEFAULTS == before
+    # the defaults are exactly train.py's module-level settings
+    assert train.DEFAULTS["learning_rate"] == train.learning_rate and train.DEFAULTS["preset"] == train.preset
+    assert "DEFAULTS" not in train.DEFAULTS and "EXECUTION_KEYS" not in train.DEFAULTS
+
+
+def test_config_file_then_overrides_in_order(tmp_path):
+    path = tmp_path / "run.py"
+    path.write_text("# a comment\nname = 'file'\nepochs = 3\nlearning_rate = 1e-3\n_helper = 7\n"
+                    "tokens_per_update = 64 * 8\n")
+    config = env.load_config(train.DEFAULTS, [str(path), "--epochs=5", "--name", "cli"])
+    assert config["epochs"] == 5 and config["name"] == "cli"
+    assert config["learning_rate"] == 1e-3 and config["tokens_per_update"] == 512
+    assert "_helper" not in config
+    assert config["seed"] == train.DEFAULTS["seed"]
+    # an override before the file is overridden by the file
+    assert env.load_config(train.DEFAULTS, ["--epochs=5", str(path)])["epochs"] == 3
+
+
+def test_key_value_forms_and_dashes():
+    a = env.load_config(train.DEFAULTS, ["--micro_batch_size=4", "--learning_rate", "3e-4", "--min-lr=1e-5"])
+    assert a["micro_batch_size"] == 4 and a["learning_rate"] == 3e-4 and a["min_lr"] == 1e-5
+    assert type(a["micro_batch_size"]) is int
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--compile=True"], True), (["--compile=false"], False), (["--compile"], True),
+    (["--compile", "no"], False), (["--compile", "1"], True), (["--compile=off"], False),
+    (["--compile", "--epochs=2"], True),
+])
+def test_bool_parsing(args, expected):
+    config = env.load_config(train.DEFAULTS, args)
+    assert config["compile"] is expected
+
+
+def test_bare_bool_flag_does_not_swallow_a_config_file(tmp_path):
+    path = tmp_path / "c.py"
+    path.write_text("epochs = 4\n")
+    config = env.load_config(train.DEFAULTS, ["--compile", str(path)])
+    assert config["compile"] is True and config["epochs"] == 4
+
+
+def test_int_is_accepted_for_a_float(tmp_path):
+    assert env.load_config(train.DEFAULTS, ["--learning_rate=1"])["learning_rate"] == 1.0
+    assert type(env.load_config(train.DEFAULTS, ["--learning_rate=1"])["learning_rate"]) is float
+    path = tmp_path / "c.py"
+    path.write_text("grad_clip = 2\n")
+    assert type(env.load_config(train.DEFAULTS, [str(path)])["grad_clip"]) is float
+
+
+def test_float_is_not_accepted_for_an_int():
+    with pytest.raises(env.ConfigError, match="micro_batch_size"):
+        env.load_config(train.DEFAULTS, ["--micro_batch_size=2.5"])
+
+
+@pytest.mark.parametrize("arg, closest", [("--learning_rat=1", "learning_rate"), ("--micro_batch=2", "micro_batch_size"),
+                                          ("--epoch", "epochs")])
+def test_unknown_key_names_the_closest(arg, closest):
+    with pytest.raises(env.ConfigError) as info:
+        env.load_config(train.DEFAULTS, [arg])
+    assert closest in str(info.value)
+    assert arg[2:].split("=")[0] in str(info.value)
+
+
+def test_unknown_key_in_a_config_file(tmp_path):
+    path = tmp_path / "c.py"
+    path.write_text("learning_rat = 1e-3\n")
+    with pytest.raises(env.ConfigError) as info:
+        env.load_config(train.DEFAULTS, [str(path)])
+    assert "learning_rate" in str(info.value) and str(path) in str(info.value)
+
+
+def test_wrong_types_name_the_key(tmp_path):
+    with pytest.raises(env.ConfigError, match="micro_batch_size"):
+        env.load_config(train.DEFAULTS, ["--micro_batch_size=abc"])
+    path = tmp_path / "c.py"
+    path.write_text('epochs = "ten"\n')
+    with pytest.raises(env.ConfigError, match="epochs"):
+        env.load_config(train.DEFAULTS, [str(path)])
+    with pytest.raises(env.ConfigError, match="compile"):
+        env.load_config(train.DEFAULTS, ["--compile=maybe"])
+
+
+def test_missing_value_missing_file_and_broken_file(tmp_path):
+    with pytest.raises(env.ConfigError, match="epochs"):
+        env.load_config(train.DEFAULTS, ["--epochs"])
+    with pytest.raises(env.ConfigError, match="nope.py"):
+        env.load_config(train.DEFAULTS, [str(tmp_path / "nope.py")])
+    broken = tmp_path / "broken.py"
+    broken.write_text("epochs = = 3\n")
+    with pytest.raises(env.ConfigError, match="broken.py"):
+        env.load_config(train.DEFAULTS, [str(broken)])
+
+
+def test_write_config_file_reproduces_the_config(tmp_path):
+    config = env.load_config(train.DEFAULTS, ["--epochs=3", "--name=x", "--learning_rate=1e-4", "--compile"])
+    path = tmp_path / "out.py"
+    env.write_config_file(path, config, train.DEFAULTS, header="made by a test")
+    assert env.load_config(train.DEFAULTS, [str(path)]) == config
+
+
+@pytest.mark.parametrize("args", [["--learning_rat=1"], ["--micro_batch_size=abc"], ["missing_config.py"]])
+def test_train_main_reports_a_config_error_in_one_line(args, capsys):
+    assert train.main(args) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert "Traceback" not in captured.err + captured.out
+
+
+# ---------------------------------------------------------------- the results file
+
+WRITER = """
+import os, sys, time, env
+path, tag, go = sys.argv[1], sys.argv[2], sys.argv[3]
+while not os.path.exists(go):  # start together, so that the writes really overlap
+    time.sleep(0.001)
+for n in range(50):
+    env.record(path, ["runs", f"{tag}-{n}"], {"run_id": f"{tag}-{n}", "n": n, "pid": os.getpid()})
+    time.sleep(0.002)
+"""
+
+
+def test_concurrent_writers_lose_nothing(tmp_path):
+    path = tmp_path / "results.json"
+    environ = dict(os.environ, PYTHONPATH=str(REPO))
+    go = tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(path), f"p{i}", str(go)], env=environ, cwd=tmp_path)
+             for i in range(2)]
+    time.sleep(0.5)
+    go.touch()
+    for p in procs:
+        assert p.wait(timeout=120) == 0
+    data = json.loads(path.read_text())
+    assert set(data["runs"]) == {f"p{i}-{n}" for i in range(2) for n in range(50)}
+    assert all(data["runs"][k]["run_id"] == k for k in data["runs"])
+    assert "history" not in data  # nothing was replaced
+    order = [k.split("-")[0] for k in data["runs"]]  # insertion order: the writers took turns
+    assert order != sorted(order)
+    assert not list(tmp_path.glob(".results.json.*.tmp"))
+
+
+def test_history_keeps_what_another_run_replaces(tmp_path):
+    path = tmp_path / "r.json"
+    env.record(path, ["runs", "a"], {"run_id": "1", "loss": 3.0})
+    env.record(path, ["runs", "a"], {"run_id": "1", "loss": 2.5})  # the same run updating its entry
+    assert "history" not in env.read_results(path)
+    assert env.lookup(path, ["runs", "a", "loss"]) == 2.5
+    env.record(path, ["runs", "a"], {"run_id": "2", "loss": 2.0})  # another run takes the name
+    data = env.read_results(path)
+    assert data["runs"]["a"] == {"run_id": "2", "loss": 2.0}
+    assert len(data["history"]) == 1
+    old = data["history"][0]
+    assert old["path"] == ["runs", "a"] and old["value"] == {"run_id": "1", "loss": 2.5}
+    assert old["replaced_at"] <= time.time()
+    # values without a run id: an equal value is no change, a different one is kept in history
+    env.record(path, "note", "x")
+    env.record(path, "note", "x")
+    assert len(env.read_results(path)["history"]) == 1
+    env.record(path, "note", "y")
+    assert env.read_results(path)["history"][-1]["value"] == "x"
+    assert env.lookup(path, ["runs", "missing"], default=7) == 7
+
+
+def test_append_appends(tmp_path):
+    path = tmp_path / "r.json"
+    env.append(path, ["benchmarks", "list"], {"i": 0})
+    env.append(path, ["benchmarks", "list"], {"i": 1})
+    assert env.lookup(path, ["benchmarks", "list"]) == [{"i": 0}, {"i": 1}]
+    env.record(path, "scalar", 1)
+    with pytest.raises(env.ResultsFileError):
+        env.append(path, "scalar", 2)
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]"])
+def test_a_corrupt_results_file_is_an_error_and_left_alone(tmp_path, content):
+    path = tmp_path / "r.json"
+    path.write_bytes(content)
+    for call in (lambda: env.read_results(path), lambda: env.record(path, ["runs", "a"], {"x": 1}),
+                 lambda: env.append(path, ["l"], 1)):
+        with pytest.raises(env.ResultsFileError) as info:
+            call()
+        assert str(path) in str(info.value)
+        assert path.read_bytes() == content
+
+
+def test_record_into_a_non_object_is_an_error(tmp_path):
+    path = tmp_path / "r.json"
+    env.record(path, "runs", 5)
+    before = path.read_bytes()
+    with pytest.raises(env.ResultsFileError):
+        env.record(path, ["runs", "a"], 1)
+    assert path.read_bytes() == before
+
+
+# ---------------------------------------------------------------- atomic_write
+
+def test_atomic_write_failure_keeps_the_old_file(tmp_path):
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"old")
+
+    def half_then_fail(f):
+        f.write(b"new and partial")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        env.atomic_write(path, half_then_fail)
+    assert path.read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.bin"]
+
+    env.atomic_write(path, lambda f: f.write(b"new"))
+    assert path.read_bytes() == b"new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.bin"]
+    env.atomic_write_text(tmp_path / "sub" / "t.txt", "text")  # creates the folder
+    assert (tmp_path / "sub" / "t.txt").read_text() == "text"
+
+
+# ---------------------------------------------------------------- fingerprint and machine facts
+
+FINGERPRINT_FIELDS = ["python", "platform", "hostname", "versions", "cuda", "git_revision", "git_status", "gpu",
+                      "cuda_visible_devices", "source_hash", "compiler_cache", "cpu_affinity", "cpu_threads",
+                      "cudnn", "slurm", "gpu_status", "gpu_topology", "cache_identity"]
+
+
+def test_fingerprint_without_gpu_or_git(tmp_path, monkeypatch):
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    assert shutil.which("git") is None and shutil.which("nvidia-smi") is None
+    repo_copy = tmp_path / "repo"
+    repo_copy.mkdir()
+    for name in ("env.py", "model.py", "train.py"):
+        shutil.copy(REPO / name, repo_copy / name)
+    monkeypatch.setattr(env, "REPO", repo_copy)  # a folder that is not a git checkout either
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+    fp = env.fingerprint(cache_identity="abc")
+    for field in FINGERPRINT_FIELDS:
+        assert field in fp, field
+    for field in ("git_revision", "git_status", "gpu", "gpu_status", "gpu_topology", "cuda", "cudnn", "slurm"):
+        assert fp[field] is None, field
+    assert fp["cache_identity"] == "abc"
+    assert fp["versions"]["torch"] and fp["cpu_threads"] >= 1
+    assert isinstance(fp["source_hash"], str) and len(fp["source_hash"]) == 64
+    json.dumps(fp)  # it goes into the results file
+
+
+def test_allocation_usage_under_slurm():
+    now = 1_750_000_000
+    environ = {"SLURM_JOB_ID": "4242", "SLURM_GPUS_ON_NODE": "2", "SLURM_JOB_START_TIME": str(now - 3600),
+               "SLURM_JOB_PARTITION": "gpu"}
+    usage = env.allocation_usage(environ, now=now)
+    assert usage["job_id"] == "4242" and usage["gpus"] == 2 and usage["partition"] == "gpu"
+    assert usage["elapsed_seconds"] == 3600
+    assert usage["gpu_hours"] == 2.0
+    assert env.allocation_usage({}) is None
+    assert env.allocation_usage({"HOME": "/root"}, now=now) is None
+
+
+def test_allocation_usage_without_start_time():
+    usage = env.allocation_usage({"SLURM_JOB_ID": "1", "SLURM_GPUS_ON_NODE": "4"})
+    assert usage["elapsed_seconds"] is None and usage["gpu_hours"] is None
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H200", 989e12), ("NVIDIA GH200 120GB", 989e12),
+                                        ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+                                        ("NVIDIA GeForce RTX 4090", None), ("", None), (None, None)])
+def test_peak_flops(name, peak):
+    assert env.peak_flops(name) == peak
+
+
+def test_source_hash_follows_python_files_only(tmp_path):
+    root = tmp_path / "root"
+    (root / "data").mkdir(parents=True)
+    for name in ("env.py", "model.py", "data/loader.py"):
+        shutil.copy(REPO / name, root / name)
+    (root / "notes.txt").write_text("a")
+    first = env.source_hash(root)
+    assert env.source_hash(root) == first
+    (root / "notes.txt").write_text("b")
+    assert env.source_hash(root) == first
+    (root / ".venv" / "lib").mkdir(parents=True)
+    (root / ".venv" / "lib" / "x.py").write_text("x = 1\n")
+    assert env.source_hash(root) == first  # the environment is not the source
+    with open(root / "data" / "loader.py", "a") as f:
+        f.write("\n# changed\n")
+    second = env.source_hash(root)
+    assert second != first
+    (root / "new.py").write_text("")
+    assert env.source_hash(root) not in (first, second)
+
+
+def test_identities_are_key_order_independent():
+    assert env.config_identity({"a": 1, "b": 2}) == env.config_identity({"b": 2, "a": 1})
+    assert env.config_identity({"a": 1}) != env.config_identity({"a": 2})
+    a, b = env.new_run_id(), env.new_run_id()
+    assert a != b

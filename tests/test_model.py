@@ -1,0 +1,280 @@
+"""model.py: preset sizes, exact parity with transformers' Llama, loss variants, FLOPs and input errors."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import model
+
+
+def tiny_config(**overrides):
+    fields = dict(vocab_size=256, dim=64, n_layers=2, n_heads=2, hidden_dim=128, max_seq_len=64)
+    fields.update(overrides)
+    return model.get_preset("20m", **fields)
+
+
+def seeded_model(config, seed=0, **kwargs):
+    """A model with random weights whose RMSNorm gains are moved away from 1, so that they are tested too."""
+    torch.manual_seed(seed)
+    m = model.Transformer(config, **kwargs)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    return m
+
+
+def random_batch(config, batch, length, seed=1, ignore_fraction=0.1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, config.vocab_size, (batch, length), generator=g)
+    y = torch.randint(0, config.vocab_size, (batch, length), generator=g)
+    y[torch.rand(y.shape, generator=g) < ignore_fraction] = -100
+    y[0, 0] = -100  # at least one ignored target whatever the draw
+    return x, y
+
+
+def relative_error(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+# ---------------------------------------------------------------- presets
+
+def test_20m_preset_has_the_exact_reference_parameter_count():
+    assert sum(p.numel() for p in model.Transformer(model.PRESETS["20m"]).parameters()) == 20403520
+
+
+@pytest.mark.parametrize("name, target", [("50m", 50e6), ("90m", 90e6)])
+def test_larger_presets_are_near_their_names(name, target):
+    count = sum(p.numel() for p in model.Transformer(model.PRESETS[name]).parameters())
+    assert abs(count - target) / target < 0.05
+
+
+def test_embeddings_are_tied_and_counted_once():
+    m = model.Transformer(tiny_config())
+    assert m.output.weight is m.tok_embeddings.weight
+    assert sum(1 for p in m.parameters() if p is m.tok_embeddings.weight) == 1
+
+
+# ---------------------------------------------------------------- transformers parity
+
+@pytest.mark.parametrize("name, overrides", [("20m", {}), ("50m", {"n_layers": 2}), ("90m", {"n_layers": 2})])
+def test_loss_and_gradients_match_transformers_llama(name, overrides):
+    config = model.get_preset(name, **overrides)
+    ours = seeded_model(config)
+    hf = model.to_hf(ours)
+    x, y = random_batch(config, 2, 1024)
+    assert (y == -100).any() and (y != -100).sum() > 1000
+
+    loss = ours(x, y)
+    loss.backward()
+    logits = hf(input_ids=x).logits
+    # Not labels=: transformers shifts labels itself; our targets are already the next tokens.
+    ref = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100)
+    ref.backward()
+
+    assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
+    grads = model.hf_named_tensors(ours, of=lambda p: p.grad)
+    ref_grads = {n: p.grad for n, p in hf.named_parameters()}
+    assert set(grads) == set(ref_grads)  # every HF parameter is one of ours (lm_head is tied to embed_tokens)
+    for n, g_ref in ref_grads.items():
+        assert g_ref is not None and g_ref.norm() > 0, n
+        assert relative_error(grads[n], g_ref) < 1e-4, n
+
+
+def test_from_hf_round_trip_and_save_pretrained(tmp_path):
+    from transformers import LlamaForCausalLM
+    config = tiny_config(vocab_size=512, max_seq_len=128)
+    ours = seeded_model(config).eval()
+    x, _ = random_batch(config, 2, 100)
+    with torch.no_grad():
+        logits = ours(x)
+
+        back = model.from_hf(model.to_hf(ours)).eval()
+        assert back.config == config
+        assert torch.allclose(back(x), logits, rtol=0, atol=1e-6)
+
+        model.to_hf(ours).save_pretrained(tmp_path / "hf")
+        loaded = LlamaForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
+        assert torch.allclose(loaded(input_ids=x).logits, logits, rtol=0, atol=1e-5)
+        # and the saved checkpoint comes back into our model
+        assert torch.allclose(model.from_hf(loaded).eval()(x), logits, rtol=0, atol=1e-5)
+
+
+def test_from_hf_refuses_checkpoints_outside_the_family():
+    hf = model.to_hf(model.Transformer(tiny_config()))
+    hf.config.num_key_value_heads = 1
+    with pytest.raises(ValueError, match="grouped-query"):
+        model.from_hf(hf)
+
+
+# ---------------------------------------------------------------- loss variants
+
+def test_chunked_loss_equals_full_loss_and_gradients():
+    config = tiny_config()
+    x, y = random_batch(config, 2, 50)  # 100 tokens; chunks of 37 do not divide them
+    results = {}
+    for impl in ("full", "chunked"):
+        m = seeded_model(config, loss_impl=impl, loss_chunk_tokens=37)
+        for reduction in ("sum", "mean"):
+            m.zero_grad()
+            loss = m(x, y, reduction=reduction)
+            loss.backward()
+            results[impl, reduction] = loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+    for reduction in ("sum", "mean"):
+        (full, full_grads), (chunked, chunked_grads) = results["full", reduction], results["chunked", reduction]
+        assert torch.allclose(chunked, full, rtol=1e-5, atol=0)
+        for n in full_grads:
+            assert relative_error(chunked_grads[n], full_grads[n]) < 1e-5, n
+
+
+def test_reductions_agree_and_ignore_minus_100():
+    config = tiny_config()
+    m = seeded_model(config)
+    x, y = random_batch(config, 2, 40, ignore_fraction=0.3)
+    counted = y != -100
+    with torch.no_grad():
+        per_token = m(x, y, reduction="none")
+        total = m(x, y, reduction="sum")
+        mean = m(x, y, reduction="mean")
+        logits = m(x)
+    assert per_token.shape == (x.numel(),)
+    assert torch.all(per_token[~counted.flatten()] == 0)
+    # the losses of counted positions are -log p(target) from the logits
+    logp = torch.log_softmax(logits.float(), dim=-1).flatten(0, 1)
+    manual = -logp[counted.flatten()].gather(1, y.flatten()[counted.flatten()][:, None]).squeeze(1)
+    assert torch.allclose(per_token[counted.flatten()], manual, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(total, per_token.sum(), rtol=1e-5)
+    assert torch.allclose(mean, total / counted.sum(), rtol=1e-5)
+    # the value of an ignored position's target does not matter
+    y2 = torch.where(counted, y, torch.full_like(y, -100))
+    with torch.no_grad():
+        assert m(x, y2, reduction="sum") == total
+    # all targets ignored: zero, not NaN
+    with torch.no_grad():
+        assert m(x, torch.full_like(y, -100)).item() == 0.0
+
+
+def test_unknown_reduction_is_an_error():
+    m = model.Transformer(tiny_config())
+    x, y = random_batch(m.config, 1, 8)
+    with pytest.raises(ValueError, match=r"'avg'.*mean, sum, none"):
+        m(x, y, reduction="avg")
+
+
+# ---------------------------------------------------------------- FLOPs
+
+@pytest.mark.parametrize("name", ["20m", "50m", "90m"])
+@pytest.mark.parametrize("seq_len", [256, 1024])
+def test_flops_per_token_counts_every_matmul_and_attention(name, seq_len):
+    config = model.PRESETS[name]
+    m = model.Transformer(model.get_preset(name, n_layers=2))  # the count is per layer; check the shape math
+    linear = sum(mod.weight.numel() for mod in m.modules() if isinstance(mod, nn.Linear))  # includes the LM head
+    assert m.output.weight.numel() == config.vocab_size * config.dim
+    expected = 6 * linear + 12 * 2 * config.dim * seq_len
+    assert model.flops_per_token(m.config, seq_len) == expected
+    # and the full-depth preset: layers scale the per-layer part
+    per_layer = sum(mod.weight.numel() for mod in m.layers[0].modules() if isinstance(mod, nn.Linear))
+    full = 6 * (config.n_layers * per_layer + config.vocab_size * config.dim) + 12 * config.n_layers * config.dim * seq_len
+    assert model.flops_per_token(config, seq_len) == full
+
+
+# ---------------------------------------------------------------- errors
+
+def test_unknown_preset_lists_the_valid_ones():
+    with pytest.raises(ValueError) as info:
+        model.get_preset("30m")
+    assert "30m" in str(info.value)
+    for name in ("20m", "50m", "90m"):
+        assert name in str(info.value)
+    with pytest.raises(ValueError, match="30m"):
+        model.Transformer("30m")
+
+
+def test_width_not_divisible_by_heads():
+    with pytest.raises(ValueError) as info:
+        model.get_preset("20m", dim=100, n_heads=3)
+    message = str(info.value)
+    assert "100" in message and "3" in message and "multiple of n_heads" in message
+
+
+def test_sequence_longer_than_context():
+    m = model.Transformer(tiny_config(max_seq_len=16))
+    with pytest.raises(ValueError) as info:
+        m(torch.zeros(1, 17, dtype=torch.long))
+    assert "17" in str(info.value) and "16" in str(info.value)
+    m(torch.zeros(1, 16, dtype=torch.long))  # the full context is fine
+
+
+@pytest.mark.parametrize("bad", [256, 1000, -1])
+def test_token_ids_outside_the_vocabulary(bad):
+    m = model.Transformer(tiny_config(vocab_size=256))
+    x = torch.zeros(1, 8, dtype=torch.long)
+    x[0, 3] = bad
+    with pytest.raises(ValueError) as info:
+        m(x)
+    assert str(bad) in str(info.value) and "[0, 256)" in str(info.value)
+
+
+def test_unknown_attention_backend_and_loss_impl():
+    with pytest.raises(ValueError) as info:
+        model.Transformer(tiny_config(), attention_backend="fast")
+    assert "'fast'" in str(info.value)
+    for name in model.ATTENTION_BACKENDS:
+        assert name in str(info.value)
+    with pytest.raises(ValueError, match=r"'fused'.*full, chunked"):
+        model.Transformer(tiny_config(), loss_impl="fused")
+
+
+def test_bad_input_shape():
+    m = model.Transformer(tiny_config())
+    with pytest.raises(ValueError, match="batch, sequence"):
+        m(torch.zeros(8, dtype=torch.long))
+
+
+# ---------------------------------------------------------------- attention backends
+
+def test_pinned_attention_backends_on_cpu():
+    config = tiny_config()
+    m = seeded_model(config)
+    x, y = random_batch(config, 2, 64)
+    with torch.no_grad():
+        auto = m(x, y)
+        m.set_attention_backend("math")
+        assert m.attention_backend == "math"
+        math_loss = m(x, y)
+        assert torch.allclose(math_loss, auto, rtol=1e-5, atol=0)
+        # PyTorch has a CPU flash-attention kernel: pinning "flash" on CPU runs it (it is what "auto" picks)
+        m.set_attention_backend("flash")
+        assert torch.allclose(m(x, y), auto, rtol=1e-5, atol=0)
+        # the memory-efficient and cuDNN kernels exist only on CUDA: pinning one on CPU fails loudly
+        for name in ("efficient", "cudnn"):
+            m.set_attention_backend(name)
+            with pytest.raises(RuntimeError, match="No viable backend"):
+                m(x, y)
+    m.set_attention_backend("auto")
+    with torch.no_grad():
+        assert m(x, y) == auto
+
+
+# ---------------------------------------------------------------- rotary tables
+
+def test_rotary_tables_are_computed_once_as_buffers(monkeypatch):
+    calls = []
+    original = model.rotary_tables
+    monkeypatch.setattr(model, "rotary_tables", lambda *a, **k: calls.append(1) or original(*a, **k))
+    m = model.Transformer(tiny_config())
+    assert len(calls) == 1
+    calls.clear()
+    x, y = random_batch(m.config, 2, 32)
+    for _ in range(3):
+        m(x, y).backward()
+    assert calls == []
+    buffers = dict(m.named_buffers())
+    assert set(buffers) == {"rope_cos", "rope_sin"}
+    assert buffers["rope_cos"].shape == (m.config.max_seq_len, m.config.head_dim)
+    assert "rope_cos" not in m.state_dict()  # derived, not saved
+    cos, sin = original(m.config)
+    assert torch.equal(buffers["rope_cos"], cos) and torch.equal(buffers["rope_sin"], sin)
+    # they travel with the module
+    m.double()
+    assert m.rope_cos.dtype == torch.float64

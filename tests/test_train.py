@@ -1,0 +1,487 @@
+"""train.py and data/loader.py: exact token accounting, determinism, resumption, the results entry and DDP."""
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import env
+import model as model_lib
+import train
+from data.loader import IGNORE, TokenCache, TrainData
+from tests.conftest import write_cache
+
+REPO = Path(__file__).resolve().parents[1]
+SEQ_LEN = 64
+SEQUENCES_PER_UPDATE = 8
+N_SEQUENCES = 21  # not a multiple of 8: updates of 8, 8 and 5 sequences
+
+
+@pytest.fixture(autouse=True)
+def restore_threads():
+    """Trainer(cpu_threads=1) sets the process-wide thread count; give other tests theirs back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def small_config(cache, tmp_path, **overrides):
+    cfg = dict(train.DEFAULTS)
+    cfg.update(name="t", preset="20m", dim=64, n_layers=2, n_heads=2, hidden_dim=128, seq_len=SEQ_LEN,
+               device="cpu", cpu_threads=1, data_dir=str(cache), train_subset_tokens=N_SEQUENCES * SEQ_LEN + 1,
+               val_subset_tokens=16 * SEQ_LEN, epochs=2, tokens_per_update=SEQUENCES_PER_UPDATE * SEQ_LEN,
+               micro_batch_size=4, warmup_updates=2, learning_rate=3e-3, min_lr=3e-4, eval_batch_size=16,
+               log_interval=1, results_file=str(tmp_path / "results.json"), out_dir=str(tmp_path / "out"))
+    cfg.update(overrides)
+    assert set(cfg) == set(train.DEFAULTS)
+    return train.Config(cfg)
+
+
+def cli_args(cfg):
+    return [f"--{k}={v}" for k, v in cfg.items()]
+
+
+def make_trainer(cfg, total_updates=10, world_size=1):
+    cache = TokenCache(cfg.data_dir)
+    mcfg = train.model_config(cfg, cache.vocab_size)
+    return train.Trainer(cfg, mcfg, "cpu", total_updates, world_size=world_size)
+
+
+def train_data(cfg, seed=None):
+    cache = TokenCache(cfg.data_dir)
+    return TrainData(cache.train, cfg.seq_len, cfg.tokens_per_update // cfg.seq_len,
+                     cfg.seed if seed is None else seed, cfg.train_subset_tokens)
+
+
+def sequence_index(data):
+    """Map a sequence's (input, target) bytes to its index, to see which sequences a micro-batch holds."""
+    index = {}
+    for i in range(data.n_sequences):
+        chunk = np.asarray(data.tokens[i * data.seq_len:(i + 1) * data.seq_len + 1], dtype=np.int64)
+        index[chunk.tobytes()] = i
+    assert len(index) == data.n_sequences  # real text: no two sequences are identical
+    return index
+
+
+def sequences_in(batches, index):
+    """Indices of the real (not padded) rows of micro-batches, in order; checks that padding is all -100."""
+    found = []
+    for x, y in batches:
+        for row_x, row_y in zip(x, y):
+            if (row_y == IGNORE).all():
+                assert (row_x == 0).all()
+                continue
+            assert not (row_y == IGNORE).any()  # training sequences are never partly padded
+            found.append(index[np.concatenate([row_x.numpy()[:1], row_y.numpy()]).tobytes()])
+    return found
+
+
+def parameters(m):
+    return {n: p.detach().clone() for n, p in m.named_parameters()}
+
+
+def checkpoint_parameters(out_dir):
+    return torch.load(Path(out_dir) / "ckpt.pt", map_location="cpu", weights_only=False)["model"]
+
+
+def assert_close_parameters(a, b, rel):
+    assert a.keys() == b.keys()
+    for n in a:
+        err = ((a[n] - b[n]).norm() / b[n].norm()).item()
+        assert err < rel, (n, err)
+
+
+# ---------------------------------------------------------------- the update step
+
+def test_micro_batch_size_does_not_change_an_update(text_cache, tmp_path):
+    results = {}
+    for micro in (2, 8):
+        cfg = small_config(text_cache, tmp_path, micro_batch_size=micro)
+        data = train_data(cfg)
+        trainer = make_trainer(cfg)
+        for u in range(2):
+            batches, n_tokens = data.micro_batches(0, u, micro)
+            assert len(batches) == SEQUENCES_PER_UPDATE // micro and n_tokens == SEQUENCES_PER_UPDATE * SEQ_LEN
+            loss_sum, grad_norm = trainer.update(batches, n_tokens)
+            results[micro, u] = loss_sum.item() / n_tokens, grad_norm.item()
+        results[micro] = parameters(trainer.raw_model)
+    for u in range(2):
+        (loss_a, norm_a), (loss_b, norm_b) = results[2, u], results[8, u]
+        assert loss_a == pytest.approx(loss_b, rel=1e-5)
+        assert norm_a == pytest.approx(norm_b, rel=1e-5)
+    assert_close_parameters(results[2], results[8], 1e-5)
+    start = parameters(make_trainer(small_config(text_cache, tmp_path)).raw_model)
+    assert any(not torch.equal(start[n], results[8][n]) for n in start)  # the updates did change the weights
+
+
+def test_a_partial_update_is_the_token_weighted_mean(text_cache, tmp_path):
+    cfg = small_config(text_cache, tmp_path)
+    data = train_data(cfg)
+    last = data.updates_per_epoch - 1
+    batches, n_tokens = data.micro_batches(0, last, 4)  # 5 sequences: micro-batches of 4 and 1 (+3 padded rows)
+    assert n_tokens == 5 * SEQ_LEN == sum(int((y != IGNORE).sum()) for _, y in batches)
+
+    trainer = make_trainer(cfg)
+    with torch.no_grad():
+        per_token = torch.cat([trainer.raw_model(x, y, reduction="none") for x, y in batches])
+        counted = torch.cat([(y != IGNORE).flatten() for _, y in batches])
+        manual = per_token[counted].double().mean().item()
+        means = [trainer.raw_model(x, y).item() for x, y in batches]
+    loss_sum, grad_norm = trainer.update(batches, n_tokens)
+    assert loss_sum.item() / n_tokens == pytest.approx(manual, rel=1e-5)
+    assert abs(sum(means) / len(means) - manual) > 1e-4  # the mean of micro-batch means would be another number
+
+    # the padded update has the gradient of one unpadded batch of the same 5 sequences (the gradient norm is
+    # the scale-sensitive check: Adam's first step is nearly sign(gradient), blind to a wrong scale)
+    x = torch.cat([x[y[:, 0] != IGNORE] for x, y in batches])
+    y = torch.cat([y[y[:, 0] != IGNORE] for _, y in batches])
+    reference = make_trainer(cfg)
+    ref_sum, ref_norm = reference.update([(x, y)], n_tokens)
+    assert ref_sum.item() == pytest.approx(loss_sum.item(), rel=1e-5)
+    assert ref_norm.item() == pytest.approx(grad_norm.item(), rel=1e-5)
+    assert_close_parameters(parameters(trainer.raw_model), parameters(reference.raw_model), 1e-4)
+
+
+# ---------------------------------------------------------------- the loader
+
+def test_every_sequence_once_per_epoch_and_padded_last_update(text_cache, tmp_path):
+    cfg = small_config(text_cache, tmp_path)
+    data = train_data(cfg)
+    assert data.n_sequences == N_SEQUENCES and data.updates_per_epoch == 3
+    index = sequence_index(data)
+    for epoch in range(2):
+        for micro in (1, 2, 4, 8):
+            seen, tokens = [], 0
+            for u in range(data.updates_per_epoch):
+                batches, n_tokens = data.micro_batches(epoch, u, micro)
+                assert all(x.shape == y.shape == (micro, SEQ_LEN) for x, y in batches)
+                assert n_tokens == sum(int((y != IGNORE).sum()) for _, y in batches)
+                got = sequences_in(batches, index)
+                assert got == list(data.update_sequences(epoch, u))
+                seen += got
+                tokens += n_tokens
+            assert sorted(seen) == list(range(N_SEQUENCES))
+            assert tokens == N_SEQUENCES * SEQ_LEN == data.tokens_per_epoch
+    # the last update holds the 5 left-over sequences, padded with ignored targets to full micro-batches
+    batches, n_tokens = data.micro_batches(0, 2, 4)
+    assert n_tokens == 5 * SEQ_LEN and len(batches) == 2
+    assert int((batches[1][1] == IGNORE).all(dim=1).sum()) == 3
+
+
+def test_the_run_counts_every_token_exactly(text_cache, tmp_path):
+    cfg = small_config(text_cache, tmp_path, epochs=3, full_validation=False)
+    entry = train.train(cfg)
+    assert entry["tokens"] == 3 * N_SEQUENCES * SEQ_LEN
+    assert entry["step"] == entry["total_updates"] == 3 * 3
+    assert [p["tokens"] for p in entry["validation_curve"]] == [e * N_SEQUENCES * SEQ_LEN for e in (1, 2, 3)]
+    assert entry["final_validation"] is None
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_same_seed_gives_the_same_updates(text_cache, tmp_path, world_size):
+    cfg = small_config(text_cache, tmp_path)
+    data = train_data(cfg)
+    index = sequence_index(data)
+    for epoch in range(2):
+        for u in range(data.updates_per_epoch):
+            reference = sorted(sequences_in(data.micro_batches(epoch, u, 8)[0], index))
+            for micro in (1, 2, 4):
+                fresh = train_data(cfg)  # another process with the same seed
+                shares = [fresh.micro_batches(epoch, u, micro, rank, world_size) for rank in range(world_size)]
+                assert len({len(b) for b, _ in shares}) == 1  # every rank makes as many micro-steps
+                assert {n for _, n in shares} == {len(reference) * SEQ_LEN}  # each knows the update's total
+                ranks = [sequences_in(b, index) for b, _ in shares]
+                assert sorted(sum(ranks, [])) == reference
+                if world_size > 1:
+                    assert not set(ranks[0]) & set(ranks[1])
+
+
+def test_the_order_depends_on_seed_and_epoch(text_cache, tmp_path):
+    cfg = small_config(text_cache, tmp_path)
+    a, b = train_data(cfg), train_data(cfg, seed=cfg.seed + 1)
+    order = lambda d, e: [list(d.update_sequences(e, u)) for u in range(d.updates_per_epoch)]
+    assert order(a, 0) == order(train_data(cfg), 0)
+    assert order(a, 0) != order(b, 0)
+    assert order(a, 0) != order(a, 1)
+    assert sorted(sum(order(b, 0), [])) == list(range(N_SEQUENCES))
+
+
+# ---------------------------------------------------------------- kill and resume
+
+def test_stop_and_resume_is_bitwise_identical(text_cache, tmp_path):
+    straight = small_config(text_cache, tmp_path, name="straight", out_dir=str(tmp_path / "straight"))
+    full = train.train(straight)
+
+    cfg = small_config(text_cache, tmp_path, name="resumed", out_dir=str(tmp_path / "resumed"))
+    # session 1 stops mid-epoch; session 2 resumes mid-epoch and stops after an epoch's end; session 3 finishes
+    first = train.train(train.Config(cfg, stop_after_updates=2))
+    assert first["status"] == "interrupted" and first["step"] == 2 and first["tokens"] == 16 * SEQ_LEN
+    assert (tmp_path / "resumed" / "ckpt.pt").exists()
+    assert env.lookup(cfg.results_file, ["resumed", "status"]) == "interrupted"
+    second = train.train(train.Config(cfg, resume=True, stop_after_updates=2))
+    assert second["status"] == "interrupted" and second["step"] == 4 and second["epochs"] == 1
+    last = train.train(train.Config(cfg, resume=True))
+    assert last["status"] == "complete" and last["sessions"] == 3
+    assert last["run_id"] == first["run_id"]
+    assert "history" not in env.read_results(cfg.results_file)  # one run, updating its own entry
+
+    assert last["final_validation"]["loss"] == full["final_validation"]["loss"]
+    assert [p["loss"] for p in last["validation_curve"]] == [p["loss"] for p in full["validation_curve"]]
+    assert last["tokens"] == full["tokens"] and last["step"] == full["step"]
+    a, b = checkpoint_parameters(tmp_path / "straight"), checkpoint_parameters(tmp_path / "resumed")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def run_train(args, log, **kwargs):
+    return subprocess.Popen([sys.executable, "-u", str(REPO / "train.py"), *args], cwd=REPO,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, **kwargs)
+
+
+def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(text_cache, tmp_path):
+    # long enough (40 updates per epoch) that the signal lands mid-run
+    common = dict(train_subset_tokens=40 * 8 * SEQ_LEN + 1, val_subset_tokens=4 * SEQ_LEN, epochs=2)
+    straight = small_config(text_cache, tmp_path, name="straight", out_dir=str(tmp_path / "straight"), **common)
+    cfg = small_config(text_cache, tmp_path, name="killed", out_dir=str(tmp_path / "killed"), **common)
+
+    reference = run_train(cli_args(straight), tmp_path / "straight.log")
+    log = tmp_path / "killed.log"
+    proc = run_train(cli_args(cfg), log)
+    try:
+        wait_for(lambda: "update 1/" in log.read_text() or proc.poll() is not None, 120, "the first update")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, log.read_text()  # a handled stop is a clean exit
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    entry = env.lookup(cfg.results_file, ["killed"])
+    assert entry["status"] == "interrupted", log.read_text()
+    assert 0 < entry["step"] < entry["total_updates"]
+    assert "signal SIGTERM: checkpointed" in log.read_text()
+    assert (tmp_path / "killed" / "ckpt.pt").exists()
+
+    resumed = run_train(cli_args(cfg) + ["--resume=True"], tmp_path / "resumed.log")
+    assert resumed.wait(timeout=300) == 0, (tmp_path / "resumed.log").read_text()
+    assert reference.wait(timeout=300) == 0, (tmp_path / "straight.log").read_text()
+    results = env.read_results(cfg.results_file)
+    done, ref = results["killed"], results["straight"]
+    assert done["status"] == ref["status"] == "complete" and done["sessions"] == 2
+    assert done["tokens"] == ref["tokens"] == 2 * 40 * 8 * SEQ_LEN
+    assert done["final_validation"]["loss"] == ref["final_validation"]["loss"]
+    a, b = checkpoint_parameters(tmp_path / "straight"), checkpoint_parameters(tmp_path / "killed")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_refuses_another_recipe_but_accepts_other_execution(text_cache, tmp_path, capsys):
+    cfg = small_config(text_cache, tmp_path)
+    train.train(train.Config(cfg, stop_after_updates=1))
+    with pytest.raises(env.ConfigError) as info:
+        train.train(train.Config(cfg, resume=True, learning_rate=1e-3))
+    assert "learning_rate" in str(info.value)
+    assert "micro_batch_size" not in str(info.value)
+    capsys.readouterr()
+    assert train.main(cli_args(cfg) + ["--resume=True", "--epochs=3"]) == 2
+    assert "epochs" in capsys.readouterr().err
+    assert env.lookup(cfg.results_file, ["t", "status"]) == "interrupted"  # the refused sessions wrote nothing
+    entry = train.train(train.Config(cfg, resume=True, micro_batch_size=2, eval_batch_size=8))
+    assert entry["status"] == "complete" and entry["sessions"] == 2
+    assert entry["tokens"] == 2 * N_SEQUENCES * SEQ_LEN
+
+
+# ---------------------------------------------------------------- recipe identity
+
+# Every default is either part of the recipe (what is computed) or execution (how it is run).
+RECIPE_KEYS = {"preset", "vocab_size", "dim", "n_layers", "n_heads", "hidden_dim", "seq_len", "train_subset_tokens",
+               "val_subset_tokens", "full_validation", "seed", "epochs", "tokens_per_update", "learning_rate",
+               "min_lr", "warmup_updates", "weight_decay", "beta1", "beta2", "adam_eps", "grad_clip"}
+
+
+def test_every_default_is_classified():
+    assert train.EXECUTION_KEYS <= set(train.DEFAULTS)
+    assert not train.EXECUTION_KEYS & RECIPE_KEYS
+    assert train.EXECUTION_KEYS | RECIPE_KEYS == set(train.DEFAULTS), "classify the new key here and in train.py"
+
+
+def recipe_id(cfg, cache_identity="cache"):
+    mcfg = train.model_config(cfg, 256)
+    return env.hash_json(train.recipe(cfg, mcfg, cache_identity))
+
+
+@pytest.mark.parametrize("change", [dict(learning_rate=1e-3), dict(seed=1), dict(epochs=3), dict(dim=128),
+                                    dict(n_layers=3), dict(hidden_dim=256), dict(seq_len=32),
+                                    dict(tokens_per_update=1024), dict(train_subset_tokens=999)])
+def test_the_recipe_identity_follows_the_math(text_cache, tmp_path, change):
+    cfg = small_config(text_cache, tmp_path)
+    assert recipe_id(train.Config(cfg, **change)) != recipe_id(cfg)
+
+
+@pytest.mark.parametrize("change", [dict(micro_batch_size=2), dict(compile=True), dict(sdpa_backend="math"),
+                                    dict(cpu_threads=2), dict(device="cuda"), dict(name="other"),
+                                    dict(out_dir="elsewhere"), dict(loss_impl="chunked"), dict(log_interval=7)])
+def test_the_recipe_identity_ignores_execution(text_cache, tmp_path, change):
+    cfg = small_config(text_cache, tmp_path)
+    assert recipe_id(train.Config(cfg, **change)) == recipe_id(cfg)
+
+
+def test_the_recipe_identity_follows_the_data(text_cache, tmp_path):
+    cfg = small_config(text_cache, tmp_path)
+    _, _, rec = train.setup(cfg)
+    assert env.hash_json(rec) == recipe_id(cfg, TokenCache(text_cache).identity)
+    cache = TokenCache(text_cache)
+    other = write_cache(tmp_path / "other", np.asarray(cache.train)[::-1], np.asarray(cache.val), 256)
+    _, _, rec_other = train.setup(train.Config(cfg, data_dir=str(other)))
+    assert env.hash_json(rec_other) != env.hash_json(rec)
+    moved = write_cache(tmp_path / "moved", np.asarray(cache.train), np.asarray(cache.val), 256)
+    assert env.hash_json(train.setup(train.Config(cfg, data_dir=str(moved)))[2]) == env.hash_json(rec)
+
+
+# ---------------------------------------------------------------- the results entry
+
+def test_results_entry(text_cache, tmp_path):
+    cfg = small_config(text_cache, tmp_path)
+    entry = train.train(cfg)
+    assert env.read_results(cfg.results_file)["t"] == json.loads(json.dumps(entry, default=str))
+    val_tokens = len(TokenCache(text_cache).val)
+    assert entry["status"] == "complete"
+    assert entry["parameters"] == sum(p.numel() for p in model_lib.Transformer(train.model_config(cfg, 256)).parameters())
+    assert entry["tokens"] == 2 * N_SEQUENCES * SEQ_LEN and entry["step"] == 6 and entry["epochs"] == 2
+    assert entry["best_subset_loss"] == min(p["loss"] for p in entry["validation_curve"])
+    assert entry["validation_curve"][entry["best_epoch"] - 1]["loss"] == entry["best_subset_loss"]
+    fv = entry["final_validation"]
+    assert fv["tokens"] == val_tokens - 1  # every validation token after the first is scored once
+    assert fv["validation_complete"] is True and fv["seconds"] > 0
+    assert fv["perplexity"] == pytest.approx(math.exp(fv["loss"]))
+    assert 0 < fv["loss"] < math.log(256)  # it learned something about English bytes
+    for key in ("seconds_this_session", "training_seconds", "training_elapsed_seconds",
+                "training_tokens_per_second", "elapsed_tokens_per_second", "peak_memory_bytes"):
+        assert entry[key] > 0, key
+    assert entry["training_seconds"] <= entry["training_elapsed_seconds"] <= entry["seconds_this_session"]
+    assert entry["training_tokens_per_second"] == pytest.approx(entry["tokens"] / entry["training_seconds"])
+    assert entry["elapsed_tokens_per_second"] == pytest.approx(entry["tokens"] / entry["training_elapsed_seconds"])
+    assert entry["recipe_identity"] == env.hash_json(train.setup(cfg)[2])
+    assert [p["tokens"] for p in entry["validation_curve"]] == [N_SEQUENCES * SEQ_LEN, 2 * N_SEQUENCES * SEQ_LEN]
+    for point in entry["validation_curve"]:
+        assert point["loss"] > 0 and point["seconds"] >= 0
+    assert entry["flops_per_token"] == model_lib.flops_per_token(train.model_config(cfg, 256), SEQ_LEN)
+    assert entry["environment"]["cache_identity"] == TokenCache(text_cache).identity
+    assert (tmp_path / "out" / "ckpt.pt").exists()
+
+
+def test_bad_micro_batch_size_lists_the_valid_ones(text_cache, tmp_path, capsys):
+    cfg = small_config(text_cache, tmp_path, micro_batch_size=3)
+    with pytest.raises(env.ConfigError) as info:
+        train.train(cfg)
+    assert "micro_batch_size 3" in str(info.value) and "[1, 2, 4, 8]" in str(info.value)
+    with pytest.raises(env.ConfigError, match=r"\[1, 2, 4\]"):
+        train.check_execution(cfg, world_size=2)
+    assert train.main(cli_args(cfg)) == 2
+    assert "valid sizes" in capsys.readouterr().err
+    assert not Path(cfg.results_file).exists()
+
+
+@pytest.mark.parametrize("change, word", [(dict(preset="30m"), "20m, 50m, 90m"), (dict(dim=100, n_heads=3), "n_heads"),
+                                          (dict(train_subset_tokens=10**9), "train_subset_tokens")])
+def test_model_and_data_mistakes_are_one_line_errors(text_cache, tmp_path, capsys, change, word):
+    cfg = small_config(text_cache, tmp_path, **change)
+    assert train.main(cli_args(cfg)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and word in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------- distributed data parallel (gloo, CPU)
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+DDP_WORKER = """
+import json, os, sys
+import torch
+import train
+from data.loader import TokenCache, TrainData
+cfg = train.Config(json.loads(sys.argv[1]))
+rank, _, world_size = train.distributed()
+cache = TokenCache(cfg.data_dir)
+data = TrainData(cache.train, cfg.seq_len, cfg.tokens_per_update // cfg.seq_len, cfg.seed, cfg.train_subset_tokens)
+trainer = train.Trainer(cfg, train.model_config(cfg, cache.vocab_size), "cpu", 10, world_size=world_size)
+losses = []
+for u in (0, data.updates_per_epoch - 1):  # a full update and the partial last one
+    batches, n_tokens = data.micro_batches(0, u, cfg.micro_batch_size, rank, world_size)
+    loss_sum, grad_norm = trainer.update(batches, n_tokens)
+    losses.append(train.all_reduce_sum(loss_sum, world_size).item() / n_tokens)
+if rank == 0:
+    torch.save({"losses": losses, "params": dict(trainer.raw_model.named_parameters())}, sys.argv[2])
+del trainer  # free the DDP wrapper before the process group, as train.main does
+import gc; gc.collect()
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_ddp_update_equals_one_process(text_cache, tmp_path):
+    cfg = small_config(text_cache, tmp_path, micro_batch_size=2)
+    environ = dict(os.environ, PYTHONPATH=str(REPO), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                   WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    script = tmp_path / "worker.py"
+    script.write_text(DDP_WORKER)
+    out = tmp_path / "ddp.pt"
+    procs = [subprocess.Popen([sys.executable, str(script), json.dumps(cfg), str(out)], cwd=REPO,
+                              env=dict(environ, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        outputs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    ddp = torch.load(out, weights_only=False)
+
+    data = train_data(cfg)
+    trainer = make_trainer(cfg)
+    losses = []
+    for u in (0, data.updates_per_epoch - 1):
+        batches, n_tokens = data.micro_batches(0, u, 8)
+        loss_sum, _ = trainer.update(batches, n_tokens)
+        losses.append(loss_sum.item() / n_tokens)
+    assert ddp["losses"] == pytest.approx(losses, rel=1e-6)
+    ref = parameters(trainer.raw_model)
+    assert_close_parameters({n: p.detach() for n, p in ddp["params"].items()}, ref, 1e-6)
+    start = parameters(make_trainer(cfg).raw_model)
+    assert any(not torch.equal(start[n], ref[n]) for n in start)
+
+
+def test_torchrun_training_on_two_processes(text_cache, tmp_path):
+    cfg = small_config(text_cache, tmp_path, micro_batch_size=2, name="ddp")
+    log = tmp_path / "ddp.log"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(REPO / "train.py"),
+                           *cli_args(cfg)], cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    assert proc.returncode == 0, log.read_text()
+    results = env.read_results(cfg.results_file)
+    assert set(results) == {"ddp"}  # no "history": the rank-1 process, a different run id, never wrote
+    entry = results["ddp"]
+    assert entry["status"] == "complete" and entry["world_size"] == 2
+    assert entry["tokens"] == 2 * N_SEQUENCES * SEQ_LEN
+    assert entry["final_validation"]["tokens"] == len(TokenCache(text_cache).val) - 1
+    single = train.train(train.Config(cfg, name="single", out_dir=str(tmp_path / "single")))
+    assert entry["final_validation"]["loss"] == pytest.approx(single["final_validation"]["loss"], rel=1e-5)
+    assert_close_parameters(checkpoint_parameters(tmp_path / "out"), checkpoint_parameters(tmp_path / "single"), 1e-4)
