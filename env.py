@@ -131,12 +131,13 @@ def config_identity(config):
 def source_hash(root=REPO):
     """Hash of the repository's Python files (path and bytes), so an entry names the code that produced it."""
     digest = hashlib.sha256()
-    skip = {".venv", "venv", "__pycache__", "out", "runs", "cache", ".git", ".whl", ".carry"}
-    for path in sorted(Path(root).rglob("*.py")):
-        rel = path.relative_to(root)
-        if any(part in skip or part.startswith(".") for part in rel.parts[:-1]):
-            continue
-        digest.update(str(rel).encode() + b"\0" + path.read_bytes() + b"\0")
+    skip = {"venv", "__pycache__", "out", "runs", "cache"}
+    files = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d not in skip and not d.startswith(".")]  # never .venv
+        files += [Path(folder, n) for n in names if n.endswith(".py")]
+    for path in sorted(files):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 
 

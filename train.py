@@ -72,6 +72,7 @@ DEFAULTS = {k: v for k, v in dict(globals()).items() if not k.startswith("_") an
 EXECUTION_KEYS = {"name", "out_dir", "results_file", "resume", "data_dir", "device", "micro_batch_size",
                   "compile", "compile_mode", "compile_scope", "sdpa_backend", "loss_impl", "loss_chunk_tokens", "cpu_threads",
                   "eval_batch_size", "log_interval", "checkpoint_minutes", "stop_after_updates"}
+MODEL_KEYS = {"preset", "vocab_size", "dim", "n_layers", "n_heads", "hidden_dim", "seq_len"}
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILE_SCOPES = ("model", "blocks")
 RESERVED_NAMES = {"environment", "benchmarks", "tuning", "profiles", "history", "matched-comparison",
@@ -95,7 +96,9 @@ def model_config(cfg, vocab):
 
 def recipe(cfg, mcfg, cache_identity):
     """Everything that changes the math of a run, and nothing that only changes its execution."""
-    fields = {k: v for k, v in cfg.items() if k not in EXECUTION_KEYS}
+    # The model's own fields are taken from the resolved config, so "dim=0" (the preset's) and "dim=320"
+    # are one recipe.
+    fields = {k: v for k, v in cfg.items() if k not in EXECUTION_KEYS and k not in MODEL_KEYS}
     fields.update(model=mcfg.to_dict(), cache_identity=cache_identity)
     return fields
 

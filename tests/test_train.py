@@ -485,3 +485,11 @@ def test_torchrun_training_on_two_processes(text_cache, tmp_path):
     single = train.train(train.Config(cfg, name="single", out_dir=str(tmp_path / "single")))
     assert entry["final_validation"]["loss"] == pytest.approx(single["final_validation"]["loss"], rel=1e-5)
     assert_close_parameters(checkpoint_parameters(tmp_path / "out"), checkpoint_parameters(tmp_path / "single"), 1e-4)
+
+
+def test_the_recipe_identity_is_of_the_resolved_model(text_cache, tmp_path):
+    cfg = small_config(text_cache, tmp_path)
+    preset = train.model_lib.get_preset(cfg.preset)
+    spelled_out = train.Config(cfg, dim=cfg.dim or preset.dim, n_layers=cfg.n_layers or preset.n_layers,
+                               n_heads=cfg.n_heads or preset.n_heads, hidden_dim=cfg.hidden_dim or preset.hidden_dim)
+    assert recipe_id(spelled_out) == recipe_id(cfg)  # "0 keeps the preset's value" is the same math
