@@ -141,7 +141,7 @@ def stream(side, cmd):
 
 def train_or_reuse(side, c, recipe_identity, rerun):
     """Train the run with train.py, unless a complete run of the same config and recipe is already recorded."""
-    out = Path(c.out_dir or f"out/{c.name}")
+    out = train.run_dir(c)
     config_path = out / "compare_config.py"
     env.write_config_file(config_path, c, train.DEFAULTS,
                           header=f"The {side} run of a matched comparison, written by compare.py.\n"

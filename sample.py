@@ -130,7 +130,7 @@ def sample(cfg):
     """The configured samples as texts (each the prompt and its continuation); with export_hf, export instead."""
     check_settings(cfg)
     device = train.resolve_device(cfg)
-    out_dir = cfg.out_dir or f"out/{cfg.name}"
+    out_dir = train.run_dir(cfg)
     model, ckpt = load_checkpoint(out_dir, device)
     data_dir = ckpt["config"]["data_dir"]
     tokenizer = load_tokenizer(data_dir)

@@ -103,6 +103,11 @@ def recipe(cfg, mcfg, cache_identity):
     return fields
 
 
+def run_dir(cfg):
+    """Where a run's checkpoint lives: out_dir, or out/<name>."""
+    return Path(cfg.out_dir or f"out/{cfg.name}")
+
+
 def resolve_device(cfg):
     if cfg.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -354,7 +359,7 @@ def train(cfg):
     data = TrainData(cache.train, cfg.seq_len, sequences_per_update, cfg.seed, cfg.train_subset_tokens)
     total_updates = data.updates_per_epoch * cfg.epochs
     trainer = Trainer(cfg, mcfg, device, total_updates, world_size, local_rank)
-    out = Path(cfg.out_dir or f"out/{cfg.name}")
+    out = run_dir(cfg)
     ckpt_path = out / "ckpt.pt"
     flops = model_lib.flops_per_token(mcfg, cfg.seq_len)
     peak = env.peak_flops(torch.cuda.get_device_name(device) if device.startswith("cuda") else None)
