@@ -79,6 +79,8 @@ RESERVED_NAMES = {"environment", "benchmarks", "tuning", "profiles", "history", 
                   "partial-probe", "trained-parity", "allocation-usage"}
 
 
+EXIT_INTERRUPTED = 3  # exit status of a run stopped by a signal or stop_after_updates, checkpointed to resume
+
 # Mistakes a user can fix: reported as one line, never a traceback.
 USER_ERRORS = (env.ConfigError, env.ResultsFileError, CacheError)
 
@@ -430,8 +432,8 @@ def train(cfg):
               f"{data.updates_per_epoch} updates per epoch x {cfg.epochs} epochs, "
               f"micro-batch {cfg.micro_batch_size} x {sequences_per_update // cfg.micro_batch_size // world_size} "
               f"accumulation x {world_size} process(es), {device}, recipe {recipe_id[:12]}")
+    stop = StopRequest()  # before the "running" entry, so that no signal can leave it standing
     record("running")
-    stop = StopRequest()
     status = "running"
     session_updates = 0
     last_checkpoint = time.time()
@@ -563,7 +565,7 @@ def print_summary(r):
 def main(argv):
     try:
         cfg = Config(env.load_config(DEFAULTS, argv))
-        train(cfg)
+        entry = train(cfg)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             # Free the DDP wrapper (it sits in reference cycles) and the process group now: left to interpreter
             # exit, gloo's threads can abort the process (SIGABRT, "terminate called without an active
@@ -576,7 +578,8 @@ def main(argv):
         return 2
     except KeyboardInterrupt:
         return 130
-    return 0
+    # A stopped run checkpointed cleanly but is not finished: say so to whatever runs this next.
+    return EXIT_INTERRUPTED if entry["status"] == "interrupted" else 0
 
 
 if __name__ == "__main__":

@@ -152,8 +152,19 @@ class Prefetcher:
         self.device = torch.device(device)
         self.pin = self.device.type == "cuda"
         self.queue = queue.Queue(maxsize=depth)
+        self.closed = threading.Event()
         self.thread = threading.Thread(target=self._work, args=(make_batches, list(keys)), daemon=True)
         self.thread.start()
+
+    def _put(self, item):
+        """Queue an item unless the consumer has gone (then the thread ends instead of waiting forever)."""
+        while not self.closed.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
 
     def _work(self, make_batches, keys):
         try:
@@ -161,18 +172,25 @@ class Prefetcher:
                 batches, n_tokens = make_batches(key)
                 if self.pin:
                     batches = [(x.pin_memory(), y.pin_memory()) for x, y in batches]
-                self.queue.put((key, batches, n_tokens))
+                if not self._put((key, batches, n_tokens)):
+                    return
         except BaseException as exc:  # surface loader errors in the training thread
-            self.queue.put(exc)
-        self.queue.put(None)
+            self._put(exc)
+        self._put(None)
+
+    def close(self):
+        self.closed.set()
 
     def __iter__(self):
-        while True:
-            item = self.queue.get()
-            if item is None:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            key, batches, n_tokens = item
-            yield key, [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
-                        for x, y in batches], n_tokens
+        try:
+            while True:
+                item = self.queue.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                key, batches, n_tokens = item
+                yield key, [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+                            for x, y in batches], n_tokens
+        finally:  # also when the consumer stops early (a signal, an error): let the thread end
+            self.close()

@@ -266,7 +266,7 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(text_cache,
     try:
         wait_for(lambda: "update 1/" in log.read_text() or proc.poll() is not None, 120, "the first update")
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=120) == 0, log.read_text()  # a handled stop is a clean exit
+        assert proc.wait(timeout=120) == train.EXIT_INTERRUPTED, log.read_text()  # checkpointed, not finished
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -493,3 +493,30 @@ def test_the_recipe_identity_is_of_the_resolved_model(text_cache, tmp_path):
     spelled_out = train.Config(cfg, dim=cfg.dim or preset.dim, n_layers=cfg.n_layers or preset.n_layers,
                                n_heads=cfg.n_heads or preset.n_heads, hidden_dim=cfg.hidden_dim or preset.hidden_dim)
     assert recipe_id(spelled_out) == recipe_id(cfg)  # "0 keeps the preset's value" is the same math
+
+
+def test_prefetcher_thread_ends_when_training_stops_early(text_cache, tmp_path):
+    from data.loader import Prefetcher
+    data = train_data(small_config(text_cache, tmp_path))
+    prefetcher = Prefetcher(lambda u: data.micro_batches(0, u % data.updates_per_epoch, 2), range(1000), "cpu",
+                            depth=1)
+    batches = iter(prefetcher)
+    next(batches)
+    batches.close()  # what a for loop's break does to the generator
+    prefetcher.thread.join(timeout=5)
+    assert not prefetcher.thread.is_alive()
+
+
+def test_regional_compilation_keeps_the_math_and_the_checkpoint_names(text_cache, tmp_path):
+    """compile_scope=blocks compiles each block and the loss head in place: the same loss and gradients as
+    eager, and the same state_dict keys, so checkpoints move between scopes."""
+    cfg = small_config(text_cache, tmp_path)
+    data = train_data(cfg)
+    eager, compiled = make_trainer(cfg), make_trainer(train.Config(cfg, compile=True, compile_scope="blocks"))
+    assert list(compiled.raw_model.state_dict()) == list(eager.raw_model.state_dict())
+    batches, n_tokens = data.micro_batches(0, 0, cfg.micro_batch_size)
+    loss_e, norm_e = eager.update(batches, n_tokens)
+    loss_c, norm_c = compiled.update(batches, n_tokens)
+    assert loss_c.item() == pytest.approx(loss_e.item(), rel=1e-5)
+    assert norm_c.item() == pytest.approx(norm_e.item(), rel=1e-4)
+    assert "loss" in vars(compiled.raw_model) and "loss" not in vars(eager.raw_model)  # the head compiled apart
