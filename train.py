@@ -271,7 +271,7 @@ def peak_memory_bytes(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # process peak RSS on the CPU
 
 
-def setup(cfg, world_size=1, local_rank=0):
+def setup(cfg):
     """Shared by train and bench: the verified data cache, the model config and the recipe identity."""
     try:
         cache = TokenCache(cfg.data_dir)
@@ -371,7 +371,11 @@ def train(cfg):
              "interval_tokens_per_second": [], "run_id": env.new_run_id(), "sessions": 0,
              "first_update_seconds": None}
     if cfg.resume and ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
+        try:
+            ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)  # our own file: numpy RNG too
+        except Exception as exc:
+            raise env.ConfigError(f"checkpoint {ckpt_path} could not be loaded ({type(exc).__name__}: {exc}); "
+                                  f"move it away to start afresh, or resume from another --out_dir") from None
         differ = recipe_differences(ckpt["recipe"], rec)
         if differ:
             raise env.ConfigError(f"checkpoint {ckpt_path} was trained with another recipe; fields that differ: "
@@ -446,7 +450,7 @@ def train(cfg):
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
             segment_start = interval_start = time.time()
-            interval_tokens, loss_total, tokens_in_interval = 0, None, 0
+            interval_tokens, loss_total = 0, None
             for u, micro_batches, n_tokens in batches:
                 loss_sum, grad_norm = trainer.update(micro_batches, n_tokens)
                 if state["first_update_seconds"] is None:
@@ -512,7 +516,9 @@ def train(cfg):
                     checkpoint()
                     last_checkpoint = time.time()
                     record(status)
-                    state["training_elapsed_seconds"] += time.time() - pause_start
+                    paused = time.time() - pause_start
+                    state["training_elapsed_seconds"] += paused
+                    interval_start += paused  # a mid-interval checkpoint is not training time
                     segment_start = time.time()
                     if stop_now:
                         break

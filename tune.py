@@ -165,6 +165,9 @@ def tune(cfg):
     modes = parse_list(cfg.tune_compile_modes, str, "tune_compile_modes")
     backends = parse_list(cfg.tune_backends, str, "tune_backends")
     threads = parse_list(cfg.tune_threads, int, "tune_threads") or [cfg.cpu_threads]
+    for b in backends:
+        if b not in train.model_lib.ATTENTION_BACKENDS:
+            raise env.ConfigError(f"tune_backends: {b!r} is not one of {', '.join(train.model_lib.ATTENTION_BACKENDS)}")
     for m in modes:
         if m != "eager" and m not in train.COMPILE_MODES:
             raise env.ConfigError(f"tune_compile_modes: {m!r} is not one of eager, {', '.join(train.COMPILE_MODES)}")

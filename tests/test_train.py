@@ -520,3 +520,12 @@ def test_regional_compilation_keeps_the_math_and_the_checkpoint_names(text_cache
     assert loss_c.item() == pytest.approx(loss_e.item(), rel=1e-5)
     assert norm_c.item() == pytest.approx(norm_e.item(), rel=1e-4)
     assert "loss" in vars(compiled.raw_model) and "loss" not in vars(eager.raw_model)  # the head compiled apart
+
+
+def test_a_corrupt_checkpoint_is_one_line_error(text_cache, tmp_path, capsys):
+    cfg = small_config(text_cache, tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "ckpt.pt").write_bytes(b"not a checkpoint")
+    assert train.main(cli_args(cfg) + ["--resume=True"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ckpt.pt" in err[0] and "could not be loaded" in err[0]

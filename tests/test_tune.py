@@ -131,3 +131,10 @@ def test_cpu_sweep_runs_out_of_budget(tmp_path, text_cache):
     tuning = env.read_results(results)["tuning"]
     assert tuning["budget_exhausted"] is True
     assert 1 <= len(tuning["candidates"]) < 7
+
+
+def test_unknown_backend_is_a_user_error(tmp_path, text_cache, capsys):
+    argv = TINY + [f"--data_dir={text_cache}", f"--results_file={tmp_path / 'r.json'}", "--tune_backends=auto,fast"]
+    assert tune.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "'fast'" in err and "cudnn" in err and not (tmp_path / "r.json").exists()
