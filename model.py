@@ -62,10 +62,13 @@ ATTENTION_BACKENDS = {
     "math": [SDPBackend.MATH],
 }
 
-# How the loss is computed from the last hidden state: "full" materializes all logits (float32 inside
-# cross-entropy); "chunked" runs the LM head and cross-entropy over slices of tokens, recomputing each
-# slice's logits in backward, so the full logits never exist at once. Same math, different memory.
-LOSS_IMPLEMENTATIONS = ("full", "chunked")
+# How the training loss is computed from the last hidden state, all with the same math:
+# - "full" materializes all logits (float32 inside cross-entropy);
+# - "chunked" runs the LM head and cross-entropy over slices of tokens, recomputing each slice's logits in
+#   backward, so the full logits never exist at once;
+# - "fused" (see linear_cross_entropy) computes the loss and its gradients in one pass over slices of
+#   tokens during forward, with the logits in the autocast dtype and never in float32.
+LOSS_IMPLEMENTATIONS = ("full", "chunked", "fused")
 
 
 def get_preset(name, **overrides):
@@ -100,12 +103,21 @@ def rotary_tables(config, device=None):
     return angles.cos(), angles.sin()
 
 
-def apply_rotary(x, cos, sin):
-    """x: (B, T, ..., D); cos, sin: (T, D) in x's dtype. Rotate-half as in transformers' Llama."""
+def signed_sin(sin):
+    """sin with its first half negated, so that rotate_half(x) * sin == cat(x2, x1) * signed_sin(sin)."""
+    first, second = sin.chunk(2, dim=-1)
+    return torch.cat((-first, second), dim=-1)
+
+
+def apply_rotary(x, cos, sin_signed):
+    """x: (B, T, ..., D); cos, sin_signed (see signed_sin): (T, D) in x's dtype.
+
+    transformers' rotate-half, x * cos + cat(-x2, x1) * sin, with the sign moved into the table and the
+    multiply-add fused: eager launches 3 kernels forward instead of 5 (it is launch-bound at small widths).
+    """
     shape = (x.shape[1],) + (1,) * (x.dim() - 3) + (x.shape[-1],)
-    cos, sin = cos.view(shape), sin.view(shape)
     x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.addcmul(x * cos.view(shape), torch.cat((x2, x1), dim=-1), sin_signed.view(shape))
 
 
 class Attention(nn.Module):
@@ -118,8 +130,11 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, backends):
         B, T, C = x.shape
         qkv = self.wqkv(x).view(B, T, 3, self.n_heads, self.head_dim)
-        q, k = apply_rotary(qkv[:, :, :2], cos, sin).unbind(2)  # q and k rotated in one pass
-        q, k, v = (t.transpose(1, 2) for t in (q, k, qkv[:, :, 2]))  # (B, H, T, D)
+        # split (not slicing and indexing, whose backward pads each gradient with zeros and adds them),
+        # and q and k rotated in one pass
+        qk, v = qkv.split([2, 1], dim=2)
+        q, k = apply_rotary(qk, cos, sin).unbind(2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v.squeeze(2)))  # (B, H, T, D)
         if backends is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
@@ -171,7 +186,7 @@ class Transformer(nn.Module):
         # replace a quarter of its GPU kernel time.
         cos, sin = rotary_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_sin_signed", signed_sin(sin), persistent=False)
         self.reset_parameters()
 
     def set_attention_backend(self, name):
@@ -212,7 +227,7 @@ class Transformer(nn.Module):
         # q and k come out of the projection in the autocast dtype: cast the tables to it once per forward.
         device_type = idx.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else self.rope_cos.dtype
-        cos, sin = self.rope_cos[:T].to(dtype), self.rope_sin[:T].to(dtype)
+        cos, sin = self.rope_cos[:T].to(dtype), self.rope_sin_signed[:T].to(dtype)
         x = self.tok_embeddings(idx)
         for layer in self.layers:
             x = layer(x, cos, sin, self._sdpa_backends)
@@ -237,17 +252,20 @@ class Transformer(nn.Module):
         compiled apart from the blocks)."""
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"unknown loss reduction {reduction!r}; valid: mean, sum, none")
-        if reduction == "none":
-            logits = self.output(h)
-            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100,
-                                   reduction="none")
-        if self.loss_impl == "chunked":
-            total = chunked_cross_entropy(h.flatten(0, 1), self.output.weight, targets.flatten(),
-                                          self.loss_chunk_tokens)
+        flat_h, flat_targets = h.flatten(0, 1), targets.flatten()
+        if self.loss_impl == "fused" and not torch.is_grad_enabled():  # evaluation: no gradient to compute
+            losses = linear_cross_entropy_losses(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
+            if reduction == "none":
+                return losses
+            total = losses.sum()
+        elif reduction == "none":
+            return F.cross_entropy(self.output(flat_h).float(), flat_targets, ignore_index=-100, reduction="none")
+        elif self.loss_impl == "fused":
+            total = linear_cross_entropy(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
+        elif self.loss_impl == "chunked":
+            total = chunked_cross_entropy(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
         else:
-            logits = self.output(h)
-            total = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                                    ignore_index=-100, reduction="sum")
+            total = F.cross_entropy(self.output(flat_h).float(), flat_targets, ignore_index=-100, reduction="sum")
         if reduction == "sum":
             return total
         return total / (targets != -100).sum().clamp(min=1)
@@ -266,6 +284,192 @@ def chunked_cross_entropy(h, weight, targets, chunk_tokens):
         total = total + torch.utils.checkpoint.checkpoint(
             _chunk_loss, h[start:end], weight, targets[start:end], use_reentrant=False)
     return total
+
+
+# ---------------------------------------------------------------- fused LM head + cross-entropy
+#
+# Why a kernel of our own rather than Liger-Kernel's fused linear cross-entropy (the library made for this):
+# Liger reads the count of counted targets back to the host (`.item()`) on every call and compares the
+# upstream gradient with 1.0 (`torch.equal`) in backward, two host syncs per micro-step that stall the
+# launch queue; and it sizes its token slices to keep the logits near the size of the input (512 tokens
+# at width 320), 64 small matmuls per micro-step. The loss here is a plain sum, so no count is needed,
+# the upstream gradient scales the two small gradients instead of the logits, and the slice is ours to set.
+
+def _cross_entropy_rows_torch(logits, targets, write_grad=True):
+    """Per-row loss (float32) and, with write_grad, d(loss)/d(logits) written over `logits`; rows with
+    target -100 get 0.
+
+    The reference for the Triton kernel below (which does the same in one read of each row), and the
+    path on CPUs and on GPUs without Triton."""
+    counted = targets != -100
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    safe_targets = targets.clamp(min=0)
+    target_logit = x.gather(1, safe_targets[:, None]).squeeze(1)
+    losses = torch.where(counted, lse - target_logit, 0.0)
+    if not write_grad:
+        return losses
+    grad = torch.exp(x - lse[:, None])
+    grad[torch.arange(len(targets), device=logits.device), safe_targets] -= 1.0
+    logits.copy_(grad * counted[:, None])
+    return losses
+
+
+_triton_rows = None
+
+
+def _cross_entropy_rows_triton(logits, targets, write_grad=True):
+    """The Triton kernel: one program per row, logits read once, the gradient stored in their place.
+
+    Built on first use so that importing model.py never needs Triton (the CPU build has none)."""
+    global _triton_rows
+    if _triton_rows is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def cross_entropy_rows_kernel(logits_ptr, row_stride, targets_ptr, losses_ptr, n_cols,
+                                      BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr):
+            row = tl.program_id(0).to(tl.int64)
+            base = logits_ptr + row * row_stride
+            target = tl.load(targets_ptr + row)
+            counted = target != -100
+            if ONE_BLOCK:  # the row stays in registers: read once, written once
+                cols = tl.arange(0, BLOCK)
+                mask = cols < n_cols
+                x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
+                row_max = tl.max(x, axis=0)
+                lse = row_max + tl.log(tl.sum(tl.exp(x - row_max), axis=0))
+                target_logit = tl.sum(tl.where(cols == target, x, 0.0), axis=0)
+                if WRITE_GRAD:
+                    grad = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
+                    tl.store(base + cols, tl.where(counted, grad, 0.0).to(logits_ptr.dtype.element_ty), mask=mask)
+            else:  # online log-sum-exp over blocks of the row, then a second pass for the gradient
+                running_max = float("-inf")
+                running_sum = 0.0
+                for start in range(0, n_cols, BLOCK):
+                    cols = start + tl.arange(0, BLOCK)
+                    x = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+                    new_max = tl.maximum(running_max, tl.max(x, axis=0))
+                    running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+                    running_max = new_max
+                lse = running_max + tl.log(running_sum)
+                target_logit = tl.load(base + tl.maximum(target, 0)).to(tl.float32)
+                for start in range(0, n_cols if WRITE_GRAD else 0, BLOCK):
+                    cols = start + tl.arange(0, BLOCK)
+                    mask = cols < n_cols
+                    x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+                    grad = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
+                    tl.store(base + cols, tl.where(counted, grad, 0.0).to(logits_ptr.dtype.element_ty), mask=mask)
+            tl.store(losses_ptr + row, tl.where(counted, lse - target_logit, 0.0))
+
+        _triton_rows = cross_entropy_rows_kernel
+    n_rows, n_cols = logits.shape
+    losses = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    import triton
+    block = min(triton.next_power_of_2(n_cols), 32768)
+    _triton_rows[(n_rows,)](logits, logits.stride(0), targets, losses, n_cols, BLOCK=block,
+                            ONE_BLOCK=n_cols <= block, WRITE_GRAD=write_grad, num_warps=32 if block >= 16384 else 8)
+    return losses
+
+
+def _use_triton(device):
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _linear_cross_entropy_impl(h, weight, targets, chunk_tokens):
+    """(sum of token losses, d sum / d h, d sum / d weight), computed slice by slice of tokens.
+
+    The logits are in h's dtype (the autocast dtype on the GPU) and exist one slice at a time. Both
+    gradients leave the matmuls in float32 (bf16 products, float32 sums), so that backward scales them
+    before the one rounding to h's dtype that F.linear's backward would also do."""
+    w = weight.to(h.dtype)
+    rows = _cross_entropy_rows_triton if _use_triton(h.device) else _cross_entropy_rows_torch
+    grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device)
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    float32_out = h.device.type == "cuda" and h.dtype != torch.float32  # a CUDA-only overload
+    for start in range(0, h.shape[0], chunk_tokens):
+        h_slice, grad_h_slice = h[start:start + chunk_tokens], grad_h[start:start + chunk_tokens]
+        logits = h_slice @ w.t()
+        total += rows(logits, targets[start:start + chunk_tokens]).sum()
+        if float32_out:
+            torch.mm(logits, w, out_dtype=torch.float32, out=grad_h_slice)
+            torch.addmm(grad_w, logits.t(), h_slice, out_dtype=torch.float32, out=grad_w)
+        else:
+            grad_h_slice.copy_(logits @ w)
+            grad_w += logits.t() @ h_slice
+    return total, grad_h, grad_w
+
+
+@torch.library.custom_op("tiny_llm::linear_cross_entropy", mutates_args=())
+def _linear_cross_entropy_op(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                             chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _linear_cross_entropy_impl(h, weight, targets, chunk_tokens)
+
+
+@_linear_cross_entropy_op.register_fake
+def _(h, weight, targets, chunk_tokens):
+    return (h.new_empty((), dtype=torch.float32), torch.empty_like(h, dtype=torch.float32),
+            torch.empty_like(weight, dtype=torch.float32))
+
+
+def _linear_cross_entropy_setup(ctx, inputs, output):
+    h, weight, _, _ = inputs
+    ctx.dtypes = h.dtype, weight.dtype
+    ctx.save_for_backward(*output[1:])
+
+
+def _linear_cross_entropy_backward(ctx, grad_total, _grad_h, _grad_w):
+    grad_h, grad_w = ctx.saved_tensors
+    h_dtype, weight_dtype = ctx.dtypes
+    return (grad_h * grad_total).to(h_dtype), (grad_w * grad_total).to(weight_dtype), None, None
+
+
+_linear_cross_entropy_op.register_autograd(_linear_cross_entropy_backward, setup_context=_linear_cross_entropy_setup)
+
+
+@torch.library.custom_op("tiny_llm::linear_cross_entropy_losses", mutates_args=())
+def _linear_cross_entropy_losses_op(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                                    chunk_tokens: int) -> torch.Tensor:
+    w = weight.to(h.dtype)
+    rows = _cross_entropy_rows_triton if _use_triton(h.device) else _cross_entropy_rows_torch
+    return torch.cat([rows(h[start:start + chunk_tokens] @ w.t(), targets[start:start + chunk_tokens], write_grad=False)
+                      for start in range(0, h.shape[0], chunk_tokens)])
+
+
+@_linear_cross_entropy_losses_op.register_fake
+def _(h, weight, targets, chunk_tokens):
+    return h.new_empty(h.shape[:1], dtype=torch.float32)
+
+
+def linear_cross_entropy_losses(h, weight, targets, chunk_tokens):
+    """Each token's cross-entropy of (h @ weight.T) (0 where the target is -100), without gradients:
+    evaluation's path, with the logits in the autocast dtype one slice at a time, never in float32."""
+    device_type = h.device.type
+    if torch.is_autocast_enabled(device_type):
+        h = h.to(torch.get_autocast_dtype(device_type))
+    return _linear_cross_entropy_losses_op(h, weight, targets, int(chunk_tokens))
+
+
+def linear_cross_entropy(h, weight, targets, chunk_tokens):
+    """Sum of cross-entropy of (h @ weight.T) against targets (-100 ignored), its gradients computed in forward.
+
+    h: (N, C), weight: (V, C), targets: (N,). One custom op, opaque to torch.compile: it runs the LM head
+    matmul, the Triton loss-and-gradient kernel and the two gradient matmuls one slice of tokens at a time,
+    so neither float32 logits nor more than one slice of logits ever exist, and backward only scales the
+    stored gradients. Under autocast, h and the logits are in the autocast dtype, as F.linear's would be.
+    """
+    device_type = h.device.type
+    if torch.is_autocast_enabled(device_type):
+        h = h.to(torch.get_autocast_dtype(device_type))
+    return _linear_cross_entropy_op(h, weight, targets, int(chunk_tokens))[0]
 
 
 # ---------------------------------------------------------------- transformers interop
