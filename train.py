@@ -58,9 +58,10 @@ compile_mode = "default"         # default, reduce-overhead, max-autotune, max-a
 compile_scope = "model"          # model: one graph; blocks: each block and the loss head apart (compiles once
                                  # for all the identical blocks, so a much shorter cold start)
 sdpa_backend = "auto"            # auto, flash, efficient, cudnn, math
-loss_impl = "full"               # full, chunked (see model.py)
-loss_chunk_tokens = 8192
+loss_impl = "full"               # full, chunked, fused (see model.py)
+loss_chunk_tokens = 8192         # tokens per slice of the chunked and fused losses
 cpu_threads = 0                  # 0: PyTorch's default
+ddp_bucket_mb = 100              # DistributedDataParallel gradient bucket, MB: 100 measured +1.9% over PyTorch's 25 (90m, 2 GPUs)
 eval_batch_size = 32
 log_interval = 50
 checkpoint_minutes = 0.0         # also checkpoint every N minutes (0: only at epoch ends and on signals)
@@ -70,8 +71,8 @@ DEFAULTS = {k: v for k, v in dict(globals()).items() if not k.startswith("_") an
 
 # Keys that only change how the math is executed; every other key is part of the recipe identity.
 EXECUTION_KEYS = {"name", "out_dir", "results_file", "resume", "data_dir", "device", "micro_batch_size",
-                  "compile", "compile_mode", "compile_scope", "sdpa_backend", "loss_impl", "loss_chunk_tokens", "cpu_threads",
-                  "eval_batch_size", "log_interval", "checkpoint_minutes", "stop_after_updates"}
+                  "compile", "compile_mode", "compile_scope", "sdpa_backend", "loss_impl", "loss_chunk_tokens",
+                  "cpu_threads", "ddp_bucket_mb", "eval_batch_size", "log_interval", "checkpoint_minutes", "stop_after_updates"}
 MODEL_KEYS = {"preset", "vocab_size", "dim", "n_layers", "n_heads", "hidden_dim", "seq_len"}
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILE_SCOPES = ("model", "blocks")
@@ -128,6 +129,11 @@ def check_execution(cfg, world_size=1):
     if cfg.sdpa_backend not in model_lib.ATTENTION_BACKENDS:
         raise env.ConfigError(f"sdpa_backend {cfg.sdpa_backend!r} is not one of "
                               f"{', '.join(model_lib.ATTENTION_BACKENDS)}")
+    if cfg.loss_impl not in model_lib.LOSS_IMPLEMENTATIONS:
+        raise env.ConfigError(f"loss_impl {cfg.loss_impl!r} is not one of {', '.join(model_lib.LOSS_IMPLEMENTATIONS)}")
+    for key in ("loss_chunk_tokens", "ddp_bucket_mb"):
+        if cfg[key] <= 0:
+            raise env.ConfigError(f"{key} must be positive, got {cfg[key]}")
     if cfg.name in RESERVED_NAMES:
         raise env.ConfigError(f"name {cfg.name!r} is a section of the results file; choose another --name")
     if cfg.tokens_per_update % cfg.seq_len:
@@ -196,6 +202,7 @@ class Trainer:
                               if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
                               else {"broadcast_buffers": False})  # renamed after PyTorch 2.11
             self.model = DistributedDataParallel(self.model, **no_buffer_sync, gradient_as_bucket_view=True,
+                                                 bucket_cap_mb=cfg.ddp_bucket_mb,
                                                  device_ids=[local_rank] if self.device.type == "cuda" else None)
         decay = [p for p in self.raw_model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.raw_model.parameters() if p.dim() < 2]

@@ -395,6 +395,15 @@ def test_bad_micro_batch_size_lists_the_valid_ones(text_cache, tmp_path, capsys)
     assert not Path(cfg.results_file).exists()
 
 
+@pytest.mark.parametrize("change, word", [(dict(loss_impl="liger"), "full, chunked, fused"),
+                                          (dict(loss_chunk_tokens=0), "loss_chunk_tokens"),
+                                          (dict(ddp_bucket_mb=-1), "ddp_bucket_mb")])
+def test_bad_execution_keys_are_refused_before_any_work(text_cache, tmp_path, change, word):
+    cfg = small_config(text_cache, tmp_path, **change)
+    with pytest.raises(env.ConfigError, match=word):
+        train.check_execution(cfg)
+
+
 @pytest.mark.parametrize("change, word", [(dict(preset="30m"), "20m, 50m, 90m"), (dict(dim=100, n_heads=3), "n_heads"),
                                           (dict(train_subset_tokens=10**9), "train_subset_tokens")])
 def test_model_and_data_mistakes_are_one_line_errors(text_cache, tmp_path, capsys, change, word):
@@ -463,7 +472,10 @@ def test_ddp_update_equals_one_process(text_cache, tmp_path):
         losses.append(loss_sum.item() / n_tokens)
     assert ddp["losses"] == pytest.approx(losses, rel=1e-6)
     ref = parameters(trainer.raw_model)
-    assert_close_parameters({n: p.detach() for n, p in ddp["params"].items()}, ref, 1e-6)
+    # Two ranks sum in another order than one process; after Adam (which divides by the gradient's own
+    # size) a few float32 roundings leave parameters about 1e-6 apart. A dropped token or a wrong scale
+    # would be 1e-3 or more.
+    assert_close_parameters({n: p.detach() for n, p in ddp["params"].items()}, ref, 1e-5)
     start = parameters(make_trainer(cfg).raw_model)
     assert any(not torch.equal(start[n], ref[n]) for n in start)
 
