@@ -173,6 +173,18 @@ def compiler_cache():
     return {"TORCHINDUCTOR_CACHE_DIR": inductor, "TRITON_CACHE_DIR": triton}
 
 
+def cpu_model():
+    """The processor's name from /proc/cpuinfo (Linux), else platform.processor(); None when unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def fingerprint(cache_identity=None):
     """The machine and software a result came from; a field that does not exist here is null."""
     import torch
@@ -196,6 +208,7 @@ def fingerprint(cache_identity=None):
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "source_hash": source_hash(),
         "compiler_cache": compiler_cache(),
+        "cpu_model": cpu_model(),  # eager training is launch-bound: its speed is the CPU's as much as the GPU's
         "cpu_affinity": affinity,
         "cpu_threads": torch.get_num_threads(),
         "cudnn": torch.backends.cudnn.version() if cuda else None,

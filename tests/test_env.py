@@ -242,7 +242,7 @@ def test_atomic_write_failure_keeps_the_old_file(tmp_path):
 # ---------------------------------------------------------------- fingerprint and machine facts
 
 FINGERPRINT_FIELDS = ["python", "platform", "hostname", "versions", "cuda", "git_revision", "git_status", "gpu",
-                      "cuda_visible_devices", "source_hash", "compiler_cache", "cpu_affinity", "cpu_threads",
+                      "cuda_visible_devices", "source_hash", "compiler_cache", "cpu_model", "cpu_affinity", "cpu_threads",
                       "cudnn", "slurm", "gpu_status", "gpu_topology", "cache_identity"]
 
 
