@@ -12,3 +12,6 @@ min_lr = 2e-4
 warmup_updates = 100
 micro_batch_size = 32
 compile = True
+# Fused LM head + cross-entropy (model.linear_cross_entropy): same math, +1 to +6% tokens/s and less memory on
+# the H200 (docs/PERFORMANCE.md).
+loss_impl = "fused"
