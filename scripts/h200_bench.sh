@@ -2,12 +2,9 @@
 # One device call on a 2-GPU H200 machine: a short smoke test of every GPU path, then the protocol-v2
 # benchmarks of the bench and speed issues (GPU 0 and GPU 1 run independent sets side by side; every
 # comparison of a lever with what it replaces is on one GPU, one after the other), then DDP on both GPUs.
-# Needs the token cache data/cache/gutenberg (carry it). Results: results/h200.json, logs under $OUT.
+# Needs the token cache data/cache/gutenberg (carry it). Results and logs under $OUT.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-out/h200}; mkdir -p "$OUT"
-R=${RESULTS:-results/h200.json}
-REF=config/20m_gh200.py
+source scripts/device_env.sh
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,power.draw --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 
@@ -51,13 +48,4 @@ torchrun --nproc_per_node=2 bench.py $REF --name=ddp2-90m --preset=90m --micro_b
   --scaling_reference=presets-90m --results_file=$R >> "$OUT/ddp.log" 2>&1
 torchrun --nproc_per_node=2 bench.py $REF --name=ddp2-90m-weak --preset=90m --micro_batch_size=32 \
   --tokens_per_update=65536 --scaling_reference=presets-90m --results_file=$R >> "$OUT/ddp.log" 2>&1
-cp "$R" "$OUT/" 2>/dev/null
-python3 - "$R" <<'EOF'
-import json, sys
-d = json.load(open(sys.argv[1]))
-for name, e in d.get("benchmarks", {}).items():
-    tps = e.get("tokens_per_second")
-    print(f"{name:<28}{e['status']:>6}{(f'{tps:,.0f}' if tps else '-'):>12}  first {e.get('first_update_seconds') or 0:6.1f}s"
-          f"  peak {(e.get('peak_memory_bytes') or 0) / 2**30:5.2f} GiB  dev {(e.get('device_peak_used_bytes') or 0) / 2**30:5.2f} GiB"
-          f"  mfu {e.get('mfu') or 0:.3f}  eff {e.get('scaling_efficiency')}  {e.get('error', '')[:100]}")
-EOF
+python3 scripts/summarize.py "$R"

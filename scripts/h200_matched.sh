@@ -1,11 +1,9 @@
 #!/usr/bin/env bash
 # Device call B (2-GPU H200): tune.py's 10-minute sweep starts on GPU 1 in its own process session (it
-# outlives this call; scripts/h200_levers.sh collects it), while GPU 0 runs compare.py's matched pair of the
+# outlives this call; the next call collects /root/tune.json), while GPU 0 runs compare.py's matched pair of the
 # reference recipe (baseline: eager, micro-batch 8; optimized: config/20m_gh200.py as given).
 set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-out/h200}; mkdir -p "$OUT"
-R="$OUT/h200.json"; cp results/h200.json "$R"
+source scripts/device_env.sh
 rm -rf /root/tune-repo && mkdir -p /root/tune-repo && cp -r . /root/tune-repo/
 (cd /root/tune-repo && CUDA_VISIBLE_DEVICES=1 setsid nohup python3 tune.py config/20m_gh200.py --budget=10 \
   --name=tune-20m --results_file=/root/tune.json > /root/tune.log 2>&1 &)

@@ -1,0 +1,104 @@
+"""The LM head + cross-entropy alone, forward and backward, on the GPU: our fused op against what it
+replaces (full logits, eager and compiled) and against Liger-Kernel's fused linear cross-entropy, the
+library made for this (when it is importable). Same inputs for all; each is checked against the eager
+reference (loss, and the relative error of both gradients) before it is timed.
+
+    python scripts/loss_microbench.py [--tokens=32768] [--out=loss_microbench.json]
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import model  # noqa: E402
+
+
+def full_loss(h, weight, targets):
+    return F.cross_entropy(F.linear(h, weight).float(), targets, ignore_index=-100, reduction="sum")
+
+
+def candidates():
+    found = {"full-eager": full_loss,
+             "full-compiled": torch.compile(full_loss, dynamic=False),
+             "fused-8192": lambda h, w, t: model.linear_cross_entropy(h, w, t, 8192),
+             "fused-32768": lambda h, w, t: model.linear_cross_entropy(h, w, t, 32768)}
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except Exception as exc:  # noqa: BLE001 - any import failure only means "not measured"
+        print(f"liger-kernel not measured: {exc}")
+    else:
+        liger = LigerFusedLinearCrossEntropyLoss(reduction="sum", accum_dtype=torch.float32)
+        found["liger"] = lambda h, w, t: liger(w, h, t)
+    return found
+
+
+def run(fn, h32, weight, targets, reps):
+    h = h32.detach().clone().requires_grad_()
+    w = weight.detach().clone().requires_grad_()
+    scale = 1.0 / targets.numel()
+
+    def step():
+        h.grad = w.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fn(h, w, targets)
+        (loss * scale).backward()
+        return loss
+
+    for _ in range(3):
+        loss = step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return {"ms": start.elapsed_time(end) / reps, "loss": loss.item(), "grad_h": h.grad.float(),
+            "grad_w": w.grad.float(), "peak_extra_bytes": torch.cuda.max_memory_allocated() - base}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=32768)
+    parser.add_argument("--dim", type=int, default=320)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--out", default="loss_microbench.json")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    h = torch.randn(args.tokens, args.dim, device="cuda")
+    weight = torch.randn(args.vocab, args.dim, device="cuda") * 0.02
+    targets = torch.randint(0, args.vocab, (args.tokens,), device="cuda")
+    targets[::97] = -100
+    results, reference = {}, None
+    for name, fn in candidates().items():
+        try:
+            r = run(fn, h, weight, targets, args.reps)
+        except Exception as exc:  # noqa: BLE001 - recorded, the others still run
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            continue
+        reference = reference or r
+        results[name] = {
+            "ms_forward_backward": round(r["ms"], 3), "loss": r["loss"],
+            "peak_extra_gib": round(r["peak_extra_bytes"] / 2**30, 3),
+            "grad_h_relative_error": ((r["grad_h"] - reference["grad_h"]).norm() / reference["grad_h"].norm()).item(),
+            "grad_w_relative_error": ((r["grad_w"] - reference["grad_w"]).norm() / reference["grad_w"].norm()).item()}
+    Path(args.out).write_text(json.dumps({"tokens": args.tokens, "dim": args.dim, "vocab": args.vocab,
+                                          "device": torch.cuda.get_device_name(), "results": results}, indent=1))
+    print(f"{'variant':<16}{'ms fwd+bwd':>12}{'extra GiB':>11}{'loss':>16}{'grad_h err':>12}{'grad_w err':>12}")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name:<16} error: {r['error']}")
+        else:
+            print(f"{name:<16}{r['ms_forward_backward']:>12.3f}{r['peak_extra_gib']:>11.3f}{r['loss']:>16.2f}"
+                  f"{r['grad_h_relative_error']:>12.2e}{r['grad_w_relative_error']:>12.2e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""The short table printed at the end of a device call: benchmark entries and training runs of a results file.
+
+    python scripts/summarize.py RESULTS.json [PREFIX ...]    # only names starting with a PREFIX, if given
+"""
+import json
+import sys
+
+
+def main(path, prefixes):
+    data = json.load(open(path))
+    wanted = lambda name: not prefixes or name.startswith(tuple(prefixes))
+    for name, e in data.get("benchmarks", {}).items():
+        if not wanted(name):
+            continue
+        tps = e.get("tokens_per_second")
+        windows = [round(m["tokens_per_second"]) for m in e.get("measurements", [])]
+        print(f"{name:<30}{e['status']:>6}{(f'{tps:,.0f}' if tps else '-'):>12}"
+              f"  first {e.get('first_update_seconds') or 0:5.1f}s  peak {(e.get('peak_memory_bytes') or 0) / 2**30:5.2f}"
+              f"  dev {(e.get('device_peak_used_bytes') or 0) / 2**30:5.2f} GiB  windows {windows}"
+              f"  eff {e.get('scaling_efficiency')}  {e.get('error', '')[:90]}")
+    for name, run in data.items():
+        if isinstance(run, dict) and "final_validation" in run and wanted(name):
+            validation = run.get("final_validation") or {}
+            print(f"{name:<30}{run.get('status')}  validation loss {validation.get('loss')}"
+                  f"  validation tok/s {validation.get('tokens_per_second')}"
+                  f"  median training tok/s {run.get('median_training_tokens_per_second')}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
