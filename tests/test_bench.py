@@ -115,6 +115,7 @@ def test_presets_print_before_and_after(tmp_path, text_cache, capsys):
     ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7", "attention"),
     ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>", "attention"),
     ("triton_red_fused__log_softmax__to_copy_nll_loss_forward_0", "cross_entropy"),
+    ("cross_entropy_rows_kernel", "cross_entropy"),  # model.py's fused loss kernel
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
     ("triton_per_fused__fused_rms_norm_mean_pow_rsqrt_1", "norm"),
     ("triton_poi_fused_add_mul_silu_2", "elementwise"),

@@ -319,3 +319,25 @@ def test_identities_are_key_order_independent():
     assert env.config_identity({"a": 1}) != env.config_identity({"a": 2})
     a, b = env.new_run_id(), env.new_run_id()
     assert a != b
+
+
+def test_merging_a_returned_results_file_keeps_everything(tmp_path):
+    """scripts/merge_results.py: entries of a device call's copy join the local file; nothing local is lost."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("merge_results", REPO / "scripts" / "merge_results.py")
+    merge_results = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(merge_results)
+    local, returned = tmp_path / "local.json", tmp_path / "returned.json"
+    env.record(local, ["benchmarks", "old"], {"run_id": "a", "tokens_per_second": 1.0})
+    env.record(local, ["run-1"], {"run_id": "r1", "status": "complete"})
+    env.record(local, ["benchmarks", "changed"], {"run_id": "b", "tokens_per_second": 2.0})
+    env.record(returned, ["benchmarks", "new"], {"run_id": "c", "tokens_per_second": 3.0})
+    env.record(returned, ["benchmarks", "changed"], {"run_id": "d", "tokens_per_second": 4.0})
+    env.record(returned, ["profiles", "new"], {"run_id": "c", "kernel_count": 7})
+    env.record(returned, ["run-2"], {"run_id": "r2", "status": "complete"})
+    assert merge_results.merge(returned, local) == 4
+    merged = env.read_results(local)
+    assert set(merged["benchmarks"]) == {"old", "new", "changed"}
+    assert merged["benchmarks"]["changed"]["run_id"] == "d" and merged["profiles"]["new"]["kernel_count"] == 7
+    assert merged["run-1"]["run_id"] == "r1" and merged["run-2"]["run_id"] == "r2"
+    assert [h["path"] for h in merged["history"]] == [["benchmarks", "changed"]]  # the replaced entry is kept
