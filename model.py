@@ -289,11 +289,12 @@ def chunked_cross_entropy(h, weight, targets, chunk_tokens):
 # ---------------------------------------------------------------- fused LM head + cross-entropy
 #
 # Why a kernel of our own rather than Liger-Kernel's fused linear cross-entropy (the library made for this):
-# Liger reads the count of counted targets back to the host (`.item()`) on every call and compares the
-# upstream gradient with 1.0 (`torch.equal`) in backward, two host syncs per micro-step that stall the
-# launch queue; and it sizes its token slices to keep the logits near the size of the input (512 tokens
-# at width 320), 64 small matmuls per micro-step. The loss here is a plain sum, so no count is needed,
-# the upstream gradient scales the two small gradients instead of the logits, and the slice is ours to set.
+# on the H200, for one 32,768-token update of the 20m model, Liger took 24.8 ms and this 5.4 ms
+# (scripts/loss_microbench.py, docs/PERFORMANCE.md). Liger reads the count of counted targets back to the
+# host (`.item()`) on every call and compares the upstream gradient with 1.0 (`torch.equal`) in backward,
+# two host syncs per micro-step; and it sizes its token slices to keep the logits near the size of the
+# input (512 tokens at width 320), 64 small matmuls per call. The loss here is a plain sum, so no count is
+# needed, the upstream gradient scales the two small gradients instead of the logits, and the slice is ours.
 
 def _cross_entropy_rows_torch(logits, targets, write_grad=True):
     """Per-row loss (float32) and, with write_grad, d(loss)/d(logits) written over `logits`; rows with
@@ -322,9 +323,9 @@ def _cross_entropy_rows_triton(logits, targets, write_grad=True):
     """The Triton kernel: one program per row, logits read once, the gradient stored in their place.
 
     Built on first use so that importing model.py never needs Triton (the CPU build has none)."""
+    import triton
     global _triton_rows
     if _triton_rows is None:
-        import triton
         import triton.language as tl
 
         @triton.jit
@@ -366,21 +367,28 @@ def _cross_entropy_rows_triton(logits, targets, write_grad=True):
         _triton_rows = cross_entropy_rows_kernel
     n_rows, n_cols = logits.shape
     losses = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-    import triton
     block = min(triton.next_power_of_2(n_cols), 32768)
     _triton_rows[(n_rows,)](logits, logits.stride(0), targets, losses, n_cols, BLOCK=block,
                             ONE_BLOCK=n_cols <= block, WRITE_GRAD=write_grad, num_warps=32 if block >= 16384 else 8)
     return losses
 
 
-def _use_triton(device):
-    if device.type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def _cross_entropy_rows(device):
+    """The Triton kernel on CUDA devices where Triton is installed, else the torch reference."""
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            return _cross_entropy_rows_triton
+    return _cross_entropy_rows_torch
+
+
+def _in_autocast_dtype(h):
+    """h as F.linear would see it: in the autocast dtype when autocast is on."""
+    device_type = h.device.type
+    return h.to(torch.get_autocast_dtype(device_type)) if torch.is_autocast_enabled(device_type) else h
 
 
 def _linear_cross_entropy_impl(h, weight, targets, chunk_tokens):
@@ -390,7 +398,7 @@ def _linear_cross_entropy_impl(h, weight, targets, chunk_tokens):
     gradients leave the matmuls in float32 (bf16 products, float32 sums), so that backward scales them
     before the one rounding to h's dtype that F.linear's backward would also do."""
     w = weight.to(h.dtype)
-    rows = _cross_entropy_rows_triton if _use_triton(h.device) else _cross_entropy_rows_torch
+    rows = _cross_entropy_rows(h.device)
     grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device)
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     total = torch.zeros((), dtype=torch.float32, device=h.device)
@@ -439,7 +447,7 @@ _linear_cross_entropy_op.register_autograd(_linear_cross_entropy_backward, setup
 def _linear_cross_entropy_losses_op(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                                     chunk_tokens: int) -> torch.Tensor:
     w = weight.to(h.dtype)
-    rows = _cross_entropy_rows_triton if _use_triton(h.device) else _cross_entropy_rows_torch
+    rows = _cross_entropy_rows(h.device)
     return torch.cat([rows(h[start:start + chunk_tokens] @ w.t(), targets[start:start + chunk_tokens], write_grad=False)
                       for start in range(0, h.shape[0], chunk_tokens)])
 
@@ -452,10 +460,7 @@ def _(h, weight, targets, chunk_tokens):
 def linear_cross_entropy_losses(h, weight, targets, chunk_tokens):
     """Each token's cross-entropy of (h @ weight.T) (0 where the target is -100), without gradients:
     evaluation's path, with the logits in the autocast dtype one slice at a time, never in float32."""
-    device_type = h.device.type
-    if torch.is_autocast_enabled(device_type):
-        h = h.to(torch.get_autocast_dtype(device_type))
-    return _linear_cross_entropy_losses_op(h, weight, targets, int(chunk_tokens))
+    return _linear_cross_entropy_losses_op(_in_autocast_dtype(h), weight, targets, int(chunk_tokens))
 
 
 def linear_cross_entropy(h, weight, targets, chunk_tokens):
@@ -466,10 +471,7 @@ def linear_cross_entropy(h, weight, targets, chunk_tokens):
     so neither float32 logits nor more than one slice of logits ever exist, and backward only scales the
     stored gradients. Under autocast, h and the logits are in the autocast dtype, as F.linear's would be.
     """
-    device_type = h.device.type
-    if torch.is_autocast_enabled(device_type):
-        h = h.to(torch.get_autocast_dtype(device_type))
-    return _linear_cross_entropy_op(h, weight, targets, int(chunk_tokens))[0]
+    return _linear_cross_entropy_op(_in_autocast_dtype(h), weight, targets, int(chunk_tokens))[0]
 
 
 # ---------------------------------------------------------------- transformers interop
