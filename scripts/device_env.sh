@@ -4,6 +4,6 @@
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-out/h200}; mkdir -p "$OUT"
 R=$(realpath -m "$OUT/h200.json"); cp results/h200.json "$R"
-DATA=$(realpath data/cache/gutenberg)
 BEFORE=${BEFORE:-.carry/before}   # a copy of the previous commit's tree (git archive HEAD), for before/after
+DATA=$(realpath -m --relative-to="$BEFORE" data/cache/gutenberg)   # the token cache as the before tree sees it
 REF=config/20m_gh200.py
