@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,power.draw --format=csv,nohea
 bench() { timeout 240 python3 bench.py $REF --results_file=$R "$@"; }
 
 gpu0() {
-  python3 scripts/loss_microbench.py --out=$OUT/loss_microbench.json
+  python3 scripts/loss_microbench.py --results_file=$R
   bench --name=s2-20m-full --profile=True
   bench --name=s2-20m-fused --loss_impl=fused --profile=True
   bench --name=s2-20m-fused-slice32k --loss_impl=fused --loss_chunk_tokens=32768

@@ -1,12 +1,12 @@
 """The LM head + cross-entropy alone, forward and backward, on the GPU: our fused op against what it
 replaces (full logits, eager and compiled) and against Liger-Kernel's fused linear cross-entropy, the
-library made for this (when it is importable). Same inputs for all; each is checked against the eager
-reference (loss, and the relative error of both gradients) before it is timed.
+library made for this (when it is importable). Same inputs for all; each one's loss and the relative
+error of both gradients against the eager full loss are recorded beside its time, under "loss-microbench"
+in the results file (with the fingerprint).
 
-    python scripts/loss_microbench.py [--tokens=32768] [--out=loss_microbench.json]
+    python scripts/loss_microbench.py [--tokens=32768] [--results_file=results.json]
 """
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import env  # noqa: E402
 import model  # noqa: E402
 
 
@@ -69,7 +70,7 @@ def main():
     parser.add_argument("--dim", type=int, default=320)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--out", default="loss_microbench.json")
+    parser.add_argument("--results_file", default="results.json")
     args = parser.parse_args()
     torch.manual_seed(0)
     h = torch.randn(args.tokens, args.dim, device="cuda")
@@ -89,8 +90,9 @@ def main():
             "peak_extra_gib": round(r["peak_extra_bytes"] / 2**30, 3),
             "grad_h_relative_error": ((r["grad_h"] - reference["grad_h"]).norm() / reference["grad_h"].norm()).item(),
             "grad_w_relative_error": ((r["grad_w"] - reference["grad_w"]).norm() / reference["grad_w"].norm()).item()}
-    Path(args.out).write_text(json.dumps({"tokens": args.tokens, "dim": args.dim, "vocab": args.vocab,
-                                          "device": torch.cuda.get_device_name(), "results": results}, indent=1))
+    env.record(args.results_file, ["loss-microbench"], {
+        "run_id": env.new_run_id(), "tokens": args.tokens, "dim": args.dim, "vocab": args.vocab, "reps": args.reps,
+        "results": results, "environment": env.fingerprint()})
     print(f"{'variant':<16}{'ms fwd+bwd':>12}{'extra GiB':>11}{'loss':>16}{'grad_h err':>12}{'grad_w err':>12}")
     for name, r in results.items():
         if "error" in r:
