@@ -37,10 +37,16 @@ class TokenCache:
         if not meta_path.is_file():
             raise CacheError(f"token cache {self.path} has no meta.json; prepare it first, e.g. "
                              f"python data/prepare.py --source ../shared/data/gutenberg --out {self.path}")
-        self.meta = json.loads(meta_path.read_text())
-        dtype = np.dtype(self.meta["dtype"])
-        self.identity = self.meta["cache_identity"]
-        self.vocab_size = int(self.meta["vocab_size"])
+        try:
+            self.meta = json.loads(meta_path.read_text())
+            dtype = np.dtype(self.meta["dtype"])
+            self.identity = self.meta["cache_identity"]
+            self.vocab_size = int(self.meta["vocab_size"])
+            counts = {split: int(self.meta[f"{split}_tokens"]) for split in ("train", "val")}
+            digests = {split: self.meta[f"{split}_sha256"] for split in ("train", "val")}
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CacheError(f"{meta_path} is unreadable or incomplete ({type(exc).__name__}: {exc}); "
+                             f"prepare the cache again") from None
         for split in ("train", "val"):
             path = self.path / f"{split}.bin"
             if not path.is_file():
@@ -49,11 +55,11 @@ class TokenCache:
             if size % dtype.itemsize:
                 raise CacheError(f"{path} holds {size} bytes, not a whole number of {dtype} tokens: it is "
                                  f"truncated or foreign; prepare the cache again")
-            expected = int(self.meta[f"{split}_tokens"])
+            expected = counts[split]
             if size // dtype.itemsize != expected:
                 raise CacheError(f"{path} holds {size // dtype.itemsize} tokens but meta.json says {expected}: "
                                  f"it is truncated or foreign; prepare the cache again")
-            if verify and _sha256(path) != self.meta[f"{split}_sha256"]:
+            if verify and _sha256(path) != digests[split]:
                 raise CacheError(f"{path} does not match the identity in meta.json (its bytes changed "
                                  f"after preparation); prepare the cache again")
             tokens = np.memmap(path, dtype=dtype, mode="r") if expected else np.zeros(0, dtype)

@@ -174,7 +174,7 @@ def open_hub(source, streaming):
 # ----------------------------------------------------------------------------- tokenizer
 
 def load_tokenizer(spec, vocab_size):
-    """A loaded transformers tokenizer, or None when a BPE is to be trained (spec None or unloadable hub name)."""
+    """A loaded transformers tokenizer, or None when no tokenizer is given and a BPE is to be trained."""
     if spec is None:
         return None
     from transformers import AutoTokenizer
@@ -194,9 +194,8 @@ def load_tokenizer(spec, vocab_size):
             return AutoTokenizer.from_pretrained(spec)
         except Exception as e:
             reason = str(e).splitlines()[0][:200]
-    print(f"warning: could not load tokenizer {spec!r} ({reason}); training a byte-level BPE of {vocab_size} "
-          f"tokens on the training text instead")
-    return None
+    raise PrepareError(f"could not load tokenizer {spec!r} ({reason}); give a local tokenizer folder, a name in "
+                       f"the Hugging Face cache, or leave --tokenizer out to train a byte-level BPE of --vocab_size tokens")
 
 
 def train_bpe(train_ds, vocab_size):
@@ -278,6 +277,10 @@ def prepare(source, out, tokenizer=None, vocab_size=32000, val_fraction=0.01, nu
     num_proc = num_proc or os.cpu_count() or 1
     if num_proc < 1:
         raise PrepareError(f"--num_proc {num_proc} must be at least 1")
+    if out.exists() and not (out / "meta.json").exists() and (not out.is_dir() or any(out.iterdir())):
+        # the cache replaces --out whole: never a folder (or file) that holds something else
+        raise PrepareError(f"--out {str(out)!r} exists and is not a token cache; give a new folder, an empty one, "
+                           f"or an existing cache")
 
     # 1. what the inputs are, hashed before any work, so an up-to-date cache is found without tokenizing
     hub = source.startswith("hf:")

@@ -257,3 +257,39 @@ def test_cli_prints_one_error_line_and_exits_2(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("error: ") and "no-such-corpus" in r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "cache").exists()
+
+
+def test_out_that_holds_something_else_is_refused_and_kept(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (src / name).write_text(f"{name}: the fox jumps over the dog. " * 50)
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "important.txt").write_text("keep")
+    with pytest.raises(PrepareError, match="exists and is not a token cache"):
+        prepare(src, precious, vocab_size=300, num_proc=1)
+    assert (precious / "important.txt").read_text() == "keep" and os.listdir(precious) == ["important.txt"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert prepare(src, empty, vocab_size=300, num_proc=1)["train_tokens"] > 0  # an empty folder is fine
+
+
+def test_a_tokenizer_that_cannot_be_loaded_is_an_error_not_a_substitute(tmp_path, monkeypatch):
+    monkeypatch.setattr(prep, "hub_reachable", lambda: False)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("the fox jumps over the dog. " * 50)
+    with pytest.raises(PrepareError, match="could not load tokenizer 'gpt2-typo'.*leave --tokenizer out"):
+        prepare(src, tmp_path / "out", tokenizer="gpt2-typo", num_proc=1)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_loader_reads_what_prepare_wrote(built):
+    """The two halves of the cache format agree: TokenCache verifies and maps a cache that prepare() wrote."""
+    from data.loader import TokenCache
+    out, meta = built
+    cache = TokenCache(out)
+    assert cache.identity == meta["cache_identity"] and cache.vocab_size == meta["vocab_size"]
+    assert len(cache.train) == meta["train_tokens"] and len(cache.val) == meta["val_tokens"]
+    assert np.array_equal(np.asarray(cache.train), load_bin(out, "train", meta))

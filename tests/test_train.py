@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -411,6 +412,24 @@ def test_model_and_data_mistakes_are_one_line_errors(text_cache, tmp_path, capsy
     assert train.main(cli_args(cfg)) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and word in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda c: (c / "meta.json").write_text("{not json"), "unreadable or incomplete"),
+    (lambda c: (c / "meta.json").write_text(json.dumps({k: v for k, v in json.loads((c / "meta.json").read_text()).items()
+                                                        if k != "train_sha256"})), "train_sha256"),
+    (lambda c: (c / "train.bin").write_bytes((c / "train.bin").read_bytes()[:-2]), "truncated"),
+    (lambda c: (c / "val.bin").write_bytes(b"\x01\x00" + (c / "val.bin").read_bytes()[2:]), "bytes changed"),
+    (lambda c: (c / "meta.json").unlink(), "no meta.json"),
+])
+def test_a_damaged_token_cache_is_one_line_error(text_cache, tmp_path, capsys, damage, words):
+    cache = tmp_path / "damaged"
+    shutil.copytree(text_cache, cache)
+    damage(cache)
+    cfg = small_config(cache, tmp_path)
+    assert train.main(cli_args(cfg)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and words in err and err.count("\n") == 1, err
 
 
 # ---------------------------------------------------------------- distributed data parallel (gloo, CPU)
