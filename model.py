@@ -8,6 +8,7 @@ projections are stored fused for speed at small widths, with the same math: q, k
 import contextlib
 import math
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -205,7 +206,7 @@ class Transformer(nn.Module):
             else:
                 nn.init.normal_(p, mean=0.0, std=0.02)
 
-    def check_input(self, idx):
+    def check_input(self, idx, targets=None):
         """Shape and token-id checks, run before any kernel so that a bad input is one clear error.
 
         The id range is checked only for CPU tensors: on the GPU it would cost a host sync per forward.
@@ -221,6 +222,15 @@ class Transformer(nn.Module):
             if low < 0 or high >= self.config.vocab_size:
                 raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}) (the vocabulary), "
                                  f"got ids from {low} to {high}")
+        if targets is None:
+            return
+        if targets.shape != idx.shape:
+            raise ValueError(f"targets must have the input's shape {tuple(idx.shape)}, got {tuple(targets.shape)}")
+        if targets.device.type == "cpu" and targets.numel():
+            counted = targets[targets != -100]
+            if counted.numel() and (int(counted.min()) < 0 or int(counted.max()) >= self.config.vocab_size):
+                raise ValueError(f"targets must lie in [0, {self.config.vocab_size}) or be -100 (ignored), got "
+                                 f"{int(counted.min())} to {int(counted.max())}")
 
     def hidden_states(self, idx):
         T = idx.shape[1]
@@ -241,7 +251,7 @@ class Transformer(nn.Module):
         gives each position's loss, 0 where ignored (evaluation uses it for the loss's spread).
         """
         if not torch.compiler.is_compiling():
-            self.check_input(idx)
+            self.check_input(idx, targets)
         h = self.hidden_states(idx)
         if targets is None:
             return self.output(h)
@@ -410,9 +420,10 @@ def _linear_cross_entropy_impl(h, weight, targets, chunk_tokens):
         if float32_out:
             torch.mm(logits, w, out_dtype=torch.float32, out=grad_h_slice)
             torch.addmm(grad_w, logits.t(), h_slice, out_dtype=torch.float32, out=grad_w)
-        else:
-            grad_h_slice.copy_(logits @ w)
-            grad_w += logits.t() @ h_slice
+        else:  # CPU (or float32 on the GPU): float32 products too, so the docstring holds under CPU autocast
+            logits, w32, h32 = logits.float(), w.float(), h_slice.float()
+            torch.mm(logits, w32, out=grad_h_slice)
+            grad_w += logits.t() @ h32
     return total, grad_h, grad_w
 
 
@@ -424,8 +435,9 @@ def _linear_cross_entropy_op(h: torch.Tensor, weight: torch.Tensor, targets: tor
 
 @_linear_cross_entropy_op.register_fake
 def _(h, weight, targets, chunk_tokens):
-    return (h.new_empty((), dtype=torch.float32), torch.empty_like(h, dtype=torch.float32),
-            torch.empty_like(weight, dtype=torch.float32))
+    # contiguous, as the real op allocates them (empty_like would copy a non-contiguous h's strides)
+    return (h.new_empty((), dtype=torch.float32), h.new_empty(h.shape, dtype=torch.float32),
+            weight.new_empty(weight.shape, dtype=torch.float32))
 
 
 def _linear_cross_entropy_setup(ctx, inputs, output):
@@ -472,6 +484,25 @@ def linear_cross_entropy(h, weight, targets, chunk_tokens):
     stored gradients. Under autocast, h and the logits are in the autocast dtype, as F.linear's would be.
     """
     return _linear_cross_entropy_op(_in_autocast_dtype(h), weight, targets, int(chunk_tokens))[0]
+
+
+def load_checkpoint(path):
+    """(Transformer with the weights of a train.py checkpoint, the checkpoint dict), on the CPU.
+
+    ValueError, in one sentence, when the file is missing or is not such a checkpoint."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"no checkpoint at {path}; train.py saves one at out/NAME/ckpt.pt")
+    try:
+        # weights_only=False: train.py's checkpoint also holds numpy RNG state; it is our own file.
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        model = Transformer(ModelConfig(**ckpt["model_config"]))
+        model.load_state_dict(ckpt["model"])
+        ckpt["config"]["data_dir"]  # what sampling and parity read the run's tokens and tokenizer from
+    except Exception as exc:  # a truncated or foreign file: say which, not a traceback
+        raise ValueError(f"checkpoint {path} could not be loaded ({type(exc).__name__}: {exc}); "
+                         f"is it a train.py checkpoint?") from None
+    return model, ckpt
 
 
 # ---------------------------------------------------------------- transformers interop
@@ -598,6 +629,10 @@ def _main(argv):
     parser.add_argument("--seq_len", type=int, default=1024)
     parser.add_argument("--results_file", default="results.json")
     args = parser.parse_args(argv)
+    if args.checkpoint and not args.parity:
+        print("error: --checkpoint is read by --parity; add --parity=PRESET (the preset it was trained from)",
+              file=sys.stderr)
+        return 2
     if not args.parity:
         print(f"{'preset':<8}{'parameters':>14}{'width':>7}{'layers':>7}{'heads':>6}{'hidden':>8}"
               f"{'FLOPs/token (T=1024)':>22}")
@@ -606,20 +641,24 @@ def _main(argv):
             print(f"{name:<8}{params:>14,}{cfg.dim:>7}{cfg.n_layers:>7}{cfg.n_heads:>6}{cfg.hidden_dim:>8}"
                   f"{flops_per_token(cfg, 1024) / 1e6:>20.1f}M")
         return 0
+    import env
+    from data.loader import CacheError, TokenCache
     try:
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device=cuda but PyTorch sees no GPU; use --device=cpu")
+        if args.tokens < args.seq_len:
+            raise ValueError(f"--tokens {args.tokens} is less than one sequence of --seq_len {args.seq_len}")
+        env.read_results(args.results_file)  # a broken results file fails now, not after the work
         trained = args.checkpoint is not None
         if trained:
-            ckpt = torch.load(args.checkpoint, map_location="cpu", weights_only=False)
-            model = Transformer(ModelConfig(**ckpt["model_config"]))
-            model.load_state_dict(ckpt["model"])
-            from data.loader import TokenCache
+            model, ckpt = load_checkpoint(args.checkpoint)
             tokens = torch.from_numpy(TokenCache(ckpt["config"]["data_dir"], verify=False).val[:args.tokens + 1]
                                       .astype("int64"))
         else:
             model = Transformer(get_preset(args.parity))
             tokens = torch.randint(0, model.config.vocab_size, (args.tokens + 1,),
                                    generator=torch.Generator().manual_seed(0))
-    except (ValueError, FileNotFoundError, KeyError) as exc:
+    except (ValueError, CacheError, env.ResultsFileError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     rows = args.tokens // args.seq_len
@@ -627,7 +666,6 @@ def _main(argv):
     targets = tokens[1:rows * args.seq_len + 1].view(rows, args.seq_len)
     figures = dict(preset=args.parity, trained=trained, **parity(model, idx, targets, args.device))
     print(figures)
-    import env
     env.append(args.results_file, ["trained-parity"], figures)
     return 0
 

@@ -40,14 +40,19 @@ def load_checkpoint(out_dir, device):
         raise SampleError(f"no checkpoint at {path}; train one first (python train.py CONFIG --name=NAME saves "
                           f"out/NAME/ckpt.pt) or pass the --out_dir of a trained run")
     try:
-        # weights_only=False: train.py's checkpoint also holds numpy RNG state; it is our own file.
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-        model = model_lib.Transformer(model_lib.ModelConfig(**ckpt["model_config"]))
-        model.load_state_dict(ckpt["model"])
-    except Exception as exc:  # a truncated or foreign file: say which, not a traceback
-        raise SampleError(f"checkpoint {path} could not be loaded ({type(exc).__name__}: {exc}); "
-                          f"is it a train.py checkpoint?") from None
+        model, ckpt = model_lib.load_checkpoint(path)
+    except ValueError as exc:
+        raise SampleError(str(exc)) from None
     return model.to(device).eval(), ckpt
+
+
+def run_data_dir(ckpt):
+    """The run's token cache folder: as recorded, or, when that relative path is not found from here, under
+    the repository (train.py runs from the repository, sample.py may not)."""
+    recorded = Path(ckpt["config"]["data_dir"])
+    if recorded.is_absolute() or recorded.exists() or not (env.REPO / recorded).exists():
+        return recorded
+    return env.REPO / recorded
 
 
 def load_tokenizer(data_dir):
@@ -113,8 +118,10 @@ def check_settings(cfg):
     for key, low in (("max_new_tokens", 0), ("top_k", 0), ("num_samples", 1)):
         if cfg[key] < low:
             raise SampleError(f"{key} must be at least {low}, got {cfg[key]}")
-    if not cfg.temperature >= 0:
-        raise SampleError(f"temperature must be 0 (greedy) or positive, got {cfg.temperature}")
+    if not (cfg.temperature == 0 or cfg.temperature >= 1e-3):  # below, logits / temperature overflow
+        raise SampleError(f"temperature must be 0 (greedy) or at least 0.001, got {cfg.temperature}")
+    if cfg.export_hf and Path(cfg.export_hf).exists() and not Path(cfg.export_hf).is_dir():
+        raise SampleError(f"--export_hf {cfg.export_hf} is a file; give a folder (new or existing)")
 
 
 def export(model, tokenizer, folder):
@@ -132,7 +139,7 @@ def sample(cfg):
     device = train.resolve_device(cfg)
     out_dir = train.run_dir(cfg)
     model, ckpt = load_checkpoint(out_dir, device)
-    data_dir = ckpt["config"]["data_dir"]
+    data_dir = run_data_dir(ckpt)
     tokenizer = load_tokenizer(data_dir)
     if cfg.export_hf:
         export(model, tokenizer, cfg.export_hf)

@@ -43,10 +43,10 @@ def test_20m_preset_has_the_exact_reference_parameter_count():
     assert sum(p.numel() for p in model.Transformer(model.PRESETS["20m"]).parameters()) == 20403520
 
 
-@pytest.mark.parametrize("name, target", [("50m", 50e6), ("90m", 90e6)])
-def test_larger_presets_are_near_their_names(name, target):
+@pytest.mark.parametrize("name, target, documented", [("50m", 50e6, 50_473_472), ("90m", 90e6, 88_291_584)])
+def test_larger_presets_are_near_their_names(name, target, documented):
     count = sum(p.numel() for p in model.Transformer(model.PRESETS[name]).parameters())
-    assert abs(count - target) / target < 0.05
+    assert abs(count - target) / target < 0.05 and count == documented  # the README's table
 
 
 def test_embeddings_are_tied_and_counted_once():
@@ -139,6 +139,69 @@ def test_fused_evaluation_gives_each_tokens_loss_as_full_does():
     assert (fused(x, y, reduction="none")[y.flatten() == -100] == 0).all()
 
 
+def test_custom_ops_pass_torch_library_opcheck():
+    """PyTorch's own check of a custom op: the fake function's shapes and strides, autograd registration,
+    schema, and the same results under torch.compile's tracing."""
+    config = tiny_config()
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(50, config.dim, generator=g).t().contiguous().t()  # a non-contiguous h too
+    weight = torch.randn(config.vocab_size, config.dim, generator=g, requires_grad=True) * 0.1
+    targets = torch.randint(0, config.vocab_size, (50,), generator=g)
+    targets[3] = -100
+    for args in ((h.requires_grad_(), weight, targets, 16), (h.detach(), weight.detach(), targets, 64)):
+        torch.library.opcheck(model._linear_cross_entropy_op, args)
+        torch.library.opcheck(model._linear_cross_entropy_losses_op, tuple(a.detach() if torch.is_tensor(a) else a
+                                                                           for a in args))
+
+
+def test_fused_loss_under_cpu_autocast_is_as_close_to_float32_as_full():
+    """Under autocast the fused op sees h in bf16, as F.linear would. Against float32 without autocast, its
+    gradients must be no further off than the full loss's own bf16 rounding (and float32 in dtype)."""
+    config = tiny_config()
+    x, y = random_batch(config, 2, 50)
+    results = {}
+    for name, impl, autocast in (("float32", "full", False), ("full", "full", True), ("fused", "fused", True)):
+        m = seeded_model(config, loss_impl=impl, loss_chunk_tokens=37)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = m(x, y, reduction="mean")
+        loss.backward()
+        results[name] = loss.detach(), {n: p.grad for n, p in m.named_parameters()}
+    reference, reference_grads = results["float32"]
+    assert torch.allclose(results["fused"][0], results["full"][0], rtol=1e-3)
+    assert all(g.dtype == torch.float32 for g in results["fused"][1].values())
+    flat = lambda grads: torch.cat([grads[n].flatten() for n in sorted(grads)])
+    own_rounding = relative_error(flat(results["full"][1]), flat(reference_grads))
+    assert relative_error(flat(results["fused"][1]), flat(reference_grads)) < 1.25 * own_rounding
+
+
+def test_out_of_range_targets_are_one_clear_error():
+    config = tiny_config()
+    m = model.Transformer(config, loss_impl="fused")
+    x, y = random_batch(config, 1, 10)
+    y[0, 1] = config.vocab_size
+    with pytest.raises(ValueError, match=r"targets must lie in \[0, 256\) or be -100"):
+        m(x, y)
+    with pytest.raises(ValueError, match="targets must have the input's shape"):
+        m(x, y[:, :5])
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--parity=20m", "--tokens=30"], "less than one sequence"),
+    (["--checkpoint=ckpt.pt"], "add --parity"),
+    (["--parity=20m", "--checkpoint=missing.pt"], "no checkpoint at missing.pt"),
+    (["--parity=20m", "--checkpoint=garbage.pt"], "is it a train.py checkpoint"),
+    (["--parity=20m", "--results_file=garbage.json"], "garbage.json"),
+    (["--parity=nope"], "unknown model preset 'nope'"),
+])
+def test_model_cli_mistakes_are_one_line_errors(tmp_path, monkeypatch, capsys, args, words):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
+    (tmp_path / "garbage.json").write_text("{not json")
+    assert model._main(args + ["--device=cpu", "--seq_len=64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and words in err and err.count("\n") == 1, err
+
+
 def test_fused_loss_traces_under_torch_compile():
     """The custom op's fake (shape) function and autograd registration, as torch.compile uses them."""
     config = tiny_config()
@@ -209,10 +272,12 @@ def test_reductions_agree_and_ignore_minus_100():
     assert torch.allclose(per_token[counted.flatten()], manual, rtol=1e-5, atol=1e-6)
     assert torch.allclose(total, per_token.sum(), rtol=1e-5)
     assert torch.allclose(mean, total / counted.sum(), rtol=1e-5)
-    # the value of an ignored position's target does not matter
-    y2 = torch.where(counted, y, torch.full_like(y, -100))
+    # ignoring one more target removes exactly that position's loss from the sum
+    position = int(counted.flatten().nonzero()[0])
+    y2 = y.clone()
+    y2.view(-1)[position] = -100
     with torch.no_grad():
-        assert m(x, y2, reduction="sum") == total
+        assert torch.allclose(m(x, y2, reduction="sum"), total - per_token[position], rtol=1e-5)
     # all targets ignored: zero, not NaN
     with torch.no_grad():
         assert m(x, torch.full_like(y, -100)).item() == 0.0

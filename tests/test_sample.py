@@ -126,3 +126,24 @@ def test_bad_settings_are_errors(trained, capsys):
     assert "temperature" in capsys.readouterr().err
     assert sample.main([f"--out_dir={trained['out']}", "--num_samples=0"]) == 2
     assert "num_samples" in capsys.readouterr().err
+    assert sample.main([f"--out_dir={trained['out']}", "--temperature=1e-40"]) == 2  # logits / t would overflow
+    assert "at least 0.001" in capsys.readouterr().err
+    a_file = trained["root"] / "a-file"
+    a_file.write_text("not a folder")
+    assert sample.main([f"--out_dir={trained['out']}", f"--export_hf={a_file}"]) == 2
+    assert "is a file" in capsys.readouterr().err and a_file.read_text() == "not a folder"
+
+
+def test_a_corrupt_checkpoint_is_one_line_error(tmp_path, capsys):
+    (tmp_path / "ckpt.pt").write_bytes(b"not a checkpoint")
+    assert sample.main([f"--out_dir={tmp_path}", "--device=cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: checkpoint ") and "is it a train.py checkpoint" in err and err.count("\n") == 1
+
+
+def test_the_run_data_dir_is_found_from_another_folder(trained, tmp_path, monkeypatch):
+    """A checkpoint records data_dir as train.py was given it (relative to where it ran, the repository)."""
+    import os
+    ckpt = {"config": {"data_dir": os.path.relpath(trained["cache"], env.REPO)}}
+    monkeypatch.chdir(tmp_path)
+    assert sample.run_data_dir(ckpt).resolve() == trained["cache"].resolve()
