@@ -2,7 +2,7 @@
 
     python compare.py config/20m_gh200.py                  # train a plain baseline and the config as given
     python compare.py config/20m_gh200.py --tuned=True      # the optimized side takes tune.py's selected config
-    python compare.py config/tiny_cpu.py --optimized_overrides="--loss_impl=chunked"   # try one lever
+    python compare.py config/tiny_cpu.py --full_validation=True --optimized_overrides="--loss_impl=fused"  # a lever
     python compare.py --baseline=NAME --optimized=NAME      # compare two finished runs of the results file
 
 The baseline runs the same config plainly (eager, micro-batch `baseline_micro_batch_size`, SDPA auto, full
@@ -11,13 +11,15 @@ identity (train.recipe: every key that changes the math) and their final validat
 tolerance below. The verdict goes to results["matched-comparison"], with a plot of both validation curves.
 
 Runs are train.py subprocesses, one after the other (never at once: their speeds are part of the result).
-An existing complete run with the same name and config identity is reused unless --rerun=True.
+An existing complete run with the same name, config identity and source hash (the same code) is reused
+unless --rerun=True.
 Exit status: 0 when the comparison is recorded and holds (or is an allowed recipe change), 1 when a matched
 run's losses disagree or a training run failed, 2 on a user mistake.
 """
 import math
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -38,8 +40,7 @@ rerun = False                    # train again even when a complete run of the s
 noise_runs = ""                  # comma-separated finished runs (repeats, other seeds) whose spread of final
                                  # validation loss measures training noise; widens the tolerance to cover it
 
-OWN_DEFAULTS = {k: v for k, v in dict(globals()).items() if not k.startswith("_") and type(v) in (bool, int, float, str)}
-DEFAULTS = dict(train.DEFAULTS, **OWN_DEFAULTS)
+DEFAULTS = dict(train.DEFAULTS, **env.defaults_of(globals()))
 
 # How the baseline executes: the plainest way, whatever the config asks for.
 BASELINE_EXECUTION = {"compile": False, "sdpa_backend": "auto", "loss_impl": "full"}
@@ -96,8 +97,10 @@ def check_before_training(cfg, sides):
 
     Returns the two recipe identities that train.py will record.
     """
-    if not cfg.full_validation:
-        raise CompareError("the verdict compares the full validation losses; set full_validation=True")
+    if not all(c.full_validation for c in sides):
+        raise CompareError("the verdict compares the full validation losses; set full_validation=True "
+                           "(in the config and in any --optimized_overrides)")
+    check_plot_path(cfg.plot or f"out/{cfg.name}-comparison.png")
     recipes = []
     for side, c in zip(("baseline", "optimized"), sides):
         try:
@@ -140,7 +143,7 @@ def stream(side, cmd):
 
 
 def train_or_reuse(side, c, recipe_identity, rerun):
-    """Train the run with train.py, unless a complete run of the same config and recipe is already recorded."""
+    """Train the run with train.py, unless a complete run of the same config, recipe and code is recorded."""
     out = train.run_dir(c)
     config_path = out / "compare_config.py"
     env.write_config_file(config_path, c, train.DEFAULTS,
@@ -151,8 +154,9 @@ def train_or_reuse(side, c, recipe_identity, rerun):
     identity = env.config_identity(env.load_config(train.DEFAULTS, args))
     old = env.lookup(c.results_file, [c.name])
     if (not rerun and isinstance(old, dict) and old.get("status") == "complete" and old.get("final_validation")
-            and old.get("config_identity") == identity and old.get("recipe_identity") == recipe_identity):
-        print(f"{side}: reusing the complete run {c.name} of the same config in {c.results_file} "
+            and old.get("config_identity") == identity and old.get("recipe_identity") == recipe_identity
+            and (old.get("environment") or {}).get("source_hash") == env.source_hash()):
+        print(f"{side}: reusing the complete run {c.name} of the same config and code in {c.results_file} "
               f"(pass --rerun=True to train again)")
         return
     cmd = [sys.executable, str(env.REPO / "train.py"), *args]
@@ -206,9 +210,7 @@ def training_noise(results, names, results_file):
     losses = {n: finished_run(results, n, results_file)["final_validation"]["loss"] for n in names}
     if len(losses) < 2:
         raise CompareError(f"--noise_runs needs at least two finished runs to measure a spread, got {len(losses)}")
-    mean = sum(losses.values()) / len(losses)
-    std = math.sqrt(sum((v - mean) ** 2 for v in losses.values()) / (len(losses) - 1))
-    return losses, std
+    return losses, statistics.stdev(losses.values())
 
 
 def run_summary(entry):
@@ -242,7 +244,6 @@ def compare_runs(results_file, baseline_name, optimized_name, allow_recipe_chang
     difference = fo["loss"] - fb["loss"]
     agree = abs(difference) <= tol
     rb, ro = b.get("median_training_tokens_per_second"), o.get("median_training_tokens_per_second")
-    save_plot(plot_path, [(baseline_name, b), (optimized_name, o)])
     comparison = {
         baseline_name: run_summary(b),
         optimized_name: run_summary(o),
@@ -263,6 +264,7 @@ def compare_runs(results_file, baseline_name, optimized_name, allow_recipe_chang
     }
     env.record(results_file, ["matched-comparison"], comparison)
     print_table(comparison, b, o)
+    save_plot(plot_path, [(baseline_name, b), (optimized_name, o)])
     print(f"recorded matched-comparison in {results_file}; plot {plot_path}")
     return comparison
 
@@ -316,6 +318,19 @@ def print_table(c, b, o):
     print("\n".join(lines))
 
 
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+
+
+def check_plot_path(path):
+    """Refuse a plot path matplotlib cannot write, before anything is trained or compared."""
+    path = Path(path)
+    if path.suffix.lower() not in PLOT_SUFFIXES:
+        raise CompareError(f"--plot {path} must end in {', '.join(PLOT_SUFFIXES)}")
+    folder = next((p for p in [path.parent, *path.parent.parents] if p.exists()), Path("."))
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise CompareError(f"--plot {path}: cannot create or write into {folder}")
+
+
 def save_plot(path, runs):
     """Validation loss against tokens and against training seconds, one line per run (Agg: no display)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -352,6 +367,7 @@ def compare(cfg):
         if cfg.tuned or cfg.optimized_overrides:
             raise CompareError("--tuned and --optimized_overrides shape runs to train; with --baseline and "
                                "--optimized nothing is trained, so drop them")
+        check_plot_path(plot_path)
         return compare_runs(cfg.results_file, cfg.baseline, cfg.optimized, cfg.allow_recipe_change, plot_path,
                             cfg.noise_runs)
     sides = side_configs(cfg)

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 import uuid
 from pathlib import Path
 
@@ -102,12 +103,17 @@ def load_config(defaults, argv):
             except Exception as exc:  # a config file is user input: report, don't trace back
                 raise ConfigError(f"config file {arg} could not be run: {type(exc).__name__}: {exc}") from None
             for key, value in namespace.items():
-                if key.startswith("_"):
+                if key.startswith("_") or isinstance(value, types.ModuleType):  # `import math` is not a key
                     continue
                 if key not in defaults:
                     raise _unknown_key(key, defaults, f"config file {arg}")
                 config[key] = _check_type(key, value, defaults[key], f"config file {arg}")
     return config
+
+
+def defaults_of(namespace):
+    """A script's config keys: its public globals of type bool, int, float or str (the settings at its top)."""
+    return {k: v for k, v in namespace.items() if not k.startswith("_") and type(v) in (bool, int, float, str)}
 
 
 def write_config_file(path, config, defaults, header=""):
@@ -129,9 +135,12 @@ def config_identity(config):
 
 
 def source_hash(root=REPO):
-    """Hash of the repository's Python files (path and bytes), so an entry names the code that produced it."""
+    """Hash of the repository's Python files (path and bytes), so an entry names the code that produced it.
+
+    Tests and the device scripts are left out: editing them changes no result, and a changed hash makes
+    tune.py measure again and compare.py train again."""
     digest = hashlib.sha256()
-    skip = {"venv", "__pycache__", "out", "runs", "cache"}
+    skip = {"venv", "__pycache__", "out", "runs", "cache", "tests", "scripts"}
     files = []
     for folder, subfolders, names in os.walk(root):
         subfolders[:] = [d for d in subfolders if d not in skip and not d.startswith(".")]  # never .venv
@@ -265,6 +274,10 @@ def peak_flops(device_name):
 
 # ---------------------------------------------------------------- atomic writes and the results file
 
+_UMASK = os.umask(0o022)  # read once, at import (single-threaded): os.umask can only be read by setting it
+os.umask(_UMASK)
+
+
 def atomic_write(path, write):
     """Call write(f) on a temporary file in the same folder, fsync, then rename over `path`.
 
@@ -274,6 +287,8 @@ def atomic_write(path, write):
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp makes the file owner-only; keep the replaced file's mode, or what open() would have given
+        os.fchmod(fd, path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_UMASK)
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -294,7 +309,10 @@ def read_results(path):
     path = Path(path)
     if not path.exists():
         return {}
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except OSError as exc:  # a folder, or no permission
+        raise ResultsFileError(f"results file {path} cannot be read ({exc.strerror}); pass another --results_file") from None
     try:
         data = json.loads(text) if text.strip() else {}
     except json.JSONDecodeError as exc:

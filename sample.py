@@ -25,8 +25,7 @@ top_k = 50                       # sample only among the k likeliest tokens (0: 
 num_samples = 1
 export_hf = ""                   # a folder: save the model as transformers' LlamaForCausalLM there, with the tokenizer
 
-OWN_DEFAULTS = {k: v for k, v in dict(globals()).items() if not k.startswith("_") and type(v) in (bool, int, float, str)}
-DEFAULTS = dict(train.DEFAULTS, **OWN_DEFAULTS)  # seed, device, name and out_dir mean what they mean in train.py
+DEFAULTS = dict(train.DEFAULTS, **env.defaults_of(globals()))  # seed, device, name and out_dir mean what they mean in train.py
 
 
 class SampleError(ValueError):

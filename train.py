@@ -67,7 +67,7 @@ log_interval = 50
 checkpoint_minutes = 0.0         # also checkpoint every N minutes (0: only at epoch ends and on signals)
 stop_after_updates = 0           # end this session after N updates, as a scheduler's time limit would
 
-DEFAULTS = {k: v for k, v in dict(globals()).items() if not k.startswith("_") and type(v) in (bool, int, float, str)}
+DEFAULTS = env.defaults_of(globals())
 
 # Keys that only change how the math is executed; every other key is part of the recipe identity.
 EXECUTION_KEYS = {"name", "out_dir", "results_file", "resume", "data_dir", "device", "micro_batch_size",

@@ -30,6 +30,20 @@ def merge(source, target):
     return count
 
 
+def main(argv):
+    if len(argv) not in (1, 2):
+        print("usage: python scripts/merge_results.py RETURNED.json [INTO.json]", file=sys.stderr)
+        return 2
+    source, into = argv[0], argv[1] if len(argv) > 1 else "results/h200.json"
+    try:
+        if not Path(source).is_file():
+            raise env.ResultsFileError(f"{source} does not exist; give the results file a device call returned")
+        print(f"merged {merge(source, into)} entries of {source} into {into}")
+    except env.ResultsFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    into = sys.argv[2] if len(sys.argv) > 2 else "results/h200.json"
-    print(f"merged {merge(sys.argv[1], into)} entries of {sys.argv[1]} into {into}")
+    sys.exit(main(sys.argv[1:]))

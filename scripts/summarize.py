@@ -2,12 +2,17 @@
 
     python scripts/summarize.py RESULTS.json [PREFIX ...]    # only names starting with a PREFIX, if given
 """
-import json
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import env  # noqa: E402
 
 
 def main(path, prefixes):
-    data = json.load(open(path))
+    if not Path(path).is_file():
+        raise env.ResultsFileError(f"{path} does not exist")
+    data = env.read_results(path)
     wanted = lambda name: not prefixes or name.startswith(tuple(prefixes))
     for name, e in data.get("benchmarks", {}).items():
         if not wanted(name):
@@ -27,4 +32,9 @@ def main(path, prefixes):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    if len(sys.argv) < 2:
+        sys.exit("usage: python scripts/summarize.py RESULTS.json [PREFIX ...]")
+    try:
+        main(sys.argv[1], sys.argv[2:])
+    except env.ResultsFileError as exc:
+        sys.exit(f"error: {exc}")

@@ -1,4 +1,5 @@
 """compare.py: matched runs through real train.py subprocesses, the verdict both ways, and the read-only mode."""
+import numpy as np
 import pytest
 
 import compare
@@ -47,7 +48,9 @@ def test_matched_runs_agree_and_are_reused_and_rereadable(tiny, tmp_path, capsys
     assert c["recipe_identity_equal"] and c["recipe_differences"] == []
     assert c["losses_agree"] and c["recipe_equal_except_execution"] and c["label"] == "matched run"
     assert abs(c["loss_difference"]) <= c["tolerance"] and "3 * sqrt" in c["tolerance_rule"]
-    assert c["speed_ratio"] > 0
+    assert c["speed_ratio"] == pytest.approx(runs_speed := (
+        env.lookup(results, ["m-optimized", "median_training_tokens_per_second"])
+        / env.lookup(results, ["m-baseline", "median_training_tokens_per_second"])))
     for name in ("m-baseline", "m-optimized"):
         run = c[name]
         assert run["result"]["status"] == "complete"
@@ -129,6 +132,41 @@ def test_mistakes_are_one_line_errors(tiny, capsys):
         assert compare.main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and words in err and err.count("\n") == 1
+    # a plot path matplotlib cannot write is refused before anything trains
+    assert compare.main([config, f"--results_file={results}", "--plot=verdict.xyz"]) == 2
+    assert "must end in .png" in capsys.readouterr().err and not env.read_results(results)
+
+
+def finished(loss, recipe="r1", speed=1000.0, std=3.0, tokens=1_000_000):
+    """A hand-made complete training entry, as train.py records one."""
+    return {"status": "complete", "recipe_identity": recipe, "recipe": {"seed": recipe}, "run_id": f"{loss}-{recipe}",
+            "final_validation": {"loss": loss, "loss_std": std, "tokens": tokens},
+            "median_training_tokens_per_second": speed,
+            "validation_curve": [{"epoch": 1, "tokens": 10, "loss": loss + 1, "training_seconds": 1.0}]}
+
+
+def test_the_verdict_both_ways_and_training_noise(tmp_path, capsys):
+    """Losses further apart than the tolerance are 'not shown' (exit 1); noise runs widen the tolerance to
+    3 x sqrt(2) x their standard deviation, and never narrow it."""
+    results = tmp_path / "results.json"
+    env.record(results, ["base"], finished(4.600, speed=500.0))
+    env.record(results, ["far"], finished(4.650, speed=2000.0))
+    for i, loss in enumerate((4.59, 4.62, 4.65)):
+        env.record(results, [f"repeat-{i}"], finished(loss))
+    read = lambda optimized, *extra: compare.main([f"--results_file={results}", "--baseline=base",
+                                                   f"--optimized={optimized}", f"--plot={tmp_path / 'p.png'}", *extra])
+    assert read("far") == 1  # 0.05 apart; validation tolerance 3 * sqrt(2) * 3 / 1000 = 0.0127
+    c = env.lookup(results, ["matched-comparison"])
+    assert not c["losses_agree"] and c["tolerance"] == pytest.approx(3 * 2 ** 0.5 * 3.0 / 1000)
+    assert c["speed_ratio"] == pytest.approx(4.0) and "not shown" in capsys.readouterr().out
+    assert read("far", "--noise_runs=repeat-0,repeat-1,repeat-2") == 0
+    c = env.lookup(results, ["matched-comparison"])
+    std = float(np.std([4.59, 4.62, 4.65], ddof=1))
+    assert c["losses_agree"] and c["training_noise_std"] == pytest.approx(std)
+    assert c["tolerance"] == pytest.approx(3 * 2 ** 0.5 * std)
+    env.record(results, ["other-recipe"], finished(4.601, recipe="r2"))
+    assert read("other-recipe") == 2  # a different recipe is refused, not compared
+    assert "different recipes" in capsys.readouterr().err
 
 
 def test_tuned_config_and_overrides_layer_on_the_optimized_side_only(tiny, tmp_path, capsys):

@@ -341,3 +341,38 @@ def test_merging_a_returned_results_file_keeps_everything(tmp_path):
     assert merged["benchmarks"]["changed"]["run_id"] == "d" and merged["profiles"]["new"]["kernel_count"] == 7
     assert merged["run-1"]["run_id"] == "r1" and merged["run-2"]["run_id"] == "r2"
     assert [h["path"] for h in merged["history"]] == [["benchmarks", "changed"]]  # the replaced entry is kept
+
+
+def test_atomic_writes_keep_the_file_mode_and_give_new_files_the_usual_one(tmp_path):
+    path = tmp_path / "results.json"
+    env.record(path, ["a"], 1)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~env._UMASK  # as open() would create it, not 0600
+    path.chmod(0o640)
+    env.record(path, ["b"], 2)
+    assert path.stat().st_mode & 0o777 == 0o640
+
+
+def test_a_results_file_that_is_a_folder_is_one_clear_error(tmp_path):
+    with pytest.raises(env.ResultsFileError, match="cannot be read"):
+        env.read_results(tmp_path)
+
+
+def test_a_config_file_may_import_modules(tmp_path):
+    path = tmp_path / "c.py"
+    path.write_text("import math\nlearning_rate = math.sqrt(4e-6)\n")
+    assert env.load_config(train.DEFAULTS, [str(path)])["learning_rate"] == pytest.approx(2e-3)
+
+
+def test_merge_script_refuses_a_missing_source(tmp_path, capsys):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("merge_results", REPO / "scripts" / "merge_results.py")
+    merge_results = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(merge_results)
+    assert merge_results.main([str(tmp_path / "typo.json"), str(tmp_path / "into.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err and not (tmp_path / "into.json").exists()
+
+
+def test_the_longest_matching_gpu_name_sets_the_peak(monkeypatch):
+    monkeypatch.setattr(env, "PEAK_BF16_FLOPS", {"H200": 1.0, "GH200": 2.0, "A100": 3.0})
+    assert env.peak_flops("NVIDIA GH200 480GB") == 2.0  # "H200" is in that name too
+    assert env.peak_flops("NVIDIA H200") == 1.0 and env.peak_flops("Other") is None
