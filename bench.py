@@ -145,6 +145,15 @@ def device_used_bytes(device):
     return total - free
 
 
+def check_protocol(cfg):
+    """The bench keys' own checks (tune.py runs them too, before its sweep)."""
+    if cfg.data_mode not in ("real", "synthetic"):
+        raise env.ConfigError(f"data_mode {cfg.data_mode!r} is not one of real, synthetic")
+    for key in ("warmup", "steps", "windows", "profile_updates"):
+        if cfg[key] < 1:
+            raise env.ConfigError(f"{key} must be at least 1, got {cfg[key]}")
+
+
 def run_protocol(cfg):
     """One protocol-v2 run; returns its entry (status "error" with the error text if it failed)."""
     rank, local_rank, world_size = train.distributed()
@@ -160,10 +169,7 @@ def run_protocol(cfg):
     entry["protocol"] = protocol
     trainer = None
     try:
-        if cfg.data_mode not in ("real", "synthetic"):
-            raise env.ConfigError(f"data_mode {cfg.data_mode!r} is not one of real, synthetic")
-        if cfg.warmup < 1 or cfg.steps < 1 or cfg.windows < 1:
-            raise env.ConfigError("warmup, steps and windows must each be at least 1")
+        check_protocol(cfg)
         device = train.resolve_device(cfg)
         if device == "cuda":
             device = f"cuda:{local_rank}"
@@ -216,13 +222,13 @@ def run_protocol(cfg):
             device_peaks.append(device_used_bytes(dev))
         tokens_per_second = median_window(measurements)
         flops = model_lib.flops_per_token(mcfg, cfg.seq_len)
-        peak = env.peak_flops(torch.cuda.get_device_name(dev) if dev.type == "cuda" else None)
+        gpu_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
         kernels, attention = profiled_kernels(trainer, batches, cfg.profile_updates if cfg.profile else 1)
         entry.update(
             status="ok", tokens_per_second=tokens_per_second, tokens_per_second_per_gpu=tokens_per_second / world_size,
-            flops_per_token=flops, mfu=flops * tokens_per_second / world_size / peak if peak else None,
+            flops_per_token=flops, mfu=env.mfu(flops, tokens_per_second / world_size, gpu_name),
             measurements=measurements, attention_kernels=attention,
-            peak_memory_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else train.peak_memory_bytes(dev),
+            peak_memory_bytes=train.peak_memory_bytes(dev),
             peak_reserved_bytes=torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else None,
             # What the device had in use at the window ends (CUDA graph pools, the context, everything),
             # and before the model existed, so the difference is ours.
@@ -286,10 +292,15 @@ def run(cfg):
     rank = int(os.environ.get("RANK", "0"))
     runs = [(cfg.name, cfg)]
     if cfg.presets:
+        names = [p.strip() for p in cfg.presets.split(",") if p.strip()]
+        if not names:
+            raise env.ConfigError(f"presets={cfg.presets!r} names no preset; valid: {', '.join(model_lib.PRESETS)}")
         runs = []
-        for preset in [p.strip() for p in cfg.presets.split(",") if p.strip()]:
+        for preset in names:
             model_lib.get_preset(preset)  # unknown names fail here, before any run
-            runs.append((f"{cfg.name}-{preset}", train.Config(cfg, preset=preset, name=f"{cfg.name}-{preset}")))
+            # each preset's own shape: a config's dim, n_layers, ... would make every preset the same model
+            shape = dict.fromkeys(("dim", "n_layers", "n_heads", "hidden_dim"), 0)
+            runs.append((f"{cfg.name}-{preset}", train.Config(cfg, preset=preset, name=f"{cfg.name}-{preset}", **shape)))
     entries = []
     fingerprint = None
     for name, run_cfg in runs:

@@ -262,6 +262,12 @@ def allocation_usage(environ=None, now=None):
 PEAK_BF16_FLOPS = {"GH200": 989e12, "H200": 989e12, "H100": 989e12, "A100": 312e12}
 
 
+def mfu(flops_per_token, tokens_per_second_per_gpu, device_name):
+    """Model FLOPs utilization: FLOPs per token x tokens/s per GPU / the GPU's dense bf16 peak (None if unknown)."""
+    peak = peak_flops(device_name)
+    return flops_per_token * tokens_per_second_per_gpu / peak if peak and tokens_per_second_per_gpu else None
+
+
 def peak_flops(device_name):
     """Dense bf16 peak FLOP/s of a named GPU, or None when unknown (MFU is then reported as null)."""
     if not device_name:

@@ -131,9 +131,14 @@ def check_execution(cfg, world_size=1):
                               f"{', '.join(model_lib.ATTENTION_BACKENDS)}")
     if cfg.loss_impl not in model_lib.LOSS_IMPLEMENTATIONS:
         raise env.ConfigError(f"loss_impl {cfg.loss_impl!r} is not one of {', '.join(model_lib.LOSS_IMPLEMENTATIONS)}")
-    for key in ("loss_chunk_tokens", "ddp_bucket_mb"):
+    for key in ("seq_len", "tokens_per_update", "loss_chunk_tokens", "ddp_bucket_mb", "log_interval",
+                "eval_batch_size"):
         if cfg[key] <= 0:
             raise env.ConfigError(f"{key} must be positive, got {cfg[key]}")
+    for key in ("epochs", "warmup_updates", "cpu_threads", "checkpoint_minutes", "stop_after_updates",
+                "train_subset_tokens", "val_subset_tokens"):
+        if cfg[key] < 0:
+            raise env.ConfigError(f"{key} must be 0 or more, got {cfg[key]}")
     if cfg.name in RESERVED_NAMES:
         raise env.ConfigError(f"name {cfg.name!r} is a section of the results file; choose another --name")
     if cfg.tokens_per_update % cfg.seq_len:
@@ -274,7 +279,7 @@ class Trainer:
 
 def peak_memory_bytes(device):
     if torch.device(device).type == "cuda":
-        return torch.cuda.max_memory_allocated()
+        return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # process peak RSS on the CPU
 
 
@@ -371,7 +376,7 @@ def train(cfg):
     out = run_dir(cfg)
     ckpt_path = out / "ckpt.pt"
     flops = model_lib.flops_per_token(mcfg, cfg.seq_len)
-    peak = env.peak_flops(torch.cuda.get_device_name(device) if device.startswith("cuda") else None)
+    gpu_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else None
 
     state = {"epoch": 0, "update_in_epoch": 0, "tokens": 0, "validation_curve": [], "best_subset_loss": None,
              "best_epoch": None, "training_seconds": 0.0, "training_elapsed_seconds": 0.0,
@@ -416,7 +421,7 @@ def train(cfg):
             "elapsed_tokens_per_second": state["tokens"] / elapsed if elapsed else None,
             "median_training_tokens_per_second": rates[len(rates) // 2] if rates else None,
             "first_update_seconds": state["first_update_seconds"],
-            "mfu": flops * state["tokens"] / seconds / world_size / peak if seconds and peak else None,
+            "mfu": env.mfu(flops, state["tokens"] / seconds / world_size if seconds else None, gpu_name),
             "flops_per_token": flops, "peak_memory_bytes": peak_memory_bytes(device),
             "world_size": world_size, "sessions": state["sessions"],
             "recipe_identity": recipe_id, "recipe": rec, "config": dict(cfg),
@@ -476,7 +481,8 @@ def train(cfg):
                     rate = interval_tokens / (now - interval_start)
                     state["interval_tokens_per_second"].append(rate)
                     if main_process:
-                        mfu = f"{100 * flops * rate / world_size / peak:.1f}%" if peak else "n/a"
+                        mfu = env.mfu(flops, rate / world_size, gpu_name)
+                        mfu = f"{100 * mfu:.1f}%" if mfu else "n/a"
                         eta = (total_updates - trainer.step) * cfg.tokens_per_update / rate
                         print(f"update {trainer.step}/{total_updates} | epoch {epoch + 1} | loss {loss_value:.4f} | "
                               f"grad norm {grad_norm.item():.3f} | lr {trainer.lr_at(trainer.step - 1):.2e} | "

@@ -15,8 +15,8 @@ from pathlib import Path
 import bench
 import env
 import train
+from data.loader import CacheError, TokenCache
 
-REPO = Path(__file__).resolve().parent
 
 # ---------------------------------------------------------------- defaults (plus everything bench.py takes)
 budget = 45.0                    # minutes for the whole sweep
@@ -153,11 +153,28 @@ def parse_list(text, kind, key):
         raise env.ConfigError(f"{key}={text!r}: expected a comma-separated list of {kind.__name__}") from None
 
 
-def candidate_identity(cfg, candidate):
-    """What a measurement depends on: the candidate's training config and the protocol, not names or paths."""
+def machine():
+    """What a measurement also depends on: the GPU and the CPU (eager is launch-bound) it ran on."""
+    import torch
+    return {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "cpu": env.cpu_model()}
+
+
+def cache_identity(cfg):
+    """The token cache's identity from its meta.json (None for synthetic data or no cache)."""
+    if cfg.data_mode != "real":
+        return None
+    try:
+        return TokenCache(cfg.data_dir, verify=False).identity
+    except CacheError:
+        return None
+
+
+def candidate_identity(cfg, candidate, where):
+    """What a measurement depends on: the candidate's training config, the protocol, the machine and the
+    data, not names or paths."""
     settings = {k: v for k, v in dict(cfg, **candidate).items()
                 if k in train.DEFAULTS and k not in ("name", "out_dir", "results_file")}
-    return env.hash_json({"settings": settings, "protocol": {k: cfg[k] for k in PROTOCOL_KEYS}})
+    return env.hash_json({"settings": settings, "protocol": {k: cfg[k] for k in PROTOCOL_KEYS}, "machine": where})
 
 
 def tune(cfg):
@@ -171,6 +188,13 @@ def tune(cfg):
     for m in modes:
         if m != "eager" and m not in train.COMPILE_MODES:
             raise env.ConfigError(f"tune_compile_modes: {m!r} is not one of eager, {', '.join(train.COMPILE_MODES)}")
+    for key, values in (("tune_micro_batch_sizes", sizes), ("tune_compile_modes", modes), ("tune_backends", backends)):
+        if not values:
+            raise env.ConfigError(f"{key} is empty; give at least one value")
+    for key in ("budget", "candidate_timeout"):
+        if cfg[key] <= 0:
+            raise env.ConfigError(f"{key} must be a positive number of minutes, got {cfg[key]}")
+    bench.check_protocol(cfg)  # or every candidate would fail the same way
     valid_sizes = []
     for size in sorted(set(sizes)):
         try:
@@ -185,14 +209,16 @@ def tune(cfg):
     previous = {}
     old = env.lookup(cfg.results_file, ["tuning"]) or {}
     for record in old.get("candidates", []):
-        if record.get("source_hash") == source and record.get("candidate_identity"):
+        # only measurements: an error may have been the budget's cut or a passing fault, so it is tried again
+        if record.get("source_hash") == source and record.get("candidate_identity") and record.get("status") == "ok":
             previous[record["candidate_identity"]] = record
+    where = dict(machine(), cache_identity=cache_identity(cfg))
     records = []
     tuned_dir = Path(cfg.tuned_dir)
 
     def measure(candidate, seconds_left):
         name = candidate_name(candidate)
-        identity = candidate_identity(cfg, candidate)
+        identity = candidate_identity(cfg, candidate, where)
         config_path = tuned_dir / f"{name}.py"
         candidate_cfg = dict(cfg, **candidate, name=name)
         env.write_config_file(config_path, {k: v for k, v in candidate_cfg.items() if k in train.DEFAULTS},
@@ -202,7 +228,7 @@ def tune(cfg):
             records.append(record)
             return record
         bench_name = f"{cfg.name}-{name}"
-        command = [sys.executable, str(REPO / "bench.py"), str(config_path), f"--name={bench_name}",
+        command = [sys.executable, str(env.REPO / "bench.py"), str(config_path), f"--name={bench_name}",
                    f"--results_file={cfg.results_file}"] + [f"--{k}={cfg[k]}" for k in PROTOCOL_KEYS]
         timeout = max(1.0, min(cfg.candidate_timeout * 60, seconds_left))
         start = time.time()

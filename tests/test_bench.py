@@ -6,6 +6,7 @@ import pytest
 
 import bench
 import env
+import model as model_lib
 import train
 
 SHAPE = ["--dim=64", "--n_layers=2", "--n_heads=2", "--hidden_dim=128"]
@@ -63,6 +64,7 @@ def test_protocol_entry_real_data(tmp_path, text_cache):
     assert profile["kernel_ms_by_category"]["matmul"] > 0
     probes = results["partial-probe"]["probes"]
     assert [p["sequences"] for p in probes] == [8, 2, 6, 8]  # 32, 11, 25, 32 scaled to 8 sequences per update
+    assert all(p["seconds"] > 0 and 0 < p["loss"] < 10 for p in probes)  # each probe ran a training update
 
 
 def test_synthetic_mode_needs_no_dataset(tmp_path):
@@ -95,11 +97,13 @@ def test_user_mistake_is_one_line(tmp_path, text_cache, capsys):
 def test_presets_print_before_and_after(tmp_path, text_cache, capsys):
     argv = ["--name=reg", "--presets=20m,50m", "--warmup=1", "--steps=1", "--windows=1", "--data_mode=synthetic",
             "--vocab_size=512"]
-    base = [a for a in TINY if a not in SHAPE and not a.startswith("--preset=")]  # the presets' own shapes
+    base = [a for a in TINY if not a.startswith("--preset=")]  # SHAPE stays: each preset must use its own shape
     assert run_bench(tmp_path, text_cache, *argv, base=base)[0] == 0
     first = env.read_results(tmp_path / "results.json")["benchmarks"]
     assert set(first) == {"reg-20m", "reg-50m"}
-    assert first["reg-50m"]["preset"] == "50m" and first["reg-50m"]["parameters"] > first["reg-20m"]["parameters"]
+    for name in ("20m", "50m"):
+        preset = model_lib.Transformer(model_lib.get_preset(name, vocab_size=512, max_seq_len=64))
+        assert first[f"reg-{name}"]["parameters"] == sum(p.numel() for p in preset.parameters())
     capsys.readouterr()
     assert run_bench(tmp_path, text_cache, *argv, base=base)[0] == 0
     table = capsys.readouterr().out

@@ -398,11 +398,18 @@ def test_bad_micro_batch_size_lists_the_valid_ones(text_cache, tmp_path, capsys)
 
 @pytest.mark.parametrize("change, word", [(dict(loss_impl="liger"), "full, chunked, fused"),
                                           (dict(loss_chunk_tokens=0), "loss_chunk_tokens"),
-                                          (dict(ddp_bucket_mb=-1), "ddp_bucket_mb")])
-def test_bad_execution_keys_are_refused_before_any_work(text_cache, tmp_path, change, word):
+                                          (dict(ddp_bucket_mb=-1), "ddp_bucket_mb"),
+                                          (dict(seq_len=0), "seq_len must be positive"),
+                                          (dict(log_interval=0), "log_interval must be positive"),
+                                          (dict(eval_batch_size=0), "eval_batch_size"),
+                                          (dict(epochs=-1), "epochs must be 0 or more")])
+def test_bad_execution_keys_are_refused_before_any_work(text_cache, tmp_path, capsys, change, word):
     cfg = small_config(text_cache, tmp_path, **change)
     with pytest.raises(env.ConfigError, match=word):
         train.check_execution(cfg)
+    assert train.main(cli_args(cfg)) == 2
+    assert word in capsys.readouterr().err
+    assert not Path(cfg.results_file).exists() and not (Path(cfg.out_dir) / "ckpt.pt").exists()
 
 
 @pytest.mark.parametrize("change, word", [(dict(preset="30m"), "20m, 50m, 90m"), (dict(dim=100, n_heads=3), "n_heads"),

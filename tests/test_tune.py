@@ -114,11 +114,13 @@ def test_cpu_sweep_selects_records_errors_and_reuses(tmp_path, text_cache, capsy
                                    full_validation=False, val_subset_tokens=512))
     assert run["status"] == "complete"
 
-    # a rerun with the same code and config measures nothing again
+    # a rerun with the same code, config and machine measures again only what failed (an error may have been
+    # the budget's cut or a passing fault): here the cuDNN candidate, which fails the same way on a CPU
     assert tune.main(argv) == 0
     again = env.read_results(results)["tuning"]
     assert [c["name"] for c in again["candidates"]] == names
-    assert all(c["reused"] for c in again["candidates"])
+    assert all(c["reused"] == (c["status"] == "ok") for c in again["candidates"])
+    assert [c["name"] for c in again["candidates"] if not c["reused"]] == [cudnn[0]["name"]]
     assert again["selected"]["tokens_per_second"] == tuning["selected"]["tokens_per_second"]
 
 
@@ -138,3 +140,17 @@ def test_unknown_backend_is_a_user_error(tmp_path, text_cache, capsys):
     assert tune.main(argv) == 2
     err = capsys.readouterr().err
     assert "'fast'" in err and "cudnn" in err and not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("arg, words", [("--budget=-1", "budget must be a positive"),
+                                        ("--candidate_timeout=0", "candidate_timeout must be a positive"),
+                                        ("--tune_compile_modes=", "tune_compile_modes is empty"),
+                                        ("--tune_backends=,", "tune_backends is empty"),
+                                        ("--data_mode=bogus", "data_mode 'bogus'"),
+                                        ("--warmup=0", "warmup must be at least 1")])
+def test_sweep_settings_are_checked_before_any_candidate(tmp_path, text_cache, capsys, arg, words):
+    results = tmp_path / "results.json"
+    argv = TINY + [f"--data_dir={text_cache}", f"--results_file={results}", f"--tuned_dir={tmp_path / 'tuned'}", arg]
+    assert tune.main(argv) == 2
+    assert words in capsys.readouterr().err
+    assert not results.exists() and not (tmp_path / "tuned").exists()
