@@ -23,7 +23,7 @@ class CacheError(ValueError):
     """A token cache that is missing, truncated, foreign or does not fit the model."""
 
 
-def _sha256(path):
+def sha256_file(path):
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
@@ -59,7 +59,7 @@ class TokenCache:
             if size // dtype.itemsize != expected:
                 raise CacheError(f"{path} holds {size // dtype.itemsize} tokens but meta.json says {expected}: "
                                  f"it is truncated or foreign; prepare the cache again")
-            if verify and _sha256(path) != digests[split]:
+            if verify and sha256_file(path) != digests[split]:
                 raise CacheError(f"{path} does not match the identity in meta.json (its bytes changed "
                                  f"after preparation); prepare the cache again")
             tokens = np.memmap(path, dtype=dtype, mode="r") if expected else np.zeros(0, dtype)

@@ -30,6 +30,10 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script too
+import env  # noqa: E402
+from data.loader import sha256_file  # noqa: E402  (the loader verifies what this hashes)
+
 FORMAT = 1
 EOT = "<|endoftext|>"
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # datasets builders
@@ -41,15 +45,6 @@ BATCH = 64  # documents per map batch: whole books are ~0.5 MB each, so this bou
 
 class PrepareError(ValueError):
     """Bad input to prepare(): the message is one sentence naming the input and what is accepted."""
-
-
-def sha256_json(obj):
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-
-
-def sha256_file(path):
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def crash_point(step):
@@ -286,12 +281,12 @@ def prepare(source, out, tokenizer=None, vocab_size=32000, val_fraction=0.01, nu
     hub = source.startswith("hf:")
     if hub:
         hub_splits, rule = open_hub(source, streaming)
-        source_sha = sha256_json({"hf": source, "max_documents": max_documents})
+        source_sha = env.hash_json({"hf": source, "max_documents": max_documents})
     else:
         split_files, base, rule, builder = find_local(source)
         listing = sorted([str(f.relative_to(base)), f.stat().st_size, sha256_file(f)]
                          for fs in split_files.values() for f in fs)
-        source_sha = sha256_json(listing if max_documents is None else [listing, max_documents])
+        source_sha = env.hash_json(listing if max_documents is None else [listing, max_documents])
     if rule is None:
         rule = f"held-out fraction {val_fraction} by document sha256" + (f" seed {seed}" if seed else "")
 
@@ -308,7 +303,7 @@ def prepare(source, out, tokenizer=None, vocab_size=32000, val_fraction=0.01, nu
     if max_vocab is not None and tok_vocab > max_vocab:
         raise PrepareError(f"tokenizer {tok_name!r} has {tok_vocab} tokens but the model's vocabulary holds "
                            f"{max_vocab}; pick a smaller --vocab_size or tokenizer, or a model with a larger vocabulary")
-    identity = sha256_json([FORMAT, {"tokenizer": tok_name, "files_sha256": tok_files}, tok_vocab, source_sha, rule,
+    identity = env.hash_json([FORMAT, {"tokenizer": tok_name, "files_sha256": tok_files}, tok_vocab, source_sha, rule,
                             val_fraction if rule.startswith("held-out") else None])
 
     # 2. under a lock, so two prepares of one DIR don't interleave: recover, check the cache, build, swap
@@ -337,12 +332,10 @@ def prepare(source, out, tokenizer=None, vocab_size=32000, val_fraction=0.01, nu
                 splits = local_to_datasets(source, split_files, builder, max_documents, tmp)
             meta = build(source, splits, tok, tok_name, vocab_size, val_fraction, num_proc, seed, rule, tmp)
             meta.update(source_sha256=source_sha, inputs_identity=identity, seconds=round(time.time() - t0, 1))
-            meta["cache_identity"] = sha256_json([meta["tokenizer_files_sha256"], source_sha, rule,
+            meta["cache_identity"] = env.hash_json([meta["tokenizer_files_sha256"], source_sha, rule,
                                                   meta["train_sha256"], meta["val_sha256"]])
-            with open(tmp / "meta.json", "w") as f:  # written last: a folder with meta.json is complete
-                f.write(json.dumps(meta, indent=1, sort_keys=True) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+            # written last: a folder with meta.json is complete
+            env.atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1, sort_keys=True) + "\n")
             crash_point("meta.json")
             old = out.parent / f"{out.name}.old-{os.getpid()}"
             if out.exists():

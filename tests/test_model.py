@@ -236,6 +236,23 @@ for dtype in (torch.float32, torch.bfloat16):
         assert torch.allclose(model._cross_entropy_rows_triton(untouched, targets, write_grad=False), expected,
                               rtol=1e-5, atol=1e-5)
         assert torch.equal(untouched, copy)  # evaluation's variant leaves the logits alone
+# the whole op with the kernel in it, as on the GPU: loss and both gradients against F.cross_entropy
+model._cross_entropy_rows = lambda device: model._cross_entropy_rows_triton
+h = torch.randn(70, 16, requires_grad=True)
+w = (torch.randn(300, 16) * 0.3).requires_grad_()
+targets = torch.randint(0, 300, (70,))
+targets[5] = -100
+def run(loss_fn):
+    h.grad = w.grad = None
+    loss = loss_fn()
+    (loss * 0.25).backward()
+    return loss.detach(), h.grad.clone(), w.grad.clone()
+got = run(lambda: model.linear_cross_entropy(h, w, targets, 32))  # 70 tokens: slices of 32, 32 and 6
+expected = run(lambda: F.cross_entropy(h @ w.t(), targets, reduction="sum"))
+for a, b in zip(got, expected):
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+assert torch.allclose(model.linear_cross_entropy_losses(h.detach(), w.detach(), targets, 32),
+                      F.cross_entropy(h @ w.t(), targets, reduction="none"), rtol=1e-5, atol=1e-6)
 print("ok")
 """
 
