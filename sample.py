@@ -7,7 +7,6 @@
 The checkpoint is out_dir/ckpt.pt as train.py writes it; the tokenizer is the one data/prepare.py saved in
 the run's data_dir. Samples go to stdout, one after another, each followed by a line of dashes.
 """
-import json
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch
 import env
 import model as model_lib
 import train
+from data.loader import CacheError, TokenCache
 
 # ---------------------------------------------------------------- defaults (train.py's keys are accepted too)
 prompt = "Once upon a time"      # "" starts from the end-of-text token, i.e. a new document
@@ -69,8 +69,10 @@ def load_tokenizer(data_dir):
 
 def start_token(tokenizer, data_dir):
     """What an empty prompt starts from: the end-of-text token that ends every training document."""
-    meta = Path(data_dir) / "meta.json"
-    eot = json.loads(meta.read_text()).get("eot_token_id") if meta.is_file() else None
+    try:
+        eot = TokenCache(data_dir, verify=False).meta.get("eot_token_id")
+    except CacheError:  # no or a damaged cache beside the tokenizer: the tokenizer's own end-of-text
+        eot = None
     eot = eot if eot is not None else tokenizer.eos_token_id
     if eot is None:
         raise SampleError("the prompt is empty and the tokenizer has no end-of-text token to start from; "
