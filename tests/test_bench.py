@@ -54,6 +54,8 @@ def test_protocol_entry_real_data(tmp_path, text_cache):
     assert entry["mfu"] is None  # no GPU: unknown peak
     assert any("scaled_dot_product" in k or "attention" in k for k in entry["attention_kernels"])
     assert entry["config_identity"] == env.config_identity(entry["config"])
+    assert entry["peak_memory_bytes"] > 0 and entry["source_hash"] == env.source_hash()
+    assert set(entry["compiler_cache"]) == {"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"}
     # the loss falls over the windows: these are real training updates, not a replay of one
     assert windows[-1]["loss"] < windows[0]["loss"]
     # profile categories partition the total
