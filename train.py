@@ -216,8 +216,12 @@ class Trainer:
             lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
             fused=self.device.type == "cuda")
         self.step = 0
-        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
-                         else contextlib.nullcontext())
+        # bf16 autocast on the GPU; None (float32) on the CPU. A test turns it on there too.
+        self.autocast_dtype = torch.bfloat16 if self.device.type == "cuda" else None
+
+    def autocast(self, enabled=True):
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16,
+                              enabled=enabled and self.autocast_dtype is not None)
 
     def lr_at(self, step):
         """Linear warmup to learning_rate, then cosine decay to min_lr at the last update."""
@@ -240,17 +244,22 @@ class Trainer:
         scale = self.world_size / n_tokens
         loss_sum = torch.zeros((), device=self.device)
         last = len(micro_batches) - 1
-        for i, (x, y) in enumerate(micro_batches):
-            sync = contextlib.nullcontext()
-            if self.world_size > 1 and i < last:
-                sync = self.model.no_sync()  # all-reduce gradients once, on the last micro-step
-            if self.cudagraphs:
-                torch.compiler.cudagraph_mark_step_begin()
-            with sync:
-                with self.autocast:
+        # One autocast region for all micro-steps: autocast keeps its bf16 copy of each weight until the
+        # region ends, so eager casts the weights once per update instead of once per micro-step (the
+        # weights change only in the optimizer step, so the copies are the same). Backward runs outside
+        # autocast, as before.
+        with self.autocast():
+            for i, (x, y) in enumerate(micro_batches):
+                sync = contextlib.nullcontext()
+                if self.world_size > 1 and i < last:
+                    sync = self.model.no_sync()  # all-reduce gradients once, on the last micro-step
+                if self.cudagraphs:
+                    torch.compiler.cudagraph_mark_step_begin()
+                with sync:
                     loss = self.model(x, y, reduction="sum")
-                (loss * scale).backward()
-            loss_sum += loss.detach()
+                    with self.autocast(enabled=False):
+                        (loss * scale).backward()
+                loss_sum += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -266,7 +275,7 @@ class Trainer:
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             if self.cudagraphs:
                 torch.compiler.cudagraph_mark_step_begin()
-            with self.autocast:
+            with self.autocast():
                 losses = self.eval_model(x, y, reduction="none").double()
             totals += torch.stack([losses.sum(), (losses * losses).sum(), (y != -100).sum().double()])
         self.eval_model.train()

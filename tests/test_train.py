@@ -123,6 +123,55 @@ def test_micro_batch_size_does_not_change_an_update(text_cache, tmp_path):
     assert any(not torch.equal(start[n], results[8][n]) for n in start)  # the updates did change the weights
 
 
+def test_one_autocast_region_per_update_casts_each_weight_once_with_the_same_math(text_cache, tmp_path):
+    """Trainer.update keeps one autocast region over all micro-steps, so eager (launch-bound) casts each
+    weight to bf16 once per update, not once per micro-step; the update must equal one with an autocast
+    region per micro-step forward, as PyTorch's recipe writes it. Autocast is turned on for the CPU here."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class WeightCasts(TorchDispatchMode):
+        def __init__(self, shapes):
+            super().__init__()
+            self.shapes, self.count = shapes, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if (func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16
+                    and args[0].dtype == torch.float32 and tuple(args[0].shape) in self.shapes):
+                self.count += 1
+            return func(*args, **kwargs)
+
+    cfg = small_config(text_cache, tmp_path, micro_batch_size=2)
+    data = train_data(cfg)
+    trainer, reference = make_trainer(cfg), make_trainer(cfg)
+    for t in (trainer, reference):
+        t.autocast_dtype = torch.bfloat16
+    weights = [p for p in trainer.raw_model.parameters() if p.dim() == 2]
+    for u in range(2):
+        batches, n_tokens = data.micro_batches(0, u, cfg.micro_batch_size)
+        assert len(batches) == 4
+        with WeightCasts({tuple(p.shape) for p in weights}) as casts:
+            loss_sum, grad_norm = trainer.update(batches, n_tokens)
+        assert casts.count == len(weights)  # the tied embedding and head: one matrix, cast once
+        # the reference: an autocast region per micro-step forward, backward outside it
+        expected_loss = 0.0
+        for x, y in batches:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = reference.model(x, y, reduction="sum")
+            (loss / n_tokens).backward()
+            expected_loss += loss.item()
+        for group in reference.optimizer.param_groups:
+            group["lr"] = reference.lr_at(reference.step)
+        expected_norm = torch.nn.utils.clip_grad_norm_(reference.raw_model.parameters(), cfg.grad_clip)
+        reference.optimizer.step()
+        reference.optimizer.zero_grad(set_to_none=True)
+        reference.step += 1
+        assert loss_sum.item() == pytest.approx(expected_loss, rel=1e-6)
+        assert torch.equal(grad_norm, expected_norm)
+        for (name, p), q in zip(trainer.raw_model.named_parameters(), reference.raw_model.parameters()):
+            assert torch.equal(p, q), name
+
+
 def test_a_partial_update_is_the_token_weighted_mean(text_cache, tmp_path):
     cfg = small_config(text_cache, tmp_path)
     data = train_data(cfg)
