@@ -128,6 +128,32 @@ def test_loss_variants_equal_full_loss_and_gradients(impl):
             assert relative_error(other_grads[n], full_grads[n]) < 1e-5, n
 
 
+def test_fused_loss_holds_one_slice_of_logits_at_a_time():
+    """The fused op's memory is one slice of logits: the next slice's logits are never computed while the
+    last slice's are still held (that doubled the op's peak on the GPU, 0.5 GB at 8,192-token slices)."""
+    import weakref
+    from torch.utils._python_dispatch import TorchDispatchMode
+    config = tiny_config()
+    _, y = random_batch(config, 2, 50)
+    chunk = 16
+
+    class LiveLogits(TorchDispatchMode):
+        live, most = [], 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.mm.default and out.shape == (chunk, config.vocab_size):  # a slice's logits
+                self.live = [r for r in self.live if r() is not None] + [weakref.ref(out)]
+                self.most = max(self.most, len(self.live))
+            return out
+
+    h = torch.randn(y.numel(), config.dim)
+    weight = torch.randn(config.vocab_size, config.dim)
+    with LiveLogits() as live:  # the op's body: a mode sees the custom op itself only as one call
+        model._linear_cross_entropy_impl(h, weight, y.flatten(), chunk)
+    assert live.most == 1
+
+
 def test_fused_evaluation_gives_each_tokens_loss_as_full_does():
     config = tiny_config()
     x, y = random_batch(config, 2, 50, ignore_fraction=0.3)
