@@ -448,6 +448,8 @@ def test_bad_micro_batch_size_lists_the_valid_ones(text_cache, tmp_path, capsys)
 @pytest.mark.parametrize("change, word", [(dict(loss_impl="liger"), "full, chunked, fused"),
                                           (dict(loss_chunk_tokens=0), "loss_chunk_tokens"),
                                           (dict(ddp_bucket_mb=-1), "ddp_bucket_mb"),
+                                          (dict(activation_memory_budget=0.0), "activation_memory_budget must lie in"),
+                                          (dict(activation_memory_budget=1.5), "activation_memory_budget must lie in"),
                                           (dict(seq_len=0), "seq_len must be positive"),
                                           (dict(log_interval=0), "log_interval must be positive"),
                                           (dict(eval_batch_size=0), "eval_batch_size"),
@@ -616,3 +618,28 @@ def test_a_corrupt_checkpoint_is_one_line_error(text_cache, tmp_path, capsys):
     assert train.main(cli_args(cfg) + ["--resume=True"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "ckpt.pt" in err[0] and "could not be loaded" in err[0]
+
+
+def test_an_activation_memory_budget_saves_less_for_backward_with_the_same_math(text_cache, tmp_path, monkeypatch):
+    """activation_memory_budget < 1 makes the compiled update recompute cheap ops in backward instead of saving
+    their outputs: fewer bytes kept between forward and backward, the same loss and gradient norm."""
+    import torch._functorch.config
+    monkeypatch.setattr(torch._functorch.config, "activation_memory_budget", 1.0)  # restored after the test
+    cfg = small_config(text_cache, tmp_path, micro_batch_size=8)
+    batches, n_tokens = train_data(cfg).micro_batches(0, 0, cfg.micro_batch_size)
+    results = {}
+    for budget in (1.0, 0.3):
+        torch._dynamo.reset()  # else the second trainer would reuse the first one's compiled graphs
+        trainer = make_trainer(train.Config(cfg, compile=True, activation_memory_budget=budget))
+        storages = {}
+
+        def keep(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            loss_sum, grad_norm = trainer.update(batches, n_tokens)
+        results[budget] = loss_sum.item(), grad_norm.item(), sum(storages.values())
+    (loss_a, norm_a, saved_a), (loss_b, norm_b, saved_b) = results[1.0], results[0.3]
+    assert loss_b == pytest.approx(loss_a, rel=1e-5) and norm_b == pytest.approx(norm_a, rel=1e-4)
+    assert saved_b < 0.8 * saved_a, (saved_a, saved_b)
