@@ -275,6 +275,17 @@ def _fmt(value, spec, suffix=""):
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+# Execution keys that say how the update ran (the others name files, logging and stopping).
+SHOWN_EXECUTION = ("compile_mode", "compile_scope", "sdpa_backend", "loss_impl", "loss_chunk_tokens",
+                   "activation_memory_budget", "cpu_threads")
+
+
+def execution_summary(cfg):
+    """'mb 32, compile True, loss_impl fused, ...': the micro-batch, compile, and every shown key off its default."""
+    changed = [f"{k} {cfg[k]}" for k in SHOWN_EXECUTION if k in cfg and cfg[k] != train.DEFAULTS[k]]
+    return ", ".join([f"mb {cfg.get('micro_batch_size', '?')}", f"compile {cfg.get('compile', '?')}"] + changed)
+
+
 def table_rows(entry):
     fv = entry["final_validation"]
     cfg = entry.get("config") or {}
@@ -282,8 +293,7 @@ def table_rows(entry):
     peak = entry.get("peak_memory_bytes")
     return [
         ("status", entry.get("status")),
-        ("execution", f"mb {cfg.get('micro_batch_size', '?')}, compile {cfg.get('compile', '?')}, "
-                      f"sdpa {cfg.get('sdpa_backend', '?')}, loss {cfg.get('loss_impl', '?')}"),
+        ("execution", execution_summary(cfg)),
         ("recipe identity", entry["recipe_identity"][:12]),
         ("updates", f"{entry.get('step')}/{entry.get('total_updates')}"),
         ("tokens", _fmt(entry.get("tokens"), ",")),

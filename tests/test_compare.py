@@ -4,6 +4,7 @@ import pytest
 
 import compare
 import env
+import train
 
 TINY = """\
 preset = "20m"
@@ -186,3 +187,16 @@ def test_tuned_config_and_overrides_layer_on_the_optimized_side_only(tiny, tmp_p
     tuned.unlink()
     assert compare.main(argv) == 2
     assert "tuned.py" in capsys.readouterr().err
+
+
+def test_the_table_names_every_execution_setting_off_its_default():
+    """The matched table says how each side ran, down to the settings that made it lean or fast."""
+    cfg = dict(train.DEFAULTS, micro_batch_size=32, compile=True, compile_scope="blocks",
+               compile_mode="reduce-overhead", activation_memory_budget=0.8, loss_impl="fused")
+    summary = compare.execution_summary(cfg)
+    assert summary.startswith("mb 32, compile True")
+    for shown in ("compile_scope blocks", "compile_mode reduce-overhead", "activation_memory_budget 0.8",
+                  "loss_impl fused"):
+        assert shown in summary
+    assert "sdpa_backend" not in summary and "loss_chunk_tokens" not in summary  # at their defaults
+    assert compare.execution_summary(dict(train.DEFAULTS)) == "mb 8, compile False"
