@@ -8,6 +8,7 @@ import torch
 import env
 import sample
 import train
+from data.loader import TokenCache
 from tests.conftest import SHARED_CORPUS, write_cache
 
 PROMPT = "It was the best of"
@@ -79,8 +80,18 @@ def test_long_prompt_is_cropped_to_the_context(trained):
 
 
 def test_empty_prompt_starts_a_document(trained):
-    [text] = sample.sample(config(trained, "--prompt=", "--max_new_tokens=20"))
-    assert text and not text.startswith("<|endoftext|>")
+    """An empty prompt continues the cache's end-of-text token (what precedes every training document), and
+    that token is not part of the text."""
+    eot = TokenCache(trained["cache"], verify=False).meta["eot_token_id"]
+    assert trained["tokenizer"].convert_ids_to_tokens(eot) == "<|endoftext|>"
+    model, _ = sample.load_checkpoint(trained["out"], "cpu")
+    ids = torch.tensor([[eot]])
+    with torch.no_grad():
+        for _ in range(20):
+            ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    expected = trained["tokenizer"].decode(ids[0, 1:].tolist(), clean_up_tokenization_spaces=False)
+    [text] = sample.sample(config(trained, "--prompt=", "--max_new_tokens=20", "--temperature=0"))
+    assert text == expected and text and not text.startswith("<|endoftext|>")
 
 
 def test_cli_prints_samples(trained, capsys):

@@ -133,6 +133,14 @@ def test_cpu_sweep_runs_out_of_budget(tmp_path, text_cache):
     tuning = env.read_results(results)["tuning"]
     assert tuning["budget_exhausted"] is True
     assert 1 <= len(tuning["candidates"]) < 7
+    # the sweep ends within its budget: a candidate the rest cannot finish is not started, and a running one
+    # is ended at the budget (a few seconds' slack for the process to exit)
+    assert tuning["elapsed_minutes"] * 60 <= 0.2 * 60 + 5
+    ok = [c for c in tuning["candidates"] if c["status"] == "ok"]
+    assert ok, "no candidate finished within 12 s"
+    assert tuning["selected"]["tokens_per_second"] == max(c["tokens_per_second"] for c in ok)
+    selected = env.load_config(train.DEFAULTS, [tuning["selected_config_path"]])
+    assert selected["micro_batch_size"] == tuning["selected"]["micro_batch_size"]
 
 
 def test_unknown_backend_is_a_user_error(tmp_path, text_cache, capsys):
