@@ -335,19 +335,36 @@ def _lock(path):
     return FileLock(str(path) + ".lock", timeout=600)
 
 
-def _update(path, keys, change):
-    """Under the file's lock: read, call change(data, parent, last_key), write back atomically."""
-    path = Path(path)
-    keys = [keys] if isinstance(keys, str) else list(keys)
+def _key_list(keys):
+    return [keys] if isinstance(keys, str) else list(keys)
+
+
+def _parent(data, keys, path):
+    """The object holding results[keys...]'s last key, created along the way."""
+    node = data
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ResultsFileError(f"results file {path}: {'.'.join(keys)} runs through a non-object")
+    return node
+
+
+def _update(path, change):
+    """Under the file's lock: read, call change(data), write back atomically."""
     with _lock(path):
         data = read_results(path)
-        node = data
-        for key in keys[:-1]:
-            node = node.setdefault(key, {})
-            if not isinstance(node, dict):
-                raise ResultsFileError(f"results file {path}: {'.'.join(keys)} runs through a non-object")
-        change(data, node, keys[-1])
+        change(data)
         atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
+
+
+def _put(data, keys, value, path):
+    node, last = _parent(data, keys, path), keys[-1]
+    old = node.get(last)
+    same_run = isinstance(old, dict) and isinstance(value, dict) and old.get("run_id") is not None \
+        and old.get("run_id") == value.get("run_id")
+    if last in node and old != value and not same_run:
+        data.setdefault("history", []).append({"path": keys, "replaced_at": time.time(), "value": old})
+    node[last] = value
 
 
 def record(path, keys, value):
@@ -357,25 +374,29 @@ def record(path, keys, value):
     the same run updating its own entry (same "run_id"), is first appended to the top-level "history"
     list with its path and the time it was replaced.
     """
-    def change(data, node, last):
-        old = node.get(last)
-        same_run = isinstance(old, dict) and isinstance(value, dict) and old.get("run_id") is not None \
-            and old.get("run_id") == value.get("run_id")
-        if last in node and old != value and not same_run:
-            data.setdefault("history", []).append({"path": list(keys) if not isinstance(keys, str) else [keys],
-                                                   "replaced_at": time.time(), "value": old})
-        node[last] = value
-    _update(path, keys, change)
+    record_many(path, [(keys, value)])
+
+
+def record_many(path, items):
+    """record() for each (keys, value) of items, under one lock and one write of the file."""
+    items = [(_key_list(keys), value) for keys, value in items]
+
+    def change(data):
+        for keys, value in items:
+            _put(data, keys, value, path)
+    _update(Path(path), change)
 
 
 def append(path, keys, item):
     """Append `item` to the list at results[keys...] (created when missing), under the lock."""
-    def change(data, node, last):
-        items = node.setdefault(last, [])
+    keys = _key_list(keys)
+
+    def change(data):
+        items = _parent(data, keys, path).setdefault(keys[-1], [])
         if not isinstance(items, list):
-            raise ResultsFileError(f"results file {path}: {last} is not a list")
+            raise ResultsFileError(f"results file {path}: {keys[-1]} is not a list")
         items.append(item)
-    _update(path, keys, change)
+    _update(Path(path), change)
 
 
 def lookup(path, keys, default=None):

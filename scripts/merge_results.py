@@ -3,7 +3,7 @@
     python scripts/merge_results.py RETURNED.json [INTO.json]
 
 Benchmark, profile and other two-level sections merge entry by entry, training runs by name, all through
-env.record, so nothing already in INTO is lost (a replaced entry moves to its "history").
+env.record_many, so nothing already in INTO is lost (a replaced entry moves to its "history").
 """
 import sys
 from pathlib import Path
@@ -15,19 +15,16 @@ NESTED = {"benchmarks", "profiles", "tuning-candidates"}
 
 
 def merge(source, target):
-    data = env.read_results(source)
-    count = 0
-    for key, value in data.items():
+    items = []
+    for key, value in env.read_results(source).items():
         if key == "history":
             continue
         if key in NESTED and isinstance(value, dict):
-            for name, entry in value.items():
-                env.record(target, [key, name], entry)
-                count += 1
+            items += [([key, name], entry) for name, entry in value.items()]
         else:
-            env.record(target, [key], value)
-            count += 1
-    return count
+            items.append(([key], value))
+    env.record_many(target, items)  # one lock and one write for the whole merge
+    return len(items)
 
 
 def main(argv):

@@ -186,6 +186,22 @@ def test_history_keeps_what_another_run_replaces(tmp_path):
     assert env.lookup(path, ["runs", "missing"], default=7) == 7
 
 
+def test_record_many_is_one_write_and_all_or_nothing(tmp_path, monkeypatch):
+    """A merge of many entries takes the lock and writes the file once; an item that cannot be placed leaves
+    the file as it was, with none of the batch in it."""
+    path = tmp_path / "r.json"
+    env.record(path, "scalar", 5)
+    writes = []
+    real_write = env.atomic_write_text
+    monkeypatch.setattr(env, "atomic_write_text", lambda p, text: (writes.append(p), real_write(p, text)))
+    env.record_many(path, [(["runs", str(i)], {"run_id": str(i)}) for i in range(50)])
+    assert len(writes) == 1 and len(env.lookup(path, "runs")) == 50
+    before = path.read_bytes()
+    with pytest.raises(env.ResultsFileError):
+        env.record_many(path, [(["runs", "new"], {"run_id": "x"}), (["scalar", "a"], 1)])
+    assert path.read_bytes() == before and len(writes) == 1
+
+
 def test_append_appends(tmp_path):
     path = tmp_path / "r.json"
     env.append(path, ["benchmarks", "list"], {"i": 0})
