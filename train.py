@@ -75,7 +75,8 @@ DEFAULTS = env.defaults_of(globals())
 # Keys that only change how the math is executed; every other key is part of the recipe identity.
 EXECUTION_KEYS = {"name", "out_dir", "results_file", "resume", "data_dir", "device", "micro_batch_size",
                   "compile", "compile_mode", "compile_scope", "sdpa_backend", "loss_impl", "loss_chunk_tokens",
-                  "activation_memory_budget", "cpu_threads", "ddp_bucket_mb", "eval_batch_size", "log_interval", "checkpoint_minutes", "stop_after_updates"}
+                  "activation_memory_budget", "cpu_threads", "ddp_bucket_mb", "eval_batch_size", "log_interval",
+                  "checkpoint_minutes", "stop_after_updates"}
 MODEL_KEYS = {"preset", "vocab_size", "dim", "n_layers", "n_heads", "hidden_dim", "seq_len"}
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILE_SCOPES = ("model", "blocks")
