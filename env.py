@@ -394,7 +394,7 @@ def append(path, keys, item):
     def change(data):
         items = _parent(data, keys, path).setdefault(keys[-1], [])
         if not isinstance(items, list):
-            raise ResultsFileError(f"results file {path}: {keys[-1]} is not a list")
+            raise ResultsFileError(f"results file {path}: {'.'.join(keys)} is not a list")
         items.append(item)
     _update(Path(path), change)
 

@@ -6,7 +6,6 @@ first compile mode, then attention backends at the best size, then the other com
 included), then CPU threads. A size above one that ran out of memory is never tried, and no candidate is
 started that the remaining budget cannot finish (estimated from those already measured).
 """
-import os
 import subprocess
 import sys
 import time
