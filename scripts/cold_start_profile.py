@@ -20,10 +20,10 @@ import train  # noqa: E402
 
 def main(argv):
     cfg = train.Config(env.load_config(bench.DEFAULTS, argv))
+    device = train.resolve_device(cfg)
+    sequences_per_update = train.check_execution(cfg)  # before any folder is made
     folders, was_cold = bench.cache_state(True)
     print(f"compiler caches {folders}, cold: {was_cold}")
-    device = train.resolve_device(cfg)
-    sequences_per_update = train.check_execution(cfg)
     mcfg = train.model_config(cfg, cfg.vocab_size or 32000)
     _, make = bench.synthetic_batches(cfg, mcfg.vocab_size, sequences_per_update, 0, 1)
     batches = bench.batch_stream(make, device, 3)
@@ -48,4 +48,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except train.USER_ERRORS as exc:
+        sys.exit(f"error: {exc}")

@@ -51,4 +51,7 @@ def main(argv, updates=10, top=25):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except train.USER_ERRORS as exc:
+        sys.exit(f"error: {exc}")
