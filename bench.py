@@ -64,16 +64,20 @@ def categorize(kernel_name):
     return "other"
 
 
-def kernel_breakdown(kernels):
-    """kernels: [(name, count, milliseconds)] -> counts and milliseconds by category, with totals."""
+def kernel_breakdown(kernels, top=25):
+    """kernels: [(name, count, milliseconds)] -> counts and milliseconds by category, with totals, and the
+    `top` kernels by time (a category says where the time goes; the names say which kernel to work on)."""
     by_ms = {c: 0.0 for c in PROFILE_CATEGORIES}
     by_count = {c: 0 for c in PROFILE_CATEGORIES}
     for name, count, ms in kernels:
         category = categorize(name)
         by_ms[category] += ms
         by_count[category] += count
+    slowest = sorted(kernels, key=lambda k: k[2], reverse=True)[:top]
     return {"kernel_count": sum(by_count.values()), "kernel_ms": sum(by_ms.values()),
-            "kernel_ms_by_category": by_ms, "kernel_count_by_category": by_count}
+            "kernel_ms_by_category": by_ms, "kernel_count_by_category": by_count,
+            "top_kernels": [{"name": name[:160], "category": categorize(name), "count": count, "ms": ms}
+                            for name, count, ms in slowest]}
 
 
 def profiled_kernels(trainer, batches, n_updates):

@@ -1,4 +1,5 @@
-"""The short table printed at the end of a device call: benchmark entries and training runs of a results file.
+"""The short table printed at the end of a device call: benchmark entries, kernel profiles (milliseconds per
+update by category, and the slowest kernels) and training runs of a results file.
 
     python scripts/summarize.py RESULTS.json [PREFIX ...]    # only names starting with a PREFIX, if given
 """
@@ -23,6 +24,14 @@ def main(path, prefixes):
               f"  first {e.get('first_update_seconds') or 0:5.1f}s  peak {(e.get('peak_memory_bytes') or 0) / 2**30:5.2f}"
               f"  dev {(e.get('device_peak_used_bytes') or 0) / 2**30:5.2f} GiB  windows {windows}"
               f"  eff {e.get('scaling_efficiency')}  {e.get('error', '')[:90]}")
+    for name, p in data.get("profiles", {}).items():
+        if not wanted(name):
+            continue
+        n = p["profiled_updates"]
+        categories = {c: round(ms / n, 2) for c, ms in p["kernel_ms_by_category"].items() if ms}
+        print(f"{name}: {p['kernel_ms'] / n:.2f} ms of kernels per update, {categories}")
+        for k in p.get("top_kernels", [])[:12]:
+            print(f"  {k['ms'] / n:7.3f} ms  x{k['count'] // n:<4} {k['category']:<14}{k['name'][:100]}")
     for name, run in data.items():
         if isinstance(run, dict) and "final_validation" in run and wanted(name):
             validation = run.get("final_validation") or {}

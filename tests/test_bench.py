@@ -131,6 +131,19 @@ def test_kernel_categories(name, category):
     assert bench.categorize(name) == category
 
 
+def test_kernel_breakdown_totals_and_slowest_kernels():
+    kernels = [("nvjet_tst_128x64", 8, 3.0), ("triton_poi_fused_add_mul_silu_2", 40, 1.5),
+               ("cross_entropy_rows_kernel", 4, 2.0), ("x" * 300, 1, 0.5)]
+    breakdown = bench.kernel_breakdown(kernels, top=3)
+    assert breakdown["kernel_ms"] == pytest.approx(7.0) and breakdown["kernel_count"] == 53
+    assert breakdown["kernel_ms_by_category"]["matmul"] == 3.0
+    assert breakdown["kernel_ms_by_category"]["other"] == 0.5
+    assert [k["name"] for k in breakdown["top_kernels"]] == [
+        "nvjet_tst_128x64", "cross_entropy_rows_kernel", "triton_poi_fused_add_mul_silu_2"]
+    assert breakdown["top_kernels"][1] == {"name": "cross_entropy_rows_kernel", "category": "cross_entropy",
+                                           "count": 4, "ms": 2.0}
+
+
 def test_mfu_peak_table():
     assert env.peak_flops("NVIDIA H200") == 989e12
     assert env.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
