@@ -1,10 +1,12 @@
 """The LM head + cross-entropy alone, forward and backward, on the GPU: our fused op against what it
-replaces (full logits, eager and compiled) and against Liger-Kernel's fused linear cross-entropy, the
-library made for this (when it is importable). Same inputs for all; each one's loss and the relative
+replaces (full logits, eager and compiled) and against the two libraries made for this, when importable:
+Liger-Kernel's fused linear cross-entropy and Apple's Cut Cross-Entropy (CCE, which never writes the logits
+to memory; "cce" with its gradient filter off, the same math, and "cce-filtered" with its default filter,
+which skips softmax entries below bf16's resolution and so changes the gradient slightly). Same inputs for all; each one's loss and the relative
 error of both gradients against the eager full loss are recorded beside its time, under "loss-microbench"
 in the results file (with the fingerprint).
 
-    python scripts/loss_microbench.py [--tokens=32768] [--results_file=results.json]
+    python scripts/loss_microbench.py [--tokens=32768] [--dim=320] [--name=loss-microbench] [--results_file=results.json]
 """
 import argparse
 import sys
@@ -34,6 +36,14 @@ def candidates():
     else:
         liger = LigerFusedLinearCrossEntropyLoss(reduction="sum", accum_dtype=torch.float32)
         found["liger"] = lambda h, w, t: liger(w, h, t)
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce
+    except Exception as exc:  # noqa: BLE001
+        print(f"cut-cross-entropy not measured: {exc}")
+    else:
+        bf16 = torch.bfloat16  # CCE takes both inputs in the compute dtype; autocast does not cast for it
+        found["cce"] = lambda h, w, t: cce(h.to(bf16), w.to(bf16), t, reduction="sum", filter_eps=None)
+        found["cce-filtered"] = lambda h, w, t: cce(h.to(bf16), w.to(bf16), t, reduction="sum")
     return found
 
 
@@ -70,6 +80,7 @@ def main():
     parser.add_argument("--dim", type=int, default=320)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--name", default="loss-microbench", help="the results file key")
     parser.add_argument("--results_file", default="results.json")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -90,7 +101,7 @@ def main():
             "peak_extra_gib": round(r["peak_extra_bytes"] / 2**30, 3),
             "grad_h_relative_error": ((r["grad_h"] - reference["grad_h"]).norm() / reference["grad_h"].norm()).item(),
             "grad_w_relative_error": ((r["grad_w"] - reference["grad_w"]).norm() / reference["grad_w"].norm()).item()}
-    env.record(args.results_file, ["loss-microbench"], {
+    env.record(args.results_file, [args.name], {
         "run_id": env.new_run_id(), "tokens": args.tokens, "dim": args.dim, "vocab": args.vocab, "reps": args.reps,
         "results": results, "environment": env.fingerprint()})
     print(f"{'variant':<16}{'ms fwd+bwd':>12}{'extra GiB':>11}{'loss':>16}{'grad_h err':>12}{'grad_w err':>12}")
