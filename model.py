@@ -327,9 +327,13 @@ def _cross_entropy_rows_torch(logits, targets, write_grad=True):
 
 
 _triton_rows = None
+# How the kernel is launched: the row is held in registers when it fits in `block` columns, else read in
+# `block`-column pieces (online log-sum-exp, then a second pass for the gradient). Chosen on the H200 by
+# scripts/ce_rows_sweep.py over a 8,192 x 32,000 bf16 slice (docs/PERFORMANCE.md has the table).
+ROWS_BLOCK, ROWS_NUM_WARPS = 8192, 8
 
 
-def _cross_entropy_rows_triton(logits, targets, write_grad=True):
+def _cross_entropy_rows_triton(logits, targets, write_grad=True, block=None, num_warps=None):
     """The Triton kernel: one program per row, logits read once, the gradient stored in their place.
 
     Built on first use so that importing model.py never needs Triton (the CPU build has none)."""
@@ -345,15 +349,19 @@ def _cross_entropy_rows_triton(logits, targets, write_grad=True):
             base = logits_ptr + row * row_stride
             target = tl.load(targets_ptr + row)
             counted = target != -100
-            if ONE_BLOCK:  # the row stays in registers: read once, written once
+            # Read before any gradient is stored over it: the block-wide max below waits for every warp,
+            # so no warp can overwrite the target's column before all have read it.
+            target_logit = tl.load(base + tl.maximum(target, 0)).to(tl.float32)
+            if ONE_BLOCK:  # the row stays in registers: read once, written once, one exp per element
                 cols = tl.arange(0, BLOCK)
                 mask = cols < n_cols
                 x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
                 row_max = tl.max(x, axis=0)
-                lse = row_max + tl.log(tl.sum(tl.exp(x - row_max), axis=0))
-                target_logit = tl.sum(tl.where(cols == target, x, 0.0), axis=0)
+                e = tl.exp(x - row_max)
+                total = tl.sum(e, axis=0)
+                lse = row_max + tl.log(total)
                 if WRITE_GRAD:
-                    grad = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
+                    grad = e * (1.0 / total) - tl.where(cols == target, 1.0, 0.0)
                     tl.store(base + cols, tl.where(counted, grad, 0.0).to(logits_ptr.dtype.element_ty), mask=mask)
             else:  # online log-sum-exp over blocks of the row, then a second pass for the gradient
                 running_max = float("-inf")
@@ -365,7 +373,6 @@ def _cross_entropy_rows_triton(logits, targets, write_grad=True):
                     running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
                     running_max = new_max
                 lse = running_max + tl.log(running_sum)
-                target_logit = tl.load(base + tl.maximum(target, 0)).to(tl.float32)
                 for start in range(0, n_cols if WRITE_GRAD else 0, BLOCK):
                     cols = start + tl.arange(0, BLOCK)
                     mask = cols < n_cols
@@ -377,9 +384,10 @@ def _cross_entropy_rows_triton(logits, targets, write_grad=True):
         _triton_rows = cross_entropy_rows_kernel
     n_rows, n_cols = logits.shape
     losses = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-    block = min(triton.next_power_of_2(n_cols), 32768)
+    block = min(triton.next_power_of_2(n_cols), block or ROWS_BLOCK)
+    num_warps = num_warps or min(ROWS_NUM_WARPS, max(4, block // 1024))  # a small vocabulary needs fewer threads
     _triton_rows[(n_rows,)](logits, logits.stride(0), targets, losses, n_cols, BLOCK=block,
-                            ONE_BLOCK=n_cols <= block, WRITE_GRAD=write_grad, num_warps=32 if block >= 16384 else 8)
+                            ONE_BLOCK=n_cols <= block, WRITE_GRAD=write_grad, num_warps=num_warps)
     return losses
 
 

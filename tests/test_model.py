@@ -244,23 +244,24 @@ TRITON_ROWS_CHECK = """
 import torch, torch.nn.functional as F, model
 torch.manual_seed(0)
 for dtype in (torch.float32, torch.bfloat16):
-    for vocab, rows in ((1000, 5), (40000, 3)):  # one block per row, and several (online log-sum-exp)
+    # one block per row, and several (online log-sum-exp), each at the default launch and another
+    for vocab, rows, block in ((1000, 5, None), (1000, 5, 256), (40000, 3, None), (40000, 3, 65536)):
         logits = (torch.randn(rows, vocab) * 4).to(dtype)
         targets = torch.randint(0, vocab, (rows,))
         targets[1] = -100
         reference = logits.float().requires_grad_()
         F.cross_entropy(reference, targets, reduction="sum").backward()
         expected_losses = F.cross_entropy(reference.detach(), targets, reduction="none")
-        losses = model._cross_entropy_rows_triton(logits, targets)  # writes the gradient into logits
-        assert torch.allclose(losses, expected_losses, rtol=1e-5, atol=1e-5), (dtype, vocab)
+        losses = model._cross_entropy_rows_triton(logits, targets, block=block)  # the gradient goes into logits
+        assert torch.allclose(losses, expected_losses, rtol=1e-5, atol=1e-5), (dtype, vocab, block)
         tolerance = 1e-5 if dtype == torch.float32 else 4e-3  # bf16 keeps 8 bits of the gradient
-        assert (logits.float() - reference.grad).abs().max() < tolerance, (dtype, vocab)
+        assert (logits.float() - reference.grad).abs().max() < tolerance, (dtype, vocab, block)
         assert logits[1].abs().max() == 0  # an ignored target has no gradient
         untouched = (torch.randn(rows, vocab) * 4).to(dtype)
         copy = untouched.clone()
         expected = F.cross_entropy(untouched.float(), targets, reduction="none")
-        assert torch.allclose(model._cross_entropy_rows_triton(untouched, targets, write_grad=False), expected,
-                              rtol=1e-5, atol=1e-5)
+        assert torch.allclose(model._cross_entropy_rows_triton(untouched, targets, write_grad=False, block=block),
+                              expected, rtol=1e-5, atol=1e-5)
         assert torch.equal(untouched, copy)  # evaluation's variant leaves the logits alone
 # the whole op with the kernel in it, as on the GPU: loss and both gradients against F.cross_entropy
 model._cross_entropy_rows = lambda device: model._cross_entropy_rows_triton
