@@ -49,7 +49,7 @@ CATEGORIES = [
     ("norm", ("rms_norm", "rmsnorm", "rsqrt", "layer_norm")),
     ("rotary", ("rotary", "rope", "cat_neg", "neg_cat", "cos", "sin")),
     ("elementwise", ("triton_poi", "triton_per", "triton_red", "elementwise", "vectorized", "copy", "fill",
-                     "add", "mul", "silu", "sigmoid", "catarray", "aten::cat", "index", "embedding", "reduce")),
+                     "add", "mul", "silu", "swiglu", "sigmoid", "catarray", "aten::cat", "index", "embedding", "reduce")),
 ]
 PROFILE_CATEGORIES = [c for c, _ in CATEGORIES] + ["other"]
 
