@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One device call on a 1-GPU H200 machine: SwiGLU as one Triton kernel each way (model.swiglu) against the
+# previous commit (.carry/before), where Inductor's backward kernel took 0.96 of the 20m update's 15.9 ms.
+# 20m interleaved twice, then 50m, 90m and eager 20m at micro-batch 8 once each, then a profile of the new 20m.
+# Its figures in results/h200.json are of the op's first version, an opaque custom_op (commit message of the
+# triton_op change and docs/PERFORMANCE.md); run now, it measures the current code.
+set -uo pipefail
+source scripts/device_env.sh
+bench() { timeout 150 python3 bench.py "$@" --results_file=$R; }
+before() { (cd "$BEFORE" && timeout 150 python3 bench.py "$@" --results_file=$R --data_dir=$DATA); }
+{
+  for round in 1 2; do
+    before $REF --name=s12-20m-before-$round
+    bench $REF --name=s12-20m-after-$round
+  done
+  before config/50m.py --name=s12-50m-before
+  bench config/50m.py --name=s12-50m-after
+  before config/90m.py --name=s12-90m-before
+  bench config/90m.py --name=s12-90m-after
+  before $REF --name=s12-eager-before --compile=False --micro_batch_size=8
+  bench $REF --name=s12-eager-after --compile=False --micro_batch_size=8
+  bench $REF --name=s12-20m-profile --profile=True
+} > "$OUT/s12.log" 2>&1
+python3 scripts/summarize.py "$R" s12-
+python3 - "$R" <<'PY'
+import json, sys
+runs = json.load(open(sys.argv[1]))["benchmarks"]
+for name, e in runs.items():
+    if name.startswith("s12-") and e["status"] == "ok":
+        print(f"{name:<22} window losses {[round(m['loss'], 5) for m in e['measurements']]}")
+PY

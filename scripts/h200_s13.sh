@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call on a 1-GPU H200 machine: the fused SwiGLU as a triton_op (torch.compile launches its kernels
+# from generated code; as an opaque custom op it made the 20m update host-bound in s12), against the previous
+# commit (.carry/before): 20m interleaved twice, then 50m and 90m.
+set -uo pipefail
+source scripts/device_env.sh
+bench() { timeout 120 python3 bench.py "$@" --results_file=$R; }
+before() { (cd "$BEFORE" && timeout 120 python3 bench.py "$@" --results_file=$R --data_dir=$DATA); }
+{
+  for round in 1 2; do
+    before $REF --name=s13-20m-before-$round
+    bench $REF --name=s13-20m-after-$round
+  done
+  before config/50m.py --name=s13-50m-before
+  bench config/50m.py --name=s13-50m-after
+  before config/90m.py --name=s13-90m-before
+  bench config/90m.py --name=s13-90m-after
+} > "$OUT/s13.log" 2>&1
+python3 scripts/summarize.py "$R" s13-
+python3 - "$R" <<'PY'
+import json, sys
+runs = json.load(open(sys.argv[1]))["benchmarks"]
+for name, e in runs.items():
+    if name.startswith("s13-") and e["status"] == "ok":
+        print(f"{name:<22} window losses {[round(m['loss'], 5) for m in e['measurements']]}")
+PY
