@@ -518,40 +518,34 @@ def _swiglu_backward_torch(grad_out, x):
 _triton_swiglu = None
 
 
-def _swiglu_kernels():
-    """(forward, backward) Triton kernels, built on first use (as the loss kernel is)."""
+def _swiglu_kernel():
+    """The Triton kernel, both directions, built on first use (as the loss kernel is)."""
     global _triton_swiglu
     if _triton_swiglu is None:
         import triton
         import triton.language as tl
 
         @triton.jit
-        def swiglu_forward_kernel(x_ptr, out_ptr, hidden, BLOCK: tl.constexpr):
+        def swiglu_kernel(x_ptr, grad_out_ptr, out_ptr, hidden, BLOCK: tl.constexpr, BACKWARD: tl.constexpr):
+            """Forward: out = silu(gate) * up. Backward: out = d/d[gate, up], given the upstream grad_out."""
             row = tl.program_id(0).to(tl.int64)
             cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
             mask = cols < hidden
             gate_at = x_ptr + row * 2 * hidden + cols
             gate = tl.load(gate_at, mask=mask).to(tl.float32)
             up = tl.load(gate_at + hidden, mask=mask).to(tl.float32)
-            out = gate * tl.sigmoid(gate) * up
-            tl.store(out_ptr + row * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-        @triton.jit
-        def swiglu_backward_kernel(x_ptr, grad_out_ptr, grad_x_ptr, hidden, BLOCK: tl.constexpr):
-            row = tl.program_id(0).to(tl.int64)
-            cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-            mask = cols < hidden
-            gate_at = x_ptr + row * 2 * hidden + cols
-            gate = tl.load(gate_at, mask=mask).to(tl.float32)
-            up = tl.load(gate_at + hidden, mask=mask).to(tl.float32)
-            g = tl.load(grad_out_ptr + row * hidden + cols, mask=mask).to(tl.float32)
             sig = tl.sigmoid(gate)
-            grad_gate = g * up * sig * (1 + gate * (1 - sig))
-            grad_at = grad_x_ptr + row * 2 * hidden + cols
-            tl.store(grad_at, grad_gate.to(grad_x_ptr.dtype.element_ty), mask=mask)
-            tl.store(grad_at + hidden, (g * gate * sig).to(grad_x_ptr.dtype.element_ty), mask=mask)
+            if BACKWARD:
+                g = tl.load(grad_out_ptr + row * hidden + cols, mask=mask).to(tl.float32)
+                grad_gate = g * up * sig * (1 + gate * (1 - sig))
+                grad_at = out_ptr + row * 2 * hidden + cols
+                tl.store(grad_at, grad_gate.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.store(grad_at + hidden, (g * gate * sig).to(out_ptr.dtype.element_ty), mask=mask)
+            else:
+                out = gate * sig * up
+                tl.store(out_ptr + row * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
-        _triton_swiglu = swiglu_forward_kernel, swiglu_backward_kernel
+        _triton_swiglu = swiglu_kernel
     return _triton_swiglu
 
 
@@ -574,7 +568,8 @@ def _swiglu_op(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty(x.shape[:-1] + (x.shape[-1] // 2,))
     hidden, grid, block = _swiglu_launch(x)
-    torch.library.wrap_triton(_swiglu_kernels()[0])[grid](x, out, hidden, BLOCK=block, num_warps=4)
+    # x stands in for the unused grad_out pointer
+    torch.library.wrap_triton(_swiglu_kernel())[grid](x, x, out, hidden, BLOCK=block, BACKWARD=False, num_warps=4)
     return out
 
 
@@ -585,7 +580,8 @@ def _swiglu_backward_op(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor
     x, grad_out = x.contiguous(), grad_out.contiguous()
     grad_x = torch.empty_like(x)
     hidden, grid, block = _swiglu_launch(x)
-    torch.library.wrap_triton(_swiglu_kernels()[1])[grid](x, grad_out, grad_x, hidden, BLOCK=block, num_warps=4)
+    torch.library.wrap_triton(_swiglu_kernel())[grid](x, grad_out, grad_x, hidden, BLOCK=block, BACKWARD=True,
+                                                      num_warps=4)
     return grad_x
 
 

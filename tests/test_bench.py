@@ -125,7 +125,7 @@ def test_presets_print_before_and_after(tmp_path, text_cache, capsys):
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
     ("triton_per_fused__fused_rms_norm_mean_pow_rsqrt_1", "norm"),
     ("triton_poi_fused_add_mul_silu_2", "elementwise"),
-    ("swiglu_backward_kernel", "elementwise"),  # model.py's fused SwiGLU
+    ("swiglu_kernel", "elementwise"),  # model.py's fused SwiGLU
     ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "other"),
 ])
 def test_kernel_categories(name, category):
