@@ -7,3 +7,6 @@ R=$(realpath -m "$OUT/h200.json"); cp results/h200.json "$R"
 BEFORE=${BEFORE:-.carry/before}   # a copy of the previous commit's tree (git archive HEAD), for before/after
 DATA=$(realpath -m --relative-to="$BEFORE" data/cache/gutenberg)   # the token cache as the before tree sees it
 REF=config/20m_gh200.py
+# bench CONFIG [--key=value ...] runs bench.py on this tree; before CONFIG ... on the previous commit's tree.
+bench() { timeout "${BENCH_TIMEOUT:-150}" python3 bench.py "$@" --results_file="$R"; }
+before() { (cd "$BEFORE" && timeout "${BENCH_TIMEOUT:-150}" python3 bench.py "$@" --results_file="$R" --data_dir="$DATA"); }

@@ -1,17 +1,15 @@
 #!/usr/bin/env bash
 # One device call on a 1-GPU H200 machine: the fused loss's kernel (2.14 of the 20m update's 15.9 ms in
-# s9-20m-profile, 1.9 TB/s) at eight launch shapes and as the previous commit had it (.carry/before); then the
-# 20m default before and after its one-exp-per-element change, interleaved twice.
+# s9-20m-profile, 1.9 TB/s) at its launch shapes (eight at the time) and as the previous commit had it
+# (.carry/before); then the 20m default before and after its one-exp-per-element change, interleaved twice.
 set -uo pipefail
 source scripts/device_env.sh
-bench() { timeout 150 python3 bench.py $REF --results_file=$R "$@"; }
-before() { (cd "$BEFORE" && timeout 150 python3 bench.py $REF --results_file=$R --data_dir=$DATA "$@"); }
 {
   timeout 120 python3 scripts/ce_rows_sweep.py --name=s10-ce-rows-sweep --results_file=$R
   timeout 120 python3 scripts/ce_rows_sweep.py --name=s10-ce-rows-before --tree="$BEFORE" --results_file=$R
   for round in 1 2; do
-    before --name=s10-20m-before-$round
-    bench --name=s10-20m-after-$round
+    before $REF --name=s10-20m-before-$round
+    bench $REF --name=s10-20m-after-$round
   done
 } > "$OUT/s10.log" 2>&1
 grep -A9 "^launch" "$OUT/s10.log"

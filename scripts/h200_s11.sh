@@ -4,8 +4,6 @@
 # had it (.carry/before); then 20m (interleaved twice) and 50m before and after, the kernel at its new launch.
 set -uo pipefail
 source scripts/device_env.sh
-bench() { timeout 150 python3 bench.py "$@" --results_file=$R; }
-before() { (cd "$BEFORE" && timeout 150 python3 bench.py "$@" --results_file=$R --data_dir=$DATA); }
 {
   timeout 120 python3 scripts/ce_rows_sweep.py --name=s11-ce-rows-sweep --results_file=$R
   timeout 120 python3 scripts/ce_rows_sweep.py --name=s11-ce-rows-before --tree="$BEFORE" --results_file=$R

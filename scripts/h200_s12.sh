@@ -6,8 +6,6 @@
 # triton_op change and docs/PERFORMANCE.md); run now, it measures the current code.
 set -uo pipefail
 source scripts/device_env.sh
-bench() { timeout 150 python3 bench.py "$@" --results_file=$R; }
-before() { (cd "$BEFORE" && timeout 150 python3 bench.py "$@" --results_file=$R --data_dir=$DATA); }
 {
   for round in 1 2; do
     before $REF --name=s12-20m-before-$round
@@ -22,10 +20,3 @@ before() { (cd "$BEFORE" && timeout 150 python3 bench.py "$@" --results_file=$R 
   bench $REF --name=s12-20m-profile --profile=True
 } > "$OUT/s12.log" 2>&1
 python3 scripts/summarize.py "$R" s12-
-python3 - "$R" <<'PY'
-import json, sys
-runs = json.load(open(sys.argv[1]))["benchmarks"]
-for name, e in runs.items():
-    if name.startswith("s12-") and e["status"] == "ok":
-        print(f"{name:<22} window losses {[round(m['loss'], 5) for m in e['measurements']]}")
-PY

@@ -4,8 +4,7 @@
 # commit (.carry/before): 20m interleaved twice, then 50m and 90m.
 set -uo pipefail
 source scripts/device_env.sh
-bench() { timeout 120 python3 bench.py "$@" --results_file=$R; }
-before() { (cd "$BEFORE" && timeout 120 python3 bench.py "$@" --results_file=$R --data_dir=$DATA); }
+BENCH_TIMEOUT=120
 {
   for round in 1 2; do
     before $REF --name=s13-20m-before-$round
@@ -17,10 +16,3 @@ before() { (cd "$BEFORE" && timeout 120 python3 bench.py "$@" --results_file=$R 
   bench config/90m.py --name=s13-90m-after
 } > "$OUT/s13.log" 2>&1
 python3 scripts/summarize.py "$R" s13-
-python3 - "$R" <<'PY'
-import json, sys
-runs = json.load(open(sys.argv[1]))["benchmarks"]
-for name, e in runs.items():
-    if name.startswith("s13-") and e["status"] == "ok":
-        print(f"{name:<22} window losses {[round(m['loss'], 5) for m in e['measurements']]}")
-PY

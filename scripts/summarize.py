@@ -24,6 +24,8 @@ def main(path, prefixes):
               f"  first {e.get('first_update_seconds') or 0:5.1f}s  peak {(e.get('peak_memory_bytes') or 0) / 2**30:5.2f}"
               f"  dev {(e.get('device_peak_used_bytes') or 0) / 2**30:5.2f} GiB  windows {windows}"
               f"  eff {e.get('scaling_efficiency')}  {e.get('error', '')[:90]}")
+        if windows:  # the mean training loss of each window: bench trains the recipe from its first update
+            print(f"{'':<30}window losses {[round(m['loss'], 5) for m in e['measurements']]}")
     for name, p in data.get("profiles", {}).items():
         if not wanted(name):
             continue
