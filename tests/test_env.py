@@ -137,11 +137,12 @@ def test_train_main_reports_a_config_error_in_one_line(args, capsys):
 WRITER = """
 import os, sys, time, env
 path, tag, go = sys.argv[1], sys.argv[2], sys.argv[3]
+open(f"{go}-{tag}-ready", "w").close()  # imports done (slow on a loaded machine)
 while not os.path.exists(go):  # start together, so that the writes really overlap
     time.sleep(0.001)
 for n in range(50):
     env.record(path, ["runs", f"{tag}-{n}"], {"run_id": f"{tag}-{n}", "n": n, "pid": os.getpid()})
-    time.sleep(0.002)
+    time.sleep(0.005)  # room for the other writer to take the lock between our writes
 """
 
 
@@ -151,7 +152,10 @@ def test_concurrent_writers_lose_nothing(tmp_path):
     go = tmp_path / "go"
     procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(path), f"p{i}", str(go)], env=environ, cwd=tmp_path)
              for i in range(2)]
-    time.sleep(0.5)
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"go-p{i}-ready").exists() for i in range(2)):  # both writers imported
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "a writer did not start"
+        time.sleep(0.01)
     go.touch()
     for p in procs:
         assert p.wait(timeout=120) == 0
