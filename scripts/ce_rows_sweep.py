@@ -7,6 +7,7 @@ of another copy of the repository (e.g. the previous commit's) at its own launch
 """
 import argparse
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -46,10 +47,20 @@ def main():
     parser.add_argument("--rows", type=int, default=8192)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--reps", type=int, default=50)
-    parser.add_argument("--tree", default=str(ROOT), help="the repository copy whose model.py is timed")
+    parser.add_argument("--tree", default=None,
+                        help="the repository copy whose model.py is timed (default: this one)")
     parser.add_argument("--name", default="ce-rows-sweep")
     parser.add_argument("--results_file", default="results.json")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("this times a GPU kernel, and PyTorch sees no CUDA GPU here")
+    tree = Path(args.tree).resolve() if args.tree else ROOT
+    if not (tree / "model.py").is_file():
+        parser.error(f"--tree {args.tree} holds no model.py; give a copy of this repository")
+    try:
+        env.read_results(args.results_file)  # a broken results file fails now, not after the work
+    except env.ResultsFileError as exc:
+        parser.error(str(exc))
     torch.manual_seed(0)
     logits = (torch.randn(args.rows, args.vocab, device="cuda") * 3).to(torch.bfloat16)
     targets = torch.randint(0, args.vocab, (args.rows,), device="cuda")
@@ -57,8 +68,8 @@ def main():
     reference = logits.float().requires_grad_()
     F.cross_entropy(reference, targets, reduction="sum").backward()
     expected = F.cross_entropy(reference.detach(), targets, reduction="none")
-    model = load_model(args.tree)
-    if Path(args.tree).resolve() == ROOT:
+    model = load_model(tree)
+    if tree == ROOT:
         variants = {f"block{b}-warps{w}": (lambda x, t, b=b, w=w: model._cross_entropy_rows_triton(x, t, block=b,
                                                                                                    num_warps=w))
                     for b, w in LAUNCHES}
@@ -75,7 +86,7 @@ def main():
                          "grad_max_error": (work.float() - reference.grad).abs().max().item()}
     env.record(args.results_file, [args.name], {
         "run_id": env.new_run_id(), "rows": args.rows, "vocab": args.vocab, "reps": args.reps,
-        "tree": str(args.tree), "results": results,
+        "tree": os.path.relpath(tree, ROOT), "results": results,  # relative: no machine's paths in the file
         "environment": env.fingerprint()})
     print(f"{'launch':<20}{'us/call':>9}{'TB/s':>7}{'loss err':>11}{'grad err':>11}")
     for name, r in results.items():

@@ -2,11 +2,12 @@
 replaces (full logits, eager and compiled) and against the two libraries made for this, when importable:
 Liger-Kernel's fused linear cross-entropy and Apple's Cut Cross-Entropy (CCE, which never writes the logits
 to memory; "cce" with its gradient filter off, the same math, and "cce-filtered" with its default filter,
-which skips softmax entries below bf16's resolution and so changes the gradient slightly). Same inputs for all; each one's loss and the relative
-error of both gradients against the eager full loss are recorded beside its time, under "loss-microbench"
-in the results file (with the fingerprint).
+which skips softmax entries below bf16's resolution and so changes the gradient slightly). Same inputs for
+all; each one's loss and the relative error of both gradients against the eager full loss are recorded
+beside its time, under NAME in the results file (with the fingerprint).
 
-    python scripts/loss_microbench.py [--tokens=32768] [--dim=320] [--name=loss-microbench] [--results_file=results.json]
+    python scripts/loss_microbench.py [--tokens=32768] [--dim=320] [--name=loss-microbench] \
+        [--results_file=results.json]
 """
 import argparse
 import sys
@@ -83,6 +84,12 @@ def main():
     parser.add_argument("--name", default="loss-microbench", help="the results file key")
     parser.add_argument("--results_file", default="results.json")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("this times the loss on a GPU, and PyTorch sees no CUDA GPU here")
+    try:
+        env.read_results(args.results_file)  # a broken results file fails now, not after the work
+    except env.ResultsFileError as exc:
+        parser.error(str(exc))
     torch.manual_seed(0)
     h = torch.randn(args.tokens, args.dim, device="cuda")
     weight = torch.randn(args.vocab, args.dim, device="cuda") * 0.02

@@ -396,3 +396,14 @@ def test_the_longest_matching_gpu_name_sets_the_peak(monkeypatch):
     monkeypatch.setattr(env, "PEAK_BF16_FLOPS", {"H200": 1.0, "GH200": 2.0, "A100": 3.0})
     assert env.peak_flops("NVIDIA GH200 480GB") == 2.0  # "H200" is in that name too
     assert env.peak_flops("NVIDIA H200") == 1.0 and env.peak_flops("Other") is None
+
+
+@pytest.mark.parametrize("script", ["ce_rows_sweep.py", "loss_microbench.py"])
+def test_gpu_scripts_say_in_one_line_that_they_need_a_gpu(tmp_path, script):
+    """The GPU microbenchmarks on a machine without CUDA: exit 2 with one sentence, no traceback, no file."""
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / script), f"--results_file={tmp_path / 'r.json'}"],
+                            capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].endswith("PyTorch sees no CUDA GPU here")
+    assert not (tmp_path / "r.json").exists()
