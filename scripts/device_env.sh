@@ -10,3 +10,12 @@ REF=config/20m_gh200.py
 # bench CONFIG [--key=value ...] runs bench.py on this tree; before CONFIG ... on the previous commit's tree.
 bench() { timeout "${BENCH_TIMEOUT:-150}" python3 bench.py "$@" --results_file="$R"; }
 before() { (cd "$BEFORE" && timeout "${BENCH_TIMEOUT:-150}" python3 bench.py "$@" --results_file="$R" --data_dir="$DATA"); }
+# pair NAME CONFIG [--key=value ...]: NAME-before on the previous tree, then NAME-after on this one (ROUND, when
+# set, is appended to both names: NAME-before-ROUND); a before/after measured in one call, as METHOD asks.
+pair() {
+  local name=$1; shift
+  before "$@" --name="$name-before${ROUND:+-$ROUND}"
+  bench "$@" --name="$name-after${ROUND:+-$ROUND}"
+}
+# interleaved NAME CONFIG [--key=value ...]: two pairs in turn, NAME-before-1, NAME-after-1, -2, -2
+interleaved() { local round; for round in 1 2; do ROUND=$round pair "$@"; done; }

@@ -7,10 +7,7 @@ source scripts/device_env.sh
 {
   timeout 120 python3 scripts/ce_rows_sweep.py --name=s10-ce-rows-sweep --results_file=$R
   timeout 120 python3 scripts/ce_rows_sweep.py --name=s10-ce-rows-before --tree="$BEFORE" --results_file=$R
-  for round in 1 2; do
-    before $REF --name=s10-20m-before-$round
-    bench $REF --name=s10-20m-after-$round
-  done
+  interleaved s10-20m $REF
 } > "$OUT/s10.log" 2>&1
 grep -A9 "^launch" "$OUT/s10.log"
 python3 scripts/summarize.py "$R" s10-

@@ -7,12 +7,8 @@ source scripts/device_env.sh
 {
   timeout 120 python3 scripts/ce_rows_sweep.py --name=s11-ce-rows-sweep --results_file=$R
   timeout 120 python3 scripts/ce_rows_sweep.py --name=s11-ce-rows-before --tree="$BEFORE" --results_file=$R
-  for round in 1 2; do
-    before $REF --name=s11-20m-before-$round
-    bench $REF --name=s11-20m-after-$round
-  done
-  before config/50m.py --name=s11-50m-before
-  bench config/50m.py --name=s11-50m-after
+  interleaved s11-20m $REF
+  pair s11-50m config/50m.py
 } > "$OUT/s11.log" 2>&1
 grep -A11 "^launch" "$OUT/s11.log"
 python3 scripts/summarize.py "$R" s11-

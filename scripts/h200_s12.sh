@@ -7,16 +7,10 @@
 set -uo pipefail
 source scripts/device_env.sh
 {
-  for round in 1 2; do
-    before $REF --name=s12-20m-before-$round
-    bench $REF --name=s12-20m-after-$round
-  done
-  before config/50m.py --name=s12-50m-before
-  bench config/50m.py --name=s12-50m-after
-  before config/90m.py --name=s12-90m-before
-  bench config/90m.py --name=s12-90m-after
-  before $REF --name=s12-eager-before --compile=False --micro_batch_size=8
-  bench $REF --name=s12-eager-after --compile=False --micro_batch_size=8
+  interleaved s12-20m $REF
+  pair s12-50m config/50m.py
+  pair s12-90m config/90m.py
+  pair s12-eager $REF --compile=False --micro_batch_size=8
   bench $REF --name=s12-20m-profile --profile=True
 } > "$OUT/s12.log" 2>&1
 python3 scripts/summarize.py "$R" s12-

@@ -6,13 +6,8 @@ set -uo pipefail
 source scripts/device_env.sh
 BENCH_TIMEOUT=120
 {
-  for round in 1 2; do
-    before $REF --name=s13-20m-before-$round
-    bench $REF --name=s13-20m-after-$round
-  done
-  before config/50m.py --name=s13-50m-before
-  bench config/50m.py --name=s13-50m-after
-  before config/90m.py --name=s13-90m-before
-  bench config/90m.py --name=s13-90m-after
+  interleaved s13-20m $REF
+  pair s13-50m config/50m.py
+  pair s13-90m config/90m.py
 } > "$OUT/s13.log" 2>&1
 python3 scripts/summarize.py "$R" s13-
