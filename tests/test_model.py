@@ -302,37 +302,41 @@ def test_triton_cross_entropy_kernel_in_the_interpreter():
 SWIGLU_CHECK = """
 import torch, torch.nn.functional as F, model
 torch.manual_seed(0)
-def run(fn, x, grad_out):
-    x = x.detach().requires_grad_()
-    out = fn(x)
+def run(fn, x, weight, grad_out):
+    x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
+    out = fn(x, weight)
     out.backward(grad_out)
-    return out.float(), x.grad.float()
-def reference(x):  # in float32, as the kernels compute
+    return out.float(), x.grad.float(), weight.grad.float()
+def reference(x, weight):  # in float32, as the kernels compute
     gate, up = x.float().chunk(2, dim=-1)
-    return F.silu(gate) * up
-# one piece per row, and a row in two pieces (1,500 > the 1,024 a program takes); bf16 rounds once
-cases = ((torch.float32, 24, 1e-6), (torch.float32, 1500, 1e-6), (torch.bfloat16, 40, 8e-3))
+    return F.linear(F.silu(gate) * up, weight.float())
+# one piece per row, and a row in two pieces (1,500 > the 1,024 a program takes); bf16 rounds each product
+cases = ((torch.float32, 24, 1e-6), (torch.float32, 1500, 1e-6), (torch.bfloat16, 40, 2e-2))
 def check(fn):
     for dtype, hidden, tolerance in cases:
         x = (torch.randn(3, 5, 2 * hidden) * 3).to(dtype)
-        grad_out = torch.randn(3, 5, hidden).to(dtype)
-        expected_out, expected_grad = run(reference, x.float(), grad_out.float())
-        out, grad = run(fn, x, grad_out)
-        assert out.shape == expected_out.shape and grad.shape == x.shape
-        for got, want in ((out, expected_out), (grad, expected_grad)):
-            assert ((got - want).norm() / want.norm()).item() < tolerance, (dtype, hidden, fn)
+        weight = (torch.randn(7, hidden) / hidden ** 0.5).to(dtype)
+        grad_out = torch.randn(3, 5, 7).to(dtype)
+        expected = run(reference, x.float(), weight.float(), grad_out.float())
+        got = run(fn, x, weight, grad_out)
+        for name, a, b in zip(("out", "grad x", "grad weight"), got, expected):
+            assert a.shape == b.shape and ((a - b).norm() / b.norm()).item() < tolerance, (name, dtype, hidden, fn)
+    # backward's recomputed product is forward's, bit for bit
+    x = torch.randn(4, 2 * 1500).to(torch.bfloat16)
+    _, product = model._swiglu_backward_op(torch.randn(4, 1500).to(torch.bfloat16), x)
+    assert torch.equal(product, model._swiglu_down_op(x, torch.eye(1500, dtype=torch.bfloat16)))
 # the op's autograd and shapes under torch.compile (on the CPU its body is the torch reference)
-check(torch.compile(model._swiglu_op, backend="aot_eager", fullgraph=True))
-# the CUDA path's two Triton kernels, here in the interpreter (which torch.compile cannot trace into)
+check(torch.compile(model._swiglu_down_op, backend="aot_eager", fullgraph=True))
+# the CUDA path's Triton kernel, here in the interpreter (which torch.compile cannot trace into)
 model._uses_triton = lambda device: True
-check(model._swiglu_op)
+check(model._swiglu_down_op)
 print("ok")
 """
 
 
 def test_triton_swiglu_kernels_in_the_interpreter():
-    """The fused SwiGLU op's forward and backward Triton kernels, and its autograd under torch.compile,
-    against autograd of silu(gate) * up."""
+    """The fused SwiGLU-and-down-projection op, its Triton kernel both ways and its autograd under
+    torch.compile, against autograd of F.linear(silu(gate) * up, weight)."""
     pytest.importorskip("triton")
     root = Path(model.__file__).parent
     result = subprocess.run([sys.executable, "-c", SWIGLU_CHECK], cwd=root, capture_output=True, text=True,
@@ -345,27 +349,73 @@ def test_swiglu_takes_the_fused_op_only_in_compiled_code_on_the_triton_path(monk
     op's dispatch made eager 12.5% slower on the H200. Traced on the CPU with the op's torch reference."""
     calls = []
 
-    def spy(x):
-        calls.append(x.shape)
-        return model._swiglu_torch(x)
+    def spy(x, weight):
+        calls.append((x.shape, weight.shape))
+        return F.linear(model._swiglu_torch(x), weight)
 
     monkeypatch.setattr(model, "_uses_triton", lambda device: True)
-    monkeypatch.setattr(model, "_swiglu_op", spy)
-    ffn = model.FeedForward(tiny_config())
-    x = torch.randn(2, 3, tiny_config().dim)
+    monkeypatch.setattr(model, "_swiglu_down_op", spy)
+    config = tiny_config()
+    ffn = model.FeedForward(config)
+    x = torch.randn(2, 3, config.dim)
     eager = ffn(x)
     assert calls == []
     torch._dynamo.reset()
     compiled = torch.compile(ffn, backend="eager", fullgraph=True)(x)
-    assert calls == [(2, 3, 2 * tiny_config().hidden_dim)]
+    assert calls == [((2, 3, 2 * config.hidden_dim), (config.dim, config.hidden_dim))]
     assert torch.allclose(compiled, eager, rtol=1e-5, atol=1e-6)
 
 
+# The Triton kernel's stand-ins on the CPU (no Triton driver here): opaque ops, as the kernel's launches are to
+# the compiler, so that it cannot merge backward's recomputed product with forward's as it would plain torch.
+@torch.library.custom_op("tiny_llm_test::swiglu", mutates_args=())
+def _swiglu_forward_stand_in(x: torch.Tensor) -> torch.Tensor:
+    return model._swiglu_torch(x)
+
+
+@torch.library.custom_op("tiny_llm_test::swiglu_backward", mutates_args=())
+def _swiglu_backward_stand_in(grad_out: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return model._swiglu_backward_torch(grad_out, x)
+
+
+_swiglu_forward_stand_in.register_fake(lambda x: x.new_empty(x.shape[:-1] + (x.shape[-1] // 2,)))
+_swiglu_backward_stand_in.register_fake(lambda grad_out, x: (torch.empty_like(x), torch.empty_like(grad_out)))
+
+
+def _swiglu_kernel_stand_in(x, grad_out=None):
+    return (_swiglu_forward_stand_in(x),) if grad_out is None else _swiglu_backward_stand_in(grad_out, x)
+
+
+def test_compiled_feed_forward_keeps_no_swiglu_product_for_backward(monkeypatch):
+    """The fused op saves w13's output and the weights, not silu(gate) * up (hidden_dim values per token that
+    w2's weight gradient needs): backward recomputes it. Same output and gradients as eager."""
+    monkeypatch.setattr(model, "_uses_triton", lambda device: True)
+    monkeypatch.setattr(model, "_swiglu_launch", _swiglu_kernel_stand_in)
+    config = tiny_config()
+    torch.manual_seed(0)
+    ffn = model.FeedForward(config)
+    x = torch.randn(2, 3, config.dim)
+    results = {}
+    for name, fn in (("eager", ffn), ("compiled", torch.compile(ffn, backend="aot_eager", fullgraph=True))):
+        torch._dynamo.reset()
+        ffn.zero_grad()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+            out = fn(x.requires_grad_())
+        out.square().sum().backward()
+        results[name] = out, ffn.w13.weight.grad.clone(), ffn.w2.weight.grad.clone(), saved
+    product = (2, 3, config.hidden_dim)
+    assert product in results["eager"][3]  # what plain autograd keeps, and the op does not
+    assert product not in results["compiled"][3] and (2, 3, 2 * config.hidden_dim) in results["compiled"][3]
+    for a, b in zip(results["compiled"][:3], results["eager"][:3]):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_swiglu_is_plain_torch_off_cuda():
-    """On the CPU the feed-forward keeps F.silu(gate) * up, exactly (the CPU tests' reference path)."""
-    x = torch.randn(2, 3, 16, requires_grad=True)
+    """On the CPU the feed-forward keeps F.linear(F.silu(gate) * up, w2), exactly (the CPU tests' reference)."""
+    x, weight = torch.randn(2, 3, 16, requires_grad=True), torch.randn(5, 8)
     gate, up = x.chunk(2, dim=-1)
-    assert torch.equal(model.swiglu(x), F.silu(gate) * up)
+    assert torch.equal(model.swiglu_down(x, weight), F.linear(F.silu(gate) * up, weight))
 
 
 def test_reductions_agree_and_ignore_minus_100():
