@@ -132,6 +132,18 @@ def test_kernel_categories(name, category):
     assert bench.categorize(name) == category
 
 
+def test_gpu_profiles_count_kernels_not_the_ranges_around_them():
+    """The optimizer's record_function range appears on the GPU timeline beside the kernels it spans."""
+    from types import SimpleNamespace as Event
+    kernel = Event(key="multi_tensor_apply_kernel", device_type="DeviceType.CUDA", self_device_time_total=200.0,
+                   is_user_annotation=False)
+    step_range = Event(key="Optimizer.step#AdamW.step", device_type="DeviceType.CUDA",
+                       self_device_time_total=270.0, is_user_annotation=True)
+    host_op = Event(key="aten::mm", device_type="DeviceType.CPU", self_device_time_total=0.0,
+                    is_user_annotation=False)
+    assert [bench.gpu_kernel_ms(e) for e in (kernel, step_range, host_op)] == [0.2, 0, 0]
+
+
 def test_kernel_breakdown_totals_and_slowest_kernels():
     kernels = [("nvjet_tst_128x64", 8, 3.0), ("triton_poi_fused_add_mul_silu_2", 40, 1.5),
                ("cross_entropy_rows_kernel", 4, 2.0), ("x" * 300, 1, 0.5)]
