@@ -159,7 +159,7 @@ class Prefetcher:
         self.pin = self.device.type == "cuda"
         self.queue = queue.Queue(maxsize=depth)
         self.closed = threading.Event()
-        self.thread = threading.Thread(target=self._work, args=(make_batches, list(keys)), daemon=True)
+        self.thread = threading.Thread(target=self._work, args=(make_batches, keys), daemon=True)
         self.thread.start()
 
     def _put(self, item):
