@@ -398,7 +398,7 @@ def test_the_longest_matching_gpu_name_sets_the_peak(monkeypatch):
     assert env.peak_flops("NVIDIA H200") == 1.0 and env.peak_flops("Other") is None
 
 
-@pytest.mark.parametrize("script", ["ce_rows_sweep.py", "loss_microbench.py"])
+@pytest.mark.parametrize("script", ["ce_rows_sweep.py", "loss_microbench.py", "eval_speed.py"])
 def test_gpu_scripts_say_in_one_line_that_they_need_a_gpu(tmp_path, script):
     """The GPU microbenchmarks on a machine without CUDA: exit 2 with one sentence, no traceback, no file."""
     result = subprocess.run([sys.executable, str(REPO / "scripts" / script), f"--results_file={tmp_path / 'r.json'}"],

@@ -1,0 +1,75 @@
+"""Evaluation speed on the GPU: full validation passes (forward only, as train.py's final validation) of a
+config's compiled model, with the batches fed in different ways, and the GPU kernel time of one pass, so that
+a pass's wall time can be split into kernels and the rest. Recorded under NAME in the results file.
+
+    python scripts/eval_speed.py config/20m_gh200.py [--name=eval-speed] [--results_file=...] [--key=value ...]
+
+Variants: "unpinned" hands trainer.evaluate the loader's CPU batches (it copies each to the GPU itself);
+"prefetched" builds and pins them on a background thread first (train.validation_batches); "prefetched-2x"
+does so with twice the eval batch size.
+"""
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import bench  # noqa: E402
+import env  # noqa: E402
+import train  # noqa: E402
+from data.loader import eval_batches  # noqa: E402
+
+DEFAULTS = dict(train.DEFAULTS, name="eval-speed", passes=3)
+
+
+def timed_passes(trainer, make_batches, passes):
+    """(median seconds of a pass, the last pass's result); the first, compiling pass is not timed."""
+    trainer.evaluate(make_batches())
+    seconds = []
+    for _ in range(passes):
+        start = time.perf_counter()
+        result = trainer.evaluate(make_batches())  # ends in a host read of the totals: the pass has finished
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds), result
+
+
+def kernel_ms(trainer, make_batches):
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        trainer.evaluate(make_batches())
+    return sum(bench.gpu_kernel_ms(evt) for evt in prof.key_averages())
+
+
+def main(argv):
+    cfg = train.Config(env.load_config(DEFAULTS, argv))
+    device = train.resolve_device(cfg)
+    if device != "cuda":
+        raise env.ConfigError("eval_speed.py times passes on the GPU, and PyTorch sees no CUDA GPU here")
+    env.read_results(cfg.results_file)  # a broken results file fails now, not after the work
+    cache, mcfg, _ = train.setup(cfg)
+    variants = {
+        "unpinned": (cfg.eval_batch_size, lambda c: eval_batches(cache.val, c.seq_len, c.eval_batch_size)),
+        "prefetched": (cfg.eval_batch_size, lambda c: train.validation_batches(cache, c, device)),
+        "prefetched-2x": (2 * cfg.eval_batch_size, lambda c: train.validation_batches(cache, c, device)),
+    }
+    trainer = train.Trainer(cfg, mcfg, device, total_updates=1)
+    results = {}
+    for name, (batch_size, make) in variants.items():
+        c = train.Config(cfg, eval_batch_size=batch_size)
+        seconds, result = timed_passes(trainer, lambda: make(c), cfg.passes)
+        kernels = kernel_ms(trainer, lambda: make(c))
+        results[name] = {"eval_batch_size": batch_size, "seconds": seconds, "tokens": result["tokens"],
+                         "loss": result["loss"], "tokens_per_second": result["tokens"] / seconds,
+                         "kernel_ms": kernels, "gpu_busy": kernels / 1e3 / seconds}
+        print(f"{name:<14} batch {batch_size:>3}  {result['tokens'] / seconds:>12,.0f} tok/s  {seconds * 1e3:7.1f} ms"
+              f"  kernels {kernels:7.1f} ms ({kernels / 1e3 / seconds:.0%} busy)  loss {result['loss']:.5f}")
+    env.record(cfg.results_file, [cfg.name], {"run_id": env.new_run_id(), "config": dict(cfg), "variants": results,
+                                             "environment": env.fingerprint()})
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except train.USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
