@@ -318,15 +318,6 @@ def setup(cfg):
     return cache, mcfg, rec
 
 
-def validation_batches(cache, cfg, device, max_tokens=0, rank=0, world_size=1):
-    """This rank's validation batches on the device, built and pinned on a background thread as training's are.
-    Forward-only batches are short on the GPU, and the host's own work on each must not leave it idle."""
-    batches = eval_batches(cache.val, cfg.seq_len, cfg.eval_batch_size, max_tokens)
-    if world_size > 1:
-        batches = (b for i, b in enumerate(batches) if i % world_size == rank)
-    return (batch for _, (batch,), _ in Prefetcher(lambda batch: ([batch], 0), batches, device))
-
-
 # ---------------------------------------------------------------- checkpoints
 
 def save_checkpoint(path, trainer, state):
@@ -464,7 +455,10 @@ def train(cfg):
             save_checkpoint(ckpt_path, trainer, dict(state, recipe=rec, config=dict(cfg), model_config=mcfg.to_dict()))
 
     def evaluate(max_tokens):
-        return trainer.evaluate(validation_batches(cache, cfg, device, max_tokens, rank, world_size))
+        batches = eval_batches(cache.val, cfg.seq_len, cfg.eval_batch_size, max_tokens)
+        if world_size > 1:
+            batches = (b for i, b in enumerate(batches) if i % world_size == rank)
+        return trainer.evaluate(batches)
 
     if main_process:
         print(f"{cfg.name}: {parameters:,} parameters, {data.n_sequences:,} sequences of {cfg.seq_len} per epoch, "

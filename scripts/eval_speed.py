@@ -4,9 +4,10 @@ a pass's wall time can be split into kernels and the rest. Recorded under NAME i
 
     python scripts/eval_speed.py config/20m_gh200.py [--name=eval-speed] [--results_file=...] [--key=value ...]
 
-Variants: "unpinned" hands trainer.evaluate the loader's CPU batches (it copies each to the GPU itself);
-"prefetched" builds and pins them on a background thread first (train.validation_batches); "prefetched-2x"
-does so with twice the eval batch size.
+Variants: "unpinned" hands trainer.evaluate the loader's CPU batches, as train.py does (evaluate copies each
+to the GPU itself); "prefetched" builds and pins them on a background thread first, as training's batches
+are; "prefetched-2x" does so with twice the eval batch size. In h200_s15.sh all three ran at the same speed,
+with the GPU busy 95% of each pass: evaluation waits on its kernels, not on the host.
 """
 import statistics
 import sys
@@ -17,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench  # noqa: E402
 import env  # noqa: E402
 import train  # noqa: E402
-from data.loader import eval_batches  # noqa: E402
+from data.loader import Prefetcher, eval_batches  # noqa: E402
 
 DEFAULTS = dict(train.DEFAULTS, name="eval-speed", passes=3)
 
@@ -47,11 +48,15 @@ def main(argv):
         raise env.ConfigError("eval_speed.py times passes on the GPU, and PyTorch sees no CUDA GPU here")
     env.read_results(cfg.results_file)  # a broken results file fails now, not after the work
     cache, mcfg, _ = train.setup(cfg)
-    variants = {
-        "unpinned": (cfg.eval_batch_size, lambda c: eval_batches(cache.val, c.seq_len, c.eval_batch_size)),
-        "prefetched": (cfg.eval_batch_size, lambda c: train.validation_batches(cache, c, device)),
-        "prefetched-2x": (2 * cfg.eval_batch_size, lambda c: train.validation_batches(cache, c, device)),
-    }
+
+    def loader(c):
+        return eval_batches(cache.val, c.seq_len, c.eval_batch_size)
+
+    def prefetched(c):
+        return (batch for _, (batch,), _ in Prefetcher(lambda batch: ([batch], 0), loader(c), device))
+
+    variants = {"unpinned": (cfg.eval_batch_size, loader), "prefetched": (cfg.eval_batch_size, prefetched),
+                "prefetched-2x": (2 * cfg.eval_batch_size, prefetched)}
     trainer = train.Trainer(cfg, mcfg, device, total_updates=1)
     results = {}
     for name, (batch_size, make) in variants.items():

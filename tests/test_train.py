@@ -17,7 +17,7 @@ import torch
 import env
 import model as model_lib
 import train
-from data.loader import IGNORE, TokenCache, TrainData, eval_batches
+from data.loader import IGNORE, TokenCache, TrainData
 from tests.conftest import write_cache
 
 REPO = Path(__file__).resolve().parents[1]
@@ -618,21 +618,6 @@ def test_a_corrupt_checkpoint_is_one_line_error(text_cache, tmp_path, capsys):
     assert train.main(cli_args(cfg) + ["--resume=True"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "ckpt.pt" in err[0] and "could not be loaded" in err[0]
-
-
-def test_validation_batches_are_the_loaders_with_every_token_scored_once_across_ranks(text_cache, tmp_path):
-    """Prefetched on a background thread, the validation batches are still the loader's, in order; two ranks
-    share them out with none lost or repeated, and every validation token after the first is a target once."""
-    cfg = small_config(text_cache, tmp_path, eval_batch_size=3)
-    cache = TokenCache(cfg.data_dir)
-    expected = list(eval_batches(cache.val, cfg.seq_len, 3))
-    got = list(train.validation_batches(cache, cfg, "cpu"))
-    ranks = [list(train.validation_batches(cache, cfg, "cpu", rank=r, world_size=2)) for r in (0, 1)]
-    merged = [ranks[i % 2][i // 2] for i in range(len(expected))]
-    assert len(expected) > 2 and len(got) == len(expected) == sum(map(len, ranks))
-    for batches in (got, merged):
-        assert all(torch.equal(x, ex) and torch.equal(y, ey) for (x, y), (ex, ey) in zip(batches, expected))
-    assert sum(int((y != IGNORE).sum()) for _, y in got) == len(cache.val) - 1
 
 
 def test_an_activation_memory_budget_saves_less_for_backward_with_the_same_math(text_cache, tmp_path, monkeypatch):
