@@ -634,6 +634,16 @@ def load_checkpoint(path):
     return model, ckpt
 
 
+def run_data_dir(ckpt):
+    """The run's token cache folder: as recorded, or, when that relative path is not found from here, under
+    the repository (train.py runs from the repository; sampling and parity may not)."""
+    import env
+    recorded = Path(ckpt["config"]["data_dir"])
+    if recorded.is_absolute() or recorded.exists() or not (env.REPO / recorded).exists():
+        return recorded
+    return env.REPO / recorded
+
+
 # ---------------------------------------------------------------- transformers interop
 
 def hf_config(config):
@@ -781,7 +791,7 @@ def _main(argv):
         trained = args.checkpoint is not None
         if trained:
             model, ckpt = load_checkpoint(args.checkpoint)
-            tokens = torch.from_numpy(TokenCache(ckpt["config"]["data_dir"], verify=False).val[:args.tokens + 1]
+            tokens = torch.from_numpy(TokenCache(run_data_dir(ckpt), verify=False).val[:args.tokens + 1]
                                       .astype("int64"))
         else:
             model = Transformer(get_preset(args.parity))

@@ -45,15 +45,6 @@ def load_checkpoint(out_dir, device):
     return model.to(device).eval(), ckpt
 
 
-def run_data_dir(ckpt):
-    """The run's token cache folder: as recorded, or, when that relative path is not found from here, under
-    the repository (train.py runs from the repository, sample.py may not)."""
-    recorded = Path(ckpt["config"]["data_dir"])
-    if recorded.is_absolute() or recorded.exists() or not (env.REPO / recorded).exists():
-        return recorded
-    return env.REPO / recorded
-
-
 def load_tokenizer(data_dir):
     """The tokenizer data/prepare.py saved into the token cache folder the run trained on."""
     folder = Path(data_dir)
@@ -140,7 +131,7 @@ def sample(cfg):
     device = train.resolve_device(cfg)
     out_dir = train.run_dir(cfg)
     model, ckpt = load_checkpoint(out_dir, device)
-    data_dir = run_data_dir(ckpt)
+    data_dir = model_lib.run_data_dir(ckpt)
     tokenizer = load_tokenizer(data_dir)
     if cfg.export_hf:
         export(model, tokenizer, cfg.export_hf)

@@ -1,11 +1,13 @@
 """sample.py: generation from a train.py checkpoint with the cache folder's tokenizer, and the transformers export."""
 import gzip
+import json
 
 import numpy as np
 import pytest
 import torch
 
 import env
+import model as model_lib
 import sample
 import train
 from data.loader import TokenCache
@@ -152,9 +154,16 @@ def test_a_corrupt_checkpoint_is_one_line_error(tmp_path, capsys):
     assert err.startswith("error: checkpoint ") and "is it a train.py checkpoint" in err and err.count("\n") == 1
 
 
-def test_the_run_data_dir_is_found_from_another_folder(trained, tmp_path, monkeypatch):
-    """A checkpoint records data_dir as train.py was given it (relative to where it ran, the repository)."""
+def test_the_run_data_dir_is_found_from_another_folder(trained, tmp_path, monkeypatch, capsys):
+    """A checkpoint records data_dir as train.py was given it (relative to where it ran, the repository):
+    sampling and model.py's parity check both find it from another folder."""
     import os
-    ckpt = {"config": {"data_dir": os.path.relpath(trained["cache"], env.REPO)}}
+    ckpt = torch.load(trained["out"] / "ckpt.pt", weights_only=False)
+    ckpt["config"]["data_dir"] = os.path.relpath(trained["cache"], env.REPO)
+    torch.save(ckpt, tmp_path / "ckpt.pt")
     monkeypatch.chdir(tmp_path)
-    assert sample.run_data_dir(ckpt).resolve() == trained["cache"].resolve()
+    assert model_lib.run_data_dir(ckpt).resolve() == trained["cache"].resolve()
+    assert sample.main([f"--out_dir={tmp_path}", "--device=cpu", "--max_new_tokens=4", "--prompt=The"]) == 0
+    assert model_lib._main(["--parity=20m", f"--checkpoint={tmp_path / 'ckpt.pt'}", "--device=cpu",
+                            "--tokens=128", "--seq_len=64", f"--results_file={tmp_path / 'r.json'}"]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["trained-parity"][0]["trained"] is True
