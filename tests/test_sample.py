@@ -154,7 +154,7 @@ def test_a_corrupt_checkpoint_is_one_line_error(tmp_path, capsys):
     assert err.startswith("error: checkpoint ") and "is it a train.py checkpoint" in err and err.count("\n") == 1
 
 
-def test_the_run_data_dir_is_found_from_another_folder(trained, tmp_path, monkeypatch, capsys):
+def test_the_run_data_dir_is_found_from_another_folder(trained, tmp_path, monkeypatch):
     """A checkpoint records data_dir as train.py was given it (relative to where it ran, the repository):
     sampling and model.py's parity check both find it from another folder."""
     import os
