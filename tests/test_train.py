@@ -433,6 +433,16 @@ def test_results_entry(text_cache, tmp_path):
     assert (tmp_path / "out" / "ckpt.pt").exists()
 
 
+@pytest.mark.parametrize("path", sorted((REPO / "config").rglob("*.py")), ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_passes_the_execution_checks(path):
+    """A config file is read only when somebody runs it, maybe on a GPU machine: a key the defaults lack, a
+    value of the wrong type, an unknown compile mode or a model shape that does not divide would fail there
+    first."""
+    cfg = train.Config(env.load_config(train.DEFAULTS, [str(path)]))
+    train.check_execution(cfg)
+    train.model_config(cfg, 32000)
+
+
 def test_bad_micro_batch_size_lists_the_valid_ones(text_cache, tmp_path, capsys):
     cfg = small_config(text_cache, tmp_path, micro_batch_size=3)
     with pytest.raises(env.ConfigError) as info:
