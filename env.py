@@ -116,6 +116,18 @@ def defaults_of(namespace):
     return {k: v for k, v in namespace.items() if not k.startswith("_") and type(v) in (bool, int, float, str)}
 
 
+def positive_int(text):
+    """argparse type of the GPU scripts' counts (--rows, --reps, ...): an integer of at least 1."""
+    import argparse
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def write_config_file(path, config, defaults, header=""):
     """Write the keys of `config` that differ from `defaults` as a config file that reproduces it."""
     lines = [f"# {line}" for line in header.splitlines()]

@@ -44,9 +44,9 @@ def time_us(kernel, logits, targets, reps):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=8192)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--rows", type=env.positive_int, default=8192)
+    parser.add_argument("--vocab", type=env.positive_int, default=32000)
+    parser.add_argument("--reps", type=env.positive_int, default=50)
     parser.add_argument("--tree", default=None,
                         help="the repository copy whose model.py is timed (default: this one)")
     parser.add_argument("--name", default="ce-rows-sweep")

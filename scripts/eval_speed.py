@@ -45,7 +45,11 @@ def main(argv):
     cfg = train.Config(env.load_config(DEFAULTS, argv))
     device = train.resolve_device(cfg)
     if device != "cuda":
-        raise env.ConfigError("eval_speed.py times passes on the GPU, and PyTorch sees no CUDA GPU here")
+        raise env.ConfigError(f"eval_speed.py times passes on the GPU; --device={cfg.device} gives the CPU"
+                              if cfg.device == "cpu" else
+                              "eval_speed.py times passes on the GPU, and PyTorch sees no CUDA GPU here")
+    if cfg.passes < 1:
+        raise env.ConfigError(f"passes must be at least 1, got {cfg.passes}")
     env.read_results(cfg.results_file)  # a broken results file fails now, not after the work
     cache, mcfg, _ = train.setup(cfg)
 

@@ -77,10 +77,10 @@ def run(fn, h32, weight, targets, reps):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=32768)
-    parser.add_argument("--dim", type=int, default=320)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--tokens", type=env.positive_int, default=32768)
+    parser.add_argument("--dim", type=env.positive_int, default=320)
+    parser.add_argument("--vocab", type=env.positive_int, default=32000)
+    parser.add_argument("--reps", type=env.positive_int, default=20)
     parser.add_argument("--name", default="loss-microbench", help="the results file key")
     parser.add_argument("--results_file", default="results.json")
     args = parser.parse_args()

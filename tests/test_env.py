@@ -398,6 +398,18 @@ def test_the_longest_matching_gpu_name_sets_the_peak(monkeypatch):
     assert env.peak_flops("NVIDIA H200") == 1.0 and env.peak_flops("Other") is None
 
 
+@pytest.mark.parametrize("script, arg, words", [
+    ("ce_rows_sweep.py", "--reps=0", "argument --reps: must be at least 1, got 0"),
+    ("loss_microbench.py", "--tokens=ten", "argument --tokens: expected a whole number, got 'ten'"),
+    ("eval_speed.py", "--device=cpu", "--device=cpu gives the CPU")])
+def test_gpu_scripts_refuse_bad_arguments_in_one_line(tmp_path, script, arg, words):
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / script), arg,
+                             f"--results_file={tmp_path / 'r.json'}"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].endswith(words)
+    assert not (tmp_path / "r.json").exists()
+
+
 @pytest.mark.parametrize("script", ["ce_rows_sweep.py", "loss_microbench.py", "eval_speed.py"])
 def test_gpu_scripts_say_in_one_line_that_they_need_a_gpu(tmp_path, script):
     """The GPU microbenchmarks on a machine without CUDA: exit 2 with one sentence, no traceback, no file."""
