@@ -42,8 +42,7 @@ def main(argv, updates=10, top=25):
             trainer.update(*next(batches))
         sync()
     events = prof.key_averages()
-    kernel_ms = sum(getattr(e, "self_device_time_total", 0) for e in events
-                    if str(e.device_type).endswith("CUDA")) / 1e3 / updates
+    kernel_ms = sum(bench.gpu_kernel_ms(e) for e in events) / updates
     print(f"{cfg.name}: {wall_ms:.2f} ms per update unprofiled, {kernel_ms:.2f} ms of GPU kernels per update")
     print(f"{'op':<60}{'calls/update':>13}{'self CPU ms/update':>20}")
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]:
