@@ -56,13 +56,39 @@ PRESETS = {
 }
 
 # Pinning one SDPA kernel makes a benchmark measure the kernel it names; "auto" lets PyTorch choose.
+# "fa4" is SDPA's flash kernel with flash-attn-4 behind it (see use_flash_attention_4).
 ATTENTION_BACKENDS = {
     "auto": None,
     "flash": [SDPBackend.FLASH_ATTENTION],
+    "fa4": [SDPBackend.FLASH_ATTENTION],
     "efficient": [SDPBackend.EFFICIENT_ATTENTION],
     "cudnn": [SDPBackend.CUDNN_ATTENTION],
     "math": [SDPBackend.MATH],
 }
+
+
+def use_flash_attention_4(enabled):
+    """Put flash-attn-4 (the `flash_attn.cute` package: FlashAttention for Hopper and Blackwell, in NVIDIA's
+    CUTLASS DSL) behind SDPA's flash kernel, or give that kernel back to PyTorch's own FlashAttention-2.
+
+    PyTorch's registry does the routing (torch.nn.attention.activate_flash_attention_impl, in 2.11 and
+    later), so compiled code and CUDA graphs see the same aten op as with any SDPA kernel. The switch is
+    process-wide, as the dispatcher is.
+    """
+    attention = torch.nn.attention
+    if not hasattr(attention, "activate_flash_attention_impl"):
+        if enabled:
+            raise ValueError(f"attention backend 'fa4' needs PyTorch 2.11 or later (this is {torch.__version__})")
+        return
+    active = attention.current_flash_attention_impl() == "FA4"
+    if enabled and not active:
+        try:
+            attention.activate_flash_attention_impl("FA4")
+        except ImportError as error:
+            raise ValueError(f"attention backend 'fa4' needs the flash-attn-4 package (pip install flash-attn-4), "
+                             f"which did not import: {error}") from None
+    elif active and not enabled:
+        attention.restore_flash_attention_impl()
 
 # How the training loss is computed from the last hidden state, all with the same math:
 # - "full" materializes all logits (float32 inside cross-entropy);
@@ -193,6 +219,7 @@ class Transformer(nn.Module):
     def set_attention_backend(self, name):
         if name not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {name!r}; valid: {', '.join(ATTENTION_BACKENDS)}")
+        use_flash_attention_4(name == "fa4")
         self.attention_backend = name
         self._sdpa_backends = ATTENTION_BACKENDS[name]
 

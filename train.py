@@ -58,7 +58,7 @@ compile = False
 compile_mode = "default"         # default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs
 compile_scope = "model"          # model: one graph; blocks: each block and the loss head apart (compiles once
                                  # for all the identical blocks, so a much shorter cold start)
-sdpa_backend = "auto"            # auto, flash, efficient, cudnn, math
+sdpa_backend = "auto"            # auto, flash, efficient, cudnn, math, or fa4 (flash-attn-4, installed apart)
 loss_impl = "full"               # full, chunked, fused (see model.py)
 loss_chunk_tokens = 8192         # tokens per slice of the chunked and fused losses
 activation_memory_budget = 1.0   # compiled only: the share of the compiler's activation memory to keep; below 1 it
@@ -133,6 +133,11 @@ def check_execution(cfg, world_size=1):
     if cfg.sdpa_backend not in model_lib.ATTENTION_BACKENDS:
         raise env.ConfigError(f"sdpa_backend {cfg.sdpa_backend!r} is not one of "
                               f"{', '.join(model_lib.ATTENTION_BACKENDS)}")
+    if cfg.sdpa_backend == "fa4":
+        try:
+            model_lib.use_flash_attention_4(True)
+        except ValueError as exc:  # flash-attn-4 not installed, or a PyTorch without the registry
+            raise env.ConfigError(f"sdpa_backend: {exc}") from None
     if cfg.loss_impl not in model_lib.LOSS_IMPLEMENTATIONS:
         raise env.ConfigError(f"loss_impl {cfg.loss_impl!r} is not one of {', '.join(model_lib.LOSS_IMPLEMENTATIONS)}")
     if not 0 < cfg.activation_memory_budget <= 1:
@@ -189,6 +194,11 @@ class Trainer:
         self.total_updates = total_updates
         if cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
+        if cfg.sdpa_backend == "fa4" and not (self.device.type == "cuda"
+                                                and torch.cuda.get_device_capability(self.device)[0] in (9, 10)):
+            # elsewhere SDPA would quietly run another flash kernel under the fa4 name
+            raise env.ConfigError("sdpa_backend 'fa4' runs on Hopper and Blackwell GPUs only (compute capability "
+                                  "9.x or 10.x); choose auto, flash, efficient, cudnn or math")
         torch.manual_seed(cfg.seed)
         self.raw_model = model_lib.Transformer(mcfg, attention_backend=cfg.sdpa_backend, loss_impl=cfg.loss_impl,
                                                loss_chunk_tokens=cfg.loss_chunk_tokens).to(self.device)

@@ -41,3 +41,35 @@ def text_cache(tmp_path):
     train = np.concatenate([read(b, 60_000) for b in books])
     val = read(val_book, 20_000)
     return write_cache(tmp_path / "cache", train, val, 256)
+
+
+@pytest.fixture
+def flash_attn_4_stand_in(monkeypatch):
+    """A module in flash-attn-4's place holding the two functions PyTorch's FA4 registry looks for. The kernels
+    themselves need a Hopper or Blackwell GPU, so the CPU can test only the routing to them."""
+    import types
+
+    import model
+
+    def no_kernel_here(*args, **kwargs):
+        pytest.fail("a flash-attn-4 kernel was called on the CPU")
+
+    interface = types.ModuleType("flash_attn.cute.interface")
+    interface._flash_attn_fwd = interface._flash_attn_bwd = no_kernel_here
+    for name in ("flash_attn", "flash_attn.cute"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
+    yield interface
+    model.use_flash_attention_4(False)
+    forget_flash_attn_4_import()
+
+
+def forget_flash_attn_4_import():
+    """PyTorch caches the module its FA4 registry imported; a stand-in must not outlive its test."""
+    import torch
+    torch.nn.attention._fa4._fa4_import_module.cache_clear()
+
+
+def flash_attn_4_installed():
+    import importlib.util
+    return importlib.util.find_spec("flash_attn") is not None

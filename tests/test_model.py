@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import model
+from tests.conftest import flash_attn_4_installed, forget_flash_attn_4_import
 
 
 def tiny_config(**overrides):
@@ -525,6 +526,27 @@ def test_bad_input_shape():
 
 
 # ---------------------------------------------------------------- attention backends
+
+@pytest.mark.skipif(flash_attn_4_installed(), reason="flash-attn-4 is installed here")
+def test_fa4_backend_without_flash_attn_4_is_a_clear_error():
+    forget_flash_attn_4_import()
+    with pytest.raises(ValueError, match=r"'fa4' needs the flash-attn-4 package \(pip install flash-attn-4\)"):
+        model.Transformer(tiny_config(), attention_backend="fa4")
+    assert torch.nn.attention.current_flash_attention_impl() is None
+
+
+def test_fa4_backend_puts_flash_attn_4_behind_sdpa_flash_and_gives_it_back(flash_attn_4_stand_in):
+    attention = torch.nn.attention
+    m = model.Transformer(tiny_config(), attention_backend="fa4")
+    assert attention.current_flash_attention_impl() == "FA4"
+    assert m._sdpa_backends == [torch.nn.attention.SDPBackend.FLASH_ATTENTION]
+    # another backend, the plain flash one included, gets PyTorch's own kernel back
+    for name in ("flash", "cudnn", "auto"):
+        m.set_attention_backend(name)
+        assert attention.current_flash_attention_impl() is None
+        m.set_attention_backend("fa4")
+        assert attention.current_flash_attention_impl() == "FA4"
+
 
 def test_pinned_attention_backends_on_cpu():
     config = tiny_config()

@@ -18,7 +18,7 @@ import env
 import model as model_lib
 import train
 from data.loader import IGNORE, TokenCache, TrainData
-from tests.conftest import write_cache
+from tests.conftest import flash_attn_4_installed, forget_flash_attn_4_import, write_cache
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ_LEN = 64
@@ -471,6 +471,27 @@ def test_bad_execution_keys_are_refused_before_any_work(text_cache, tmp_path, ca
     assert train.main(cli_args(cfg)) == 2
     assert word in capsys.readouterr().err
     assert not Path(cfg.results_file).exists() and not (Path(cfg.out_dir) / "ckpt.pt").exists()
+
+
+@pytest.mark.skipif(flash_attn_4_installed(), reason="flash-attn-4 is installed here")
+def test_fa4_without_flash_attn_4_is_refused_before_any_work(text_cache, tmp_path, capsys):
+    forget_flash_attn_4_import()
+    cfg = small_config(text_cache, tmp_path, sdpa_backend="fa4")
+    with pytest.raises(env.ConfigError, match="needs the flash-attn-4 package"):
+        train.check_execution(cfg)
+    assert train.main(cli_args(cfg)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: sdpa_backend: ") and "Traceback" not in err
+    assert not Path(cfg.results_file).exists()
+
+
+def test_fa4_on_the_cpu_is_refused_rather_than_run_as_another_kernel(text_cache, tmp_path, capsys,
+                                                                      flash_attn_4_stand_in):
+    cfg = small_config(text_cache, tmp_path, sdpa_backend="fa4")
+    train.check_execution(cfg)  # the package imports
+    assert train.main(cli_args(cfg)) == 2
+    err = capsys.readouterr().err
+    assert "'fa4' runs on Hopper and Blackwell GPUs only" in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("change, word", [(dict(preset="30m"), "20m, 50m, 90m"), (dict(dim=100, n_heads=3), "n_heads"),
