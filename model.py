@@ -55,40 +55,16 @@ PRESETS = {
     "90m": ModelConfig(dim=768, n_layers=9, n_heads=12, hidden_dim=2048),
 }
 
-# Pinning one SDPA kernel makes a benchmark measure the kernel it names; "auto" lets PyTorch choose.
-# "fa4" is SDPA's flash kernel with flash-attn-4 behind it (see use_flash_attention_4).
+# Pinning one SDPA kernel makes a benchmark measure the kernel it names; "auto" lets PyTorch choose. "fa4" is
+# not an SDPA kernel: flash-attn-4 through our own op (see flash_attention_4).
 ATTENTION_BACKENDS = {
     "auto": None,
     "flash": [SDPBackend.FLASH_ATTENTION],
-    "fa4": [SDPBackend.FLASH_ATTENTION],
     "efficient": [SDPBackend.EFFICIENT_ATTENTION],
     "cudnn": [SDPBackend.CUDNN_ATTENTION],
     "math": [SDPBackend.MATH],
+    "fa4": "fa4",
 }
-
-
-def use_flash_attention_4(enabled):
-    """Put flash-attn-4 (the `flash_attn.cute` package: FlashAttention for Hopper and Blackwell, in NVIDIA's
-    CUTLASS DSL) behind SDPA's flash kernel, or give that kernel back to PyTorch's own FlashAttention-2.
-
-    PyTorch's registry does the routing (torch.nn.attention.activate_flash_attention_impl, in 2.11 and
-    later), so compiled code and CUDA graphs see the same aten op as with any SDPA kernel. The switch is
-    process-wide, as the dispatcher is.
-    """
-    attention = torch.nn.attention
-    if not hasattr(attention, "activate_flash_attention_impl"):
-        if enabled:
-            raise ValueError(f"attention backend 'fa4' needs PyTorch 2.11 or later (this is {torch.__version__})")
-        return
-    active = attention.current_flash_attention_impl() == "FA4"
-    if enabled and not active:
-        try:
-            attention.activate_flash_attention_impl("FA4")
-        except ImportError as error:
-            raise ValueError(f"attention backend 'fa4' needs the flash-attn-4 package (pip install flash-attn-4), "
-                             f"which did not import: {error}") from None
-    elif active and not enabled:
-        attention.restore_flash_attention_impl()
 
 # How the training loss is computed from the last hidden state, all with the same math:
 # - "full" materializes all logits (float32 inside cross-entropy);
@@ -148,6 +124,81 @@ def apply_rotary(x, cos, sin_signed):
     return torch.addcmul(x * cos.view(shape), torch.cat((x2, x1), dim=-1), sin_signed.view(shape))
 
 
+def flash_attn_4():
+    """flash-attn-4's interface module (the `flash_attn.cute` package: FlashAttention for Hopper and Blackwell,
+    written in NVIDIA's CUTLASS DSL), installed apart; a missing package is a ValueError naming it."""
+    try:
+        return importlib.import_module("flash_attn.cute.interface")
+    except ImportError as error:
+        raise ValueError(f"attention backend 'fa4' needs the flash-attn-4 package (pip install flash-attn-4), "
+                         f"which did not import: {error}") from None
+
+
+# Our own op around flash-attn-4's forward and backward functions, the two that PyTorch's FA4 registry calls
+# too (torch.nn.attention.activate_flash_attention_impl). That registry would put FA4 behind SDPA's flash kernel,
+# but in PyTorch 2.11 it expects the forward to return two tensors, and flash-attn-4 4.0.0b20 and later return
+# more. torch.compile sees the op as one opaque call, and CUDA graphs capture its kernels.
+@torch.library.custom_op("tiny_llm::flash_attention_4", mutates_args=())
+def _flash_attention_4_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _flash_attention_4_outputs(q)
+    flash_attn_4()._flash_attn_fwd(q, k, v, causal=True, return_lse=True, out=out, lse=lse)
+    return out, lse
+
+
+def _flash_attention_4_outputs(q):
+    """The output (B, T, H, D) and the log-sum-exp (B, H, T) in float32, both contiguous: allocated here so
+    that the real op and its fake agree on strides whatever layout flash-attn-4 would choose."""
+    B, T, H, D = q.shape
+    return q.new_empty(B, T, H, D), q.new_empty(B, H, T, dtype=torch.float32)
+
+
+@_flash_attention_4_op.register_fake
+def _(q, k, v):
+    return _flash_attention_4_outputs(q)
+
+
+@torch.library.custom_op("tiny_llm::flash_attention_4_backward", mutates_args=())
+def _flash_attention_4_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                                   lse: torch.Tensor, grad_out: torch.Tensor
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
+    flash_attn_4()._flash_attn_bwd(q, k, v, out, grad_out, lse, causal=True,
+                                   dq=grads[0], dk=grads[1], dv=grads[2])
+    return tuple(grads)
+
+
+@_flash_attention_4_backward_op.register_fake
+def _(q, k, v, out, lse, grad_out):
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+
+
+def _flash_attention_4_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs, *output)
+
+
+def _flash_attention_4_backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    return _flash_attention_4_backward_op(q, k, v, out, lse, grad_out)
+
+
+_flash_attention_4_op.register_autograd(_flash_attention_4_backward, setup_context=_flash_attention_4_setup)
+
+
+def flash_attention_4(q, k, v):
+    """Causal softmax attention by flash-attn-4: q, k, v (B, T, H, D) in bf16 or fp16 (views with any strides
+    but the last), the output the same shape, contiguous."""
+    return _flash_attention_4_op(q, k, v)[0]
+
+
+def causal_attention(q, k, v, backends):
+    """q, k, v: (B, T, H, D); backends: a value of ATTENTION_BACKENDS. Returns (B, T, H, D)."""
+    if backends == "fa4":
+        return flash_attention_4(q, k, v)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D), as SDPA wants them
+    with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+
+
 class Attention(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -162,13 +213,7 @@ class Attention(nn.Module):
         # and q and k rotated in one pass
         qk, v = qkv.split([2, 1], dim=2)
         q, k = apply_rotary(qk, cos, sin).unbind(2)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v.squeeze(2)))  # (B, H, T, D)
-        if backends is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            with sdpa_kernel(backends):
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(B, T, C))
+        return self.wo(causal_attention(q, k, v.squeeze(2), backends).reshape(B, T, C))
 
 
 class FeedForward(nn.Module):
@@ -219,7 +264,8 @@ class Transformer(nn.Module):
     def set_attention_backend(self, name):
         if name not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {name!r}; valid: {', '.join(ATTENTION_BACKENDS)}")
-        use_flash_attention_4(name == "fa4")
+        if name == "fa4":
+            flash_attn_4()  # a missing package fails here, not in the first forward
         self.attention_backend = name
         self._sdpa_backends = ATTENTION_BACKENDS[name]
 

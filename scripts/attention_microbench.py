@@ -1,19 +1,16 @@
-"""Causal attention alone, forward and backward, on the GPU: each SDPA kernel (flash-attn-4 behind SDPA's
-flash kernel as "fa4", when it imports) on a preset's shape, in the layout the model gives it (q, k and v are
-views into one projection output). Each one's output and gradients are compared with float32 math on the
+"""Causal attention alone, forward and backward, on the GPU: each SDPA kernel, and flash-attn-4 as "fa4" when
+it imports, on a preset's shape, in the layout the model gives it (q, k and v are views into one projection
+output). Each one's output and gradients are compared with float32 math on the
 same inputs, and its times are recorded under NAME in the results file (with the fingerprint).
 
     python scripts/attention_microbench.py [--preset=20m] [--batch=32] [--seq_len=1024] \
         [--backends=cudnn,flash,fa4,efficient] [--name=attention-microbench] [--results_file=results.json]
 """
 import argparse
-import contextlib
 import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import env  # noqa: E402
@@ -21,9 +18,7 @@ import model  # noqa: E402
 
 
 def attention(qkv, backends):
-    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # (B, H, T, D) views, as the model passes them
-    with sdpa_kernel(backends) if backends else contextlib.nullcontext():
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return model.causal_attention(*qkv.unbind(2), backends)  # q, k, v views into one tensor, as in the model
 
 
 def gradients(qkv, grad_out, backends):
@@ -50,7 +45,6 @@ def relative_error(value, reference):
 
 
 def measure(name, qkv, grad_out, reference, reps):
-    model.use_flash_attention_4(name == "fa4")
     backends = model.ATTENTION_BACKENDS[name]
     out, grad = gradients(qkv, grad_out, backends)
     leaf = qkv.detach().requires_grad_()
@@ -90,7 +84,7 @@ def main():
     torch.manual_seed(0)
     shape = (args.batch, args.seq_len, 3, config.n_heads, config.head_dim)
     qkv = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-    grad_out = torch.randn(args.batch, config.n_heads, args.seq_len, config.head_dim, device="cuda",
+    grad_out = torch.randn(args.batch, args.seq_len, config.n_heads, config.head_dim, device="cuda",
                            dtype=torch.bfloat16)
     reference = gradients(qkv.float(), grad_out.float(), model.ATTENTION_BACKENDS["math"])
     results = {}
@@ -99,7 +93,6 @@ def main():
             results[name] = measure(name, qkv, grad_out, reference, args.reps)
         except Exception as exc:  # noqa: BLE001 - recorded, the others still run
             results[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-    model.use_flash_attention_4(False)
     env.record(args.results_file, [args.name], {
         "run_id": env.new_run_id(), "preset": args.preset, "shape_btHd": [args.batch, args.seq_len, config.n_heads,
                                                                            config.head_dim],

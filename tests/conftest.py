@@ -1,11 +1,13 @@
 """Shared test fixtures: small token caches in the format data/prepare.py writes."""
 import hashlib
 import json
+import math
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -43,31 +45,47 @@ def text_cache(tmp_path):
     return write_cache(tmp_path / "cache", train, val, 256)
 
 
+def causal_scores(q, k):
+    """(B, H, T, T) float32 scores of q, k (B, T, H, D), masked above the diagonal."""
+    scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) / math.sqrt(q.shape[-1])
+    T = q.shape[1]
+    return scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+
+
+def attention_forward_by_hand(q, k, v, causal, return_lse, out, lse, **unused):
+    """flash-attn-4's _flash_attn_fwd in plain torch: fills out (B, T, H, D) and lse (B, H, T)."""
+    assert causal and return_lse and not unused
+    scores = causal_scores(q, k)
+    lse.copy_(torch.logsumexp(scores, dim=-1))
+    out.copy_(torch.einsum("bhts,bshd->bthd", torch.exp(scores - lse[..., None]), v.float()))
+    return out, lse, None, None, None
+
+
+def attention_backward_by_hand(q, k, v, out, dout, lse, causal, dq, dk, dv, **unused):
+    """flash-attn-4's _flash_attn_bwd in plain torch, from the saved output and log-sum-exp as it works."""
+    assert causal and not unused
+    probs = torch.exp(causal_scores(q, k) - lse[..., None])
+    dout = dout.float()
+    dv.copy_(torch.einsum("bhts,bthd->bshd", probs, dout))
+    dprobs = torch.einsum("bthd,bshd->bhts", dout, v.float())
+    delta = (dout * out.float()).sum(-1).transpose(1, 2)  # (B, H, T)
+    dscores = probs * (dprobs - delta[..., None]) / math.sqrt(q.shape[-1])
+    dq.copy_(torch.einsum("bhts,bshd->bthd", dscores, k.float()))
+    dk.copy_(torch.einsum("bhts,bthd->bshd", dscores, q.float()))
+    return dq, dk, dv
+
+
 @pytest.fixture
 def flash_attn_4_stand_in(monkeypatch):
-    """A module in flash-attn-4's place holding the two functions PyTorch's FA4 registry looks for. The kernels
-    themselves need a Hopper or Blackwell GPU, so the CPU can test only the routing to them."""
+    """flash-attn-4's interface module with its two functions written out in plain torch. Its kernels need a
+    Hopper or Blackwell GPU, so the CPU tests what our op passes them and does with what they return."""
     import types
-
-    import model
-
-    def no_kernel_here(*args, **kwargs):
-        pytest.fail("a flash-attn-4 kernel was called on the CPU")
-
     interface = types.ModuleType("flash_attn.cute.interface")
-    interface._flash_attn_fwd = interface._flash_attn_bwd = no_kernel_here
+    interface._flash_attn_fwd, interface._flash_attn_bwd = attention_forward_by_hand, attention_backward_by_hand
     for name in ("flash_attn", "flash_attn.cute"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
-    yield interface
-    model.use_flash_attention_4(False)
-    forget_flash_attn_4_import()
-
-
-def forget_flash_attn_4_import():
-    """PyTorch caches the module its FA4 registry imported; a stand-in must not outlive its test."""
-    import torch
-    torch.nn.attention._fa4._fa4_import_module.cache_clear()
+    return interface
 
 
 def flash_attn_4_installed():

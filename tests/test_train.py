@@ -18,7 +18,7 @@ import env
 import model as model_lib
 import train
 from data.loader import IGNORE, TokenCache, TrainData
-from tests.conftest import flash_attn_4_installed, forget_flash_attn_4_import, write_cache
+from tests.conftest import flash_attn_4_installed, write_cache
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ_LEN = 64
@@ -475,7 +475,6 @@ def test_bad_execution_keys_are_refused_before_any_work(text_cache, tmp_path, ca
 
 @pytest.mark.skipif(flash_attn_4_installed(), reason="flash-attn-4 is installed here")
 def test_fa4_without_flash_attn_4_is_refused_before_any_work(text_cache, tmp_path, capsys):
-    forget_flash_attn_4_import()
     cfg = small_config(text_cache, tmp_path, sdpa_backend="fa4")
     with pytest.raises(env.ConfigError, match="needs the flash-attn-4 package"):
         train.check_execution(cfg)

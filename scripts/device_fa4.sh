@@ -1,0 +1,13 @@
+# Sourced by device calls that measure flash-attn-4 (FA4): installs it under /tmp/site. Its wheels are more than
+# one call can carry: the call before carried the CUTLASS DSL's CUDA 13 module (.fa4a/cutlass_ir.so.zst, 55 MB)
+# to /tmp/fa4stash; this one carries .fa4b: the other wheels, the rest of that CUDA 13 wheel and the token cache
+# (zstd, 28 MB instead of 50). The device has no zstd: .fa4b/bin holds this machine's, with its libraries.
+zstd() { LD_LIBRARY_PATH=$PWD/.fa4b/bin "$PWD/.fa4b/bin/zstd" "$@"; }
+mkdir -p data/cache && zstd -dcq .fa4b/gutenberg.tar.zst | tar -x || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .fa4b/*.whl || exit 1
+zstd -dcq .fa4b/cu13_rest.tar.zst | tar -x -C /tmp/site || exit 1
+zstd -dcq /tmp/fa4stash/cutlass_ir.so.zst \
+  > /tmp/site/nvidia_cutlass_dsl/dsl_packages/cutlass/_mlir/_mlir_libs/_cutlass_ir.cu13.cpython-312-x86_64-linux-gnu.so || exit 1
+# --target skips the DSL's .pth file, which puts dsl_packages on the path; compiled kernels are kept on disk
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+python3 -c "import torch, flash_attn.cute, importlib.metadata as m; print('torch', torch.__version__, 'flash-attn-4', m.version('flash-attn-4'), 'cutlass-dsl', m.version('nvidia-cutlass-dsl'))"
