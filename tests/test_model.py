@@ -558,6 +558,22 @@ def test_fa4_op_gives_sdpa_loss_and_gradients(flash_attn_4_stand_in, compiled):
         assert torch.allclose(fa4_grads[name], grad, rtol=1e-4, atol=1e-6), name
 
 
+def test_fa4_leaves_forward_only_passes_to_sdpa(flash_attn_4_stand_in, monkeypatch):
+    """Evaluation and sampling want no gradients, and SDPA's forward (cuDNN) is the faster one on the H200."""
+    calls = []
+    forward = flash_attn_4_stand_in._flash_attn_fwd
+    monkeypatch.setattr(flash_attn_4_stand_in, "_flash_attn_fwd", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    config = tiny_config()
+    x, y = random_batch(config, 2, 32)
+    m = seeded_model(config)
+    with torch.no_grad():
+        sdpa_logits = m(x)
+        m.set_attention_backend("fa4")
+        assert torch.equal(m(x), sdpa_logits) and not calls
+    m(x, y).backward()
+    assert len(calls) == config.n_layers
+
+
 def test_pinned_attention_backends_on_cpu():
     config = tiny_config()
     m = seeded_model(config)
