@@ -184,6 +184,8 @@ def tune(cfg):
     for b in backends:
         if b not in train.model_lib.ATTENTION_BACKENDS:
             raise env.ConfigError(f"tune_backends: {b!r} is not one of {', '.join(train.model_lib.ATTENTION_BACKENDS)}")
+        if b == "fa4":  # or every fa4 candidate would fail the same way
+            train.check_execution(train.Config(cfg, sdpa_backend=b))
     for m in modes:
         if m != "eager" and m not in train.COMPILE_MODES:
             raise env.ConfigError(f"tune_compile_modes: {m!r} is not one of eager, {', '.join(train.COMPILE_MODES)}")

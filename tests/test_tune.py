@@ -4,6 +4,7 @@ import pytest
 import env
 import train
 import tune
+from tests.conftest import flash_attn_4_installed
 
 
 class FakeClock:
@@ -148,6 +149,13 @@ def test_unknown_backend_is_a_user_error(tmp_path, text_cache, capsys):
     assert tune.main(argv) == 2
     err = capsys.readouterr().err
     assert "'fast'" in err and "cudnn" in err and not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.skipif(flash_attn_4_installed(), reason="flash-attn-4 is installed here")
+def test_fa4_without_flash_attn_4_is_refused_before_any_candidate(tmp_path, text_cache, capsys):
+    argv = TINY + [f"--data_dir={text_cache}", f"--results_file={tmp_path / 'r.json'}", "--tune_backends=auto,fa4"]
+    assert tune.main(argv) == 2
+    assert "needs the flash-attn-4 package" in capsys.readouterr().err and not (tmp_path / "r.json").exists()
 
 
 @pytest.mark.parametrize("arg, words", [("--budget=-1", "budget must be a positive"),
