@@ -66,6 +66,15 @@ def _unknown_key(key, defaults, where):
     return ConfigError(f"{where}: unknown config key {key!r}; {hint}")
 
 
+def print_usage(defaults):
+    """--help: the running script's docstring, then every config key with its default."""
+    import __main__
+    print((__main__.__doc__ or "").strip() + "\n\nconfig keys and their defaults (what each means: the comments at the "
+          "top of train.py and of the script):")
+    for key, value in defaults.items():
+        print(f"  --{key}={value!r}" if isinstance(value, str) else f"  --{key}={value}")
+
+
 def load_config(defaults, argv):
     """nanoGPT-style configuration: defaults <- config files (plain assignments) <- --key=value overrides.
 
@@ -74,6 +83,9 @@ def load_config(defaults, argv):
     """
     config = dict(defaults)
     args = list(argv)
+    if "-h" in args or "--help" in args:
+        print_usage(defaults)
+        raise SystemExit(0)
     while args:
         arg = args.pop(0)
         if arg.startswith("--"):

@@ -1,4 +1,5 @@
 """env.py: configuration, the results file, atomic writes, the fingerprint and the machine facts."""
+import ast
 import json
 import os
 import shutil
@@ -130,6 +131,19 @@ def test_train_main_reports_a_config_error_in_one_line(args, capsys):
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ")
     assert "Traceback" not in captured.err + captured.out
+
+
+@pytest.mark.parametrize("script", ["train.py", "bench.py", "tune.py", "compare.py"])
+def test_help_lists_every_key_with_its_default_and_exits_0(script):
+    """`--help` was an unknown config key; a researcher types it first."""
+    done = subprocess.run([sys.executable, script, "config/tiny_cpu.py", "--help"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and not done.stderr
+    docstring = ast.get_docstring(ast.parse((REPO / script).read_text()))
+    assert done.stdout.startswith(docstring.splitlines()[0])
+    for key, value in train.DEFAULTS.items():
+        assert f"--{key}=" in done.stdout, key
+    assert "--micro_batch_size=8\n" in done.stdout and "--sdpa_backend='auto'\n" in done.stdout
 
 
 # ---------------------------------------------------------------- the results file
