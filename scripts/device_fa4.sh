@@ -1,7 +1,6 @@
-# Sourced by device calls that measure flash-attn-4 (FA4): installs it under /tmp/site. Its wheels are more than
-# one call can carry: the call before carried the CUTLASS DSL's CUDA 13 module (.fa4a/cutlass_ir.so.zst, 55 MB)
-# to /tmp/fa4stash; this one carries .fa4b: the other wheels, the rest of that CUDA 13 wheel and the token cache
-# (zstd, 28 MB instead of 50). The device has no zstd: .fa4b/bin holds this machine's, with its libraries.
+# Sourced by device calls that measure flash-attn-4 (FA4): installs under /tmp/site what scripts/pack_fa4.sh
+# packed. It is more than one call can carry: the call before carried .fa4a (the CUTLASS DSL's CUDA 13 module) and
+# copied it to /tmp/fa4stash; this one carries .fa4b (the rest, the token cache, and zstd, which the device lacks).
 zstd() { LD_LIBRARY_PATH=$PWD/.fa4b/bin "$PWD/.fa4b/bin/zstd" "$@"; }
 mkdir -p data/cache && zstd -dcq .fa4b/gutenberg.tar.zst | tar -x || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .fa4b/*.whl || exit 1
