@@ -12,7 +12,6 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -260,7 +259,7 @@ def run_protocol(cfg):
         raise  # a user mistake, not a measurement
     except Exception as exc:  # an out-of-memory or a compile failure is a result too
         entry.update(status="error", error=f"{type(exc).__name__}: {exc}",
-                     traceback=traceback.format_exc(limit=8))
+                     traceback=env.portable_traceback())
     finally:
         del trainer
         torch._dynamo.reset()

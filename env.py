@@ -10,11 +10,14 @@ import hashlib
 import json
 import os
 import platform
+import re
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
+import traceback
 import types
 import uuid
 from pathlib import Path
@@ -145,6 +148,15 @@ def write_config_file(path, config, defaults, header=""):
     lines = [f"# {line}" for line in header.splitlines()]
     lines += [f"{k} = {v!r}" for k, v in config.items() if k in defaults and v != defaults[k]]
     atomic_write_text(path, "\n".join(lines) + "\n")
+
+
+def portable_traceback(limit=8):
+    """The exception being handled, as traceback.format_exc writes it, without this machine's paths: repository
+    files relative to the repository, installed packages from site-packages on, the standard library as stdlib/.
+    The results file is shared."""
+    text = traceback.format_exc(limit=limit).replace(f'"{REPO}{os.sep}', '"')
+    text = text.replace(f'"{sysconfig.get_paths()["stdlib"]}{os.sep}', '"stdlib/')
+    return re.sub(r'"[^"\n]*?[/\\]((?:site|dist)-packages[/\\])', r'"\1', text)
 
 
 # ---------------------------------------------------------------- identities

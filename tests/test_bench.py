@@ -87,6 +87,10 @@ def test_error_is_recorded_not_lost(tmp_path, text_cache, monkeypatch):
     entry = results["benchmarks"]["cpu-oom"]
     assert entry["status"] == "error" and "out of memory" in entry["error"]
     assert entry["config_identity"] and entry["protocol"]["version"] == 2
+    # the shared results file names no machine: repository files relative to it, torch from site-packages on
+    trace = entry["traceback"]
+    assert 'File "bench.py", line' in trace and 'File "tests/test_bench.py", line' in trace
+    assert str(env.REPO) not in trace and '"/' not in trace
 
 
 def test_user_mistake_is_one_line(tmp_path, text_cache, capsys):

@@ -146,6 +146,27 @@ def test_help_lists_every_key_with_its_default_and_exits_0(script):
     assert "--micro_batch_size=8\n" in done.stdout and "--sdpa_backend='auto'\n" in done.stdout
 
 
+def test_portable_traceback_names_no_path_of_this_machine(tmp_path):
+    import torch
+
+    def read(path):
+        with open(path) as f:  # raises in this file
+            return f.read()
+
+    tracebacks = []
+    for fail in (lambda: torch.load(tmp_path / "missing.pt"), lambda: json.loads("{"), lambda: read(tmp_path / "x")):
+        try:
+            fail()
+        except Exception:  # noqa: BLE001
+            tracebacks.append(env.portable_traceback(limit=None))
+    torch_load, json_loads, here = tracebacks
+    assert 'File "site-packages/torch/serialization.py", line' in torch_load
+    assert 'File "stdlib/json/decoder.py", line' in json_loads
+    assert 'File "tests/test_env.py", line' in here
+    for text in tracebacks:
+        assert '"/' not in text and str(REPO) not in text
+
+
 # ---------------------------------------------------------------- the results file
 
 WRITER = """
