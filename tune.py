@@ -27,6 +27,7 @@ tune_threads = ""                # e.g. "1,4,8"; empty keeps cpu_threads
 tuned_dir = "config/tuned"
 knee_gain = 0.03                 # a larger micro-batch must beat the last by 3% to continue the knee search
 
+WHERE_KEYS = ("results_file", "out_dir")
 TUNE_KEYS = ("budget", "candidate_timeout", "tune_micro_batch_sizes", "tune_compile_modes", "tune_backends",
              "tune_threads", "tuned_dir", "knee_gain")
 
@@ -222,7 +223,9 @@ def tune(cfg):
         identity = candidate_identity(cfg, candidate, where)
         config_path = tuned_dir / f"{name}.py"
         candidate_cfg = dict(cfg, **candidate, name=name)
-        env.write_config_file(config_path, {k: v for k, v in candidate_cfg.items() if k in train.DEFAULTS},
+        # where a run writes its results and checkpoints is its caller's choice, not a setting to reproduce
+        settings = {k: v for k, v in candidate_cfg.items() if k in train.DEFAULTS and k not in WHERE_KEYS}
+        env.write_config_file(config_path, settings,
                               train.DEFAULTS, header=f"tune.py candidate {name}\nreproduce: python train.py {config_path}")
         if identity in previous:
             record = dict(previous[identity], reused=True, config_path=str(config_path))

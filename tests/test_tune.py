@@ -1,4 +1,6 @@
 """tune.py: the sweep strategy with a fake clock, and a real sweep of bench.py processes on the CPU."""
+from pathlib import Path
+
 import pytest
 
 import env
@@ -111,6 +113,7 @@ def test_cpu_sweep_selects_records_errors_and_reuses(tmp_path, text_cache, capsy
     cfg = env.load_config(train.DEFAULTS, [best["config_path"]])
     assert cfg["micro_batch_size"] == best["micro_batch_size"] and cfg["sdpa_backend"] == best["sdpa_backend"]
     assert cfg["compile"] is False and cfg["n_layers"] == 2 and cfg["data_dir"] == str(text_cache)
+    assert "results_file" not in Path(best["config_path"]).read_text()  # the sweep's own file is no setting
     run = train.train(train.Config(cfg, epochs=1, results_file=str(results), out_dir=str(tmp_path / "run"),
                                    full_validation=False, val_subset_tokens=512))
     assert run["status"] == "complete"

@@ -1,6 +1,5 @@
 # tune.py candidate micro-32-compile-1-auto-default-threads-0
 # reproduce: python train.py config/tuned/micro-32-compile-1-auto-default-threads-0.py
 name = 'micro-32-compile-1-auto-default-threads-0'
-results_file = '/root/tune.json'
 micro_batch_size = 32
 compile = True

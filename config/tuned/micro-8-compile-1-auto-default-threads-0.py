@@ -1,5 +1,4 @@
 # tune.py candidate micro-8-compile-1-auto-default-threads-0
 # reproduce: python train.py config/tuned/micro-8-compile-1-auto-default-threads-0.py
 name = 'micro-8-compile-1-auto-default-threads-0'
-results_file = '/root/tune.json'
 compile = True
