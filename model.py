@@ -128,10 +128,14 @@ def flash_attn_4():
     """flash-attn-4's interface module (the `flash_attn.cute` package: FlashAttention for Hopper and Blackwell,
     written in NVIDIA's CUTLASS DSL), installed apart; a missing package is a ValueError naming it."""
     try:
-        return importlib.import_module("flash_attn.cute.interface")
+        interface = importlib.import_module("flash_attn.cute.interface")
     except ImportError as error:
         raise ValueError(f"attention backend 'fa4' needs the flash-attn-4 package (pip install flash-attn-4), "
                          f"which did not import: {error}") from None
+    if not all(hasattr(interface, name) for name in ("_flash_attn_fwd", "_flash_attn_bwd")):
+        raise ValueError("attention backend 'fa4': this flash-attn-4 has no _flash_attn_fwd and _flash_attn_bwd; "
+                         "4.0.0b36 is the version measured (pip install flash-attn-4==4.0.0b36)")
+    return interface
 
 
 # Our own op around flash-attn-4's forward and backward functions, the two that PyTorch's FA4 registry calls
@@ -152,6 +156,11 @@ def _flash_attention_4_outputs(q):
     return q.new_empty(B, T, H, D), q.new_empty(B, H, T, dtype=torch.float32)
 
 
+def _flash_attention_4_gradients(q, k, v):
+    """dq, dk, dv, contiguous, for the same reason."""
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+
+
 @_flash_attention_4_op.register_fake
 def _(q, k, v):
     return _flash_attention_4_outputs(q)
@@ -161,15 +170,14 @@ def _(q, k, v):
 def _flash_attention_4_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                                    lse: torch.Tensor, grad_out: torch.Tensor
                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)]
-    flash_attn_4()._flash_attn_bwd(q, k, v, out, grad_out, lse, causal=True,
-                                   dq=grads[0], dk=grads[1], dv=grads[2])
-    return tuple(grads)
+    dq, dk, dv = _flash_attention_4_gradients(q, k, v)
+    flash_attn_4()._flash_attn_bwd(q, k, v, out, grad_out, lse, causal=True, dq=dq, dk=dk, dv=dv)
+    return dq, dk, dv
 
 
 @_flash_attention_4_backward_op.register_fake
 def _(q, k, v, out, lse, grad_out):
-    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    return _flash_attention_4_gradients(q, k, v)
 
 
 def _flash_attention_4_setup(ctx, inputs, output):

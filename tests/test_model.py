@@ -537,6 +537,12 @@ def test_fa4_backend_without_flash_attn_4_is_a_clear_error():
     assert m.attention_backend == "auto"
 
 
+def test_fa4_with_a_flash_attn_4_lacking_its_functions_is_a_clear_error(flash_attn_4_stand_in, monkeypatch):
+    monkeypatch.delattr(flash_attn_4_stand_in, "_flash_attn_bwd")
+    with pytest.raises(ValueError, match=r"no _flash_attn_fwd and _flash_attn_bwd; 4.0.0b36 is the version measured"):
+        model.Transformer(tiny_config(), attention_backend="fa4")
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_fa4_op_gives_sdpa_loss_and_gradients(flash_attn_4_stand_in, compiled):
     """Our op around flash-attn-4, with its two functions written out by hand: the model's loss and every
