@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on a 1-GPU H200 machine, the retry of h200_s20.sh: flash-attn-4 (FA4) through our own op
+# One device call on a 1-GPU H200 machine, the retry of the s20 call (PERFORMANCE.md): flash-attn-4 (FA4) through our own op
 # (model.flash_attention_4, sdpa_backend=fa4) against the default attention (auto, which picks cuDNN), attention
 # alone and the whole update, 20m and 50m, interleaved.
 set -uo pipefail
