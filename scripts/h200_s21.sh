@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device call on a 1-GPU H200 machine, the retry of the s20 call (PERFORMANCE.md): flash-attn-4 (FA4) through our own op
-# (model.flash_attention_4, sdpa_backend=fa4) against the default attention (auto, which picks cuDNN), attention
-# alone and the whole update, 20m and 50m, interleaved.
+# One device call on a 1-GPU H200 machine, the retry of the s20 call (PERFORMANCE.md): flash-attn-4 (FA4)
+# through our own op (model.flash_attention_4, sdpa_backend=fa4) against the default attention (auto, which
+# picks cuDNN), attention alone and the whole update, 20m and 50m, interleaved.
 set -uo pipefail
 source scripts/device_fa4.sh
 source scripts/device_env.sh
