@@ -136,7 +136,7 @@ def check_execution(cfg, world_size=1):
     if cfg.sdpa_backend == "fa4":
         try:
             model_lib.flash_attn_4()
-        except ValueError as exc:  # flash-attn-4 is not installed
+        except ValueError as exc:  # flash-attn-4 is not installed, or lacks the functions the op calls
             raise env.ConfigError(f"sdpa_backend: {exc}") from None
     if cfg.loss_impl not in model_lib.LOSS_IMPLEMENTATIONS:
         raise env.ConfigError(f"loss_impl {cfg.loss_impl!r} is not one of {', '.join(model_lib.LOSS_IMPLEMENTATIONS)}")
