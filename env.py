@@ -207,6 +207,9 @@ def _package_versions():
     return versions
 
 
+COMPILER_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE_", "TRITON_")
+
+
 def compiler_cache():
     """The inductor and Triton cache folders in effect (env var, else the library's default)."""
     inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
@@ -239,6 +242,9 @@ def fingerprint(cache_identity=None):
     except (AttributeError, OSError):
         affinity = None
     slurm = {k: v for k, v in os.environ.items() if k.startswith("SLURM_")} or None
+    # The compiler reads these (TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1, ...), and they change the kernels it makes.
+    compiler_settings = {k: v for k, v in os.environ.items() if k.startswith(COMPILER_ENV_PREFIXES)
+                         and k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")} or None
     smi = "nvidia-smi"
     return {
         "python": sys.version,
@@ -253,6 +259,7 @@ def fingerprint(cache_identity=None):
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "source_hash": source_hash(),
         "compiler_cache": compiler_cache(),
+        "compiler_settings": compiler_settings,
         "cpu_model": cpu_model(),  # eager training is launch-bound: its speed is the CPU's as much as the GPU's
         "cpu_affinity": affinity,
         "cpu_threads": torch.get_num_threads(),

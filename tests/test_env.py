@@ -298,7 +298,7 @@ def test_atomic_write_failure_keeps_the_old_file(tmp_path):
 
 FINGERPRINT_FIELDS = ["python", "platform", "hostname", "versions", "cuda", "git_revision", "git_status", "gpu",
                       "cuda_visible_devices", "source_hash", "compiler_cache", "cpu_model", "cpu_affinity", "cpu_threads",
-                      "cudnn", "slurm", "gpu_status", "gpu_topology", "cache_identity"]
+                      "cudnn", "slurm", "gpu_status", "gpu_topology", "cache_identity", "compiler_settings"]
 
 
 def test_fingerprint_without_gpu_or_git(tmp_path, monkeypatch):
@@ -322,6 +322,18 @@ def test_fingerprint_without_gpu_or_git(tmp_path, monkeypatch):
     assert fp["versions"]["torch"] and fp["cpu_threads"] >= 1
     assert isinstance(fp["source_hash"], str) and len(fp["source_hash"]) == 64
     json.dumps(fp)  # it goes into the results file
+
+
+def test_fingerprint_records_compiler_settings_from_the_environment(monkeypatch):
+    """An entry measured with TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 ran other kernels, and must say so."""
+    for key in [k for k in os.environ if k.startswith(env.COMPILER_ENV_PREFIXES)]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/somewhere")  # where, not what: compiler_cache has it
+    assert env.fingerprint()["compiler_settings"] is None
+    monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE_GEMM", "1")
+    monkeypatch.setenv("TRITON_PRINT_AUTOTUNING", "1")
+    assert env.fingerprint()["compiler_settings"] == {"TORCHINDUCTOR_MAX_AUTOTUNE_GEMM": "1",
+                                                      "TRITON_PRINT_AUTOTUNING": "1"}
 
 
 def test_allocation_usage_under_slurm():
