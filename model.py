@@ -132,38 +132,42 @@ def flash_attn_4():
     except ImportError as error:
         raise ValueError(f"attention backend 'fa4' needs the flash-attn-4 package (pip install flash-attn-4), "
                          f"which did not import: {error}") from None
-    if not all(hasattr(interface, name) for name in ("_flash_attn_fwd", "_flash_attn_bwd")):
-        raise ValueError("attention backend 'fa4': this flash-attn-4 has no _flash_attn_fwd and _flash_attn_bwd; "
+    if not hasattr(interface, "_flash_attn_bwd"):
+        raise ValueError("attention backend 'fa4': this flash-attn-4 has no _flash_attn_bwd; "
                          "4.0.0b36 is the version measured (pip install flash-attn-4==4.0.0b36)")
     return interface
 
 
-# Our own op around flash-attn-4's forward and backward functions, the two that PyTorch's FA4 registry calls
-# too (torch.nn.attention.activate_flash_attention_impl). That registry would put FA4 behind SDPA's flash kernel,
-# but in PyTorch 2.11 it expects the forward to return two tensors, and flash-attn-4 4.0.0b20 and later return
-# more. torch.compile sees the op as one opaque call, and CUDA graphs capture its kernels.
+# Our own op pair: training's attention with cuDNN's forward and flash-attn-4's backward, the faster of each on
+# the H200 (cuDNN's forward 0.60 against flash-attn-4's 0.75 ms per 20m update; flash-attn-4's backward 1.18
+# against cuDNN's 1.56). The backward is the function that PyTorch's FA4 registry calls too
+# (torch.nn.attention.activate_flash_attention_impl); that registry would put FA4 behind SDPA's flash kernel, but
+# in PyTorch 2.11 it expects flash-attn-4's forward to return two tensors, and 4.0.0b20 and later return more.
+# torch.compile sees each op as one opaque call, and CUDA graphs capture its kernels.
 @torch.library.custom_op("tiny_llm::flash_attention_4", mutates_args=())
 def _flash_attention_4_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = _flash_attention_4_outputs(q)
-    flash_attn_4()._flash_attn_fwd(q, k, v, causal=True, return_lse=True, out=out, lse=lse)
-    return out, lse
+    return cudnn_attention_forward(q, k, v)
 
 
-def _flash_attention_4_outputs(q):
-    """The output (B, T, H, D) and the log-sum-exp (B, H, T) in float32, both contiguous: allocated here so
-    that the real op and its fake agree on strides whatever layout flash-attn-4 would choose."""
+def cudnn_attention_forward(q, k, v):
+    """cuDNN's causal forward with the log-sum-exp that flash-attn-4's backward takes, in its layouts: the
+    output (B, T, H, D) and the log-sum-exp (B, H, T) in float32, both contiguous, as the fake says."""
+    B, T, H, D = q.shape
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        *(t.transpose(1, 2) for t in (q, k, v)), None, True, 0.0, True, False)[:2]
+    return out.transpose(1, 2).contiguous(), lse.reshape(B, H, T).contiguous()
+
+
+@_flash_attention_4_op.register_fake
+def _(q, k, v):
     B, T, H, D = q.shape
     return q.new_empty(B, T, H, D), q.new_empty(B, H, T, dtype=torch.float32)
 
 
 def _flash_attention_4_gradients(q, k, v):
-    """dq, dk, dv, contiguous, for the same reason."""
+    """dq, dk, dv, contiguous: allocated here so that the real op and its fake agree on strides whatever
+    layout flash-attn-4 would choose."""
     return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-
-
-@_flash_attention_4_op.register_fake
-def _(q, k, v):
-    return _flash_attention_4_outputs(q)
 
 
 @torch.library.custom_op("tiny_llm::flash_attention_4_backward", mutates_args=())
@@ -203,8 +207,8 @@ def causal_attention(q, k, v, backends):
     if backends == "fa4":
         if torch.is_grad_enabled() and q.requires_grad:
             return flash_attention_4(q, k, v)
-        # Forward only (evaluation, sampling): SDPA's choice. On the H200 cuDNN's forward takes 0.60 ms per 20m
-        # update where flash-attn-4's takes 0.75, and evaluation lost 3% with it (s22-20m-*-profile, s23-eval-*).
+        # Forward only (evaluation, sampling): SDPA's choice, which on the H200 is the same cuDNN forward
+        # without the log-sum-exp that only a backward needs, and runs on any GPU and the CPU.
         backends = None
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D), as SDPA wants them
     with sdpa_kernel(backends) if backends else contextlib.nullcontext():

@@ -52,13 +52,12 @@ def causal_scores(q, k):
     return scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
 
 
-def attention_forward_by_hand(q, k, v, causal, return_lse, out, lse, **unused):
-    """flash-attn-4's _flash_attn_fwd in plain torch: fills out (B, T, H, D) and lse (B, H, T)."""
-    assert causal and return_lse and not unused
+def attention_forward_by_hand(q, k, v):
+    """model.cudnn_attention_forward in plain torch: the output (B, T, H, D) and the log-sum-exp (B, H, T)."""
     scores = causal_scores(q, k)
-    lse.copy_(torch.logsumexp(scores, dim=-1))
-    out.copy_(torch.einsum("bhts,bshd->bthd", torch.exp(scores - lse[..., None]), v.float()))
-    return out, lse, None, None, None
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("bhts,bshd->bthd", torch.exp(scores - lse[..., None]), v.float())
+    return out.to(q.dtype).contiguous(), lse
 
 
 def attention_backward_by_hand(q, k, v, out, dout, lse, causal, dq, dk, dv, **unused):
@@ -77,14 +76,19 @@ def attention_backward_by_hand(q, k, v, out, dout, lse, causal, dq, dk, dv, **un
 
 @pytest.fixture
 def flash_attn_4_stand_in(monkeypatch):
-    """flash-attn-4's interface module with its two functions written out in plain torch. Its kernels need a
-    Hopper or Blackwell GPU, so the CPU tests what our op passes them and does with what they return."""
+    """The fa4 backend's two kernels written out in plain torch: cuDNN's forward with its log-sum-exp, and
+    flash-attn-4's backward (its interface module, with _flash_attn_bwd). Both need a GPU (flash-attn-4's a
+    Hopper or Blackwell one), so the CPU tests what our op passes them and does with what they return. That
+    the two kernels agree on the log-sum-exp is a GPU fact: scripts/attention_microbench.py checks the
+    gradients against float32 math there."""
     import types
+    import model
     interface = types.ModuleType("flash_attn.cute.interface")
-    interface._flash_attn_fwd, interface._flash_attn_bwd = attention_forward_by_hand, attention_backward_by_hand
+    interface._flash_attn_bwd = attention_backward_by_hand
     for name in ("flash_attn", "flash_attn.cute"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
+    monkeypatch.setattr(model, "cudnn_attention_forward", attention_forward_by_hand)
     return interface
 
 
