@@ -58,7 +58,8 @@ compile = False
 compile_mode = "default"         # default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs
 compile_scope = "model"          # model: one graph; blocks: each block and the loss head apart (compiles once
                                  # for all the identical blocks, so a much shorter cold start)
-sdpa_backend = "auto"            # auto, flash, efficient, cudnn, math, or fa4 (flash-attn-4, installed apart)
+sdpa_backend = "auto"            # auto, flash, efficient, cudnn, math, or fa4 (cuDNN's forward, flash-attn-4's
+                                 # backward; flash-attn-4 is installed apart)
 loss_impl = "full"               # full, chunked, fused (see model.py)
 loss_chunk_tokens = 8192         # tokens per slice of the chunked and fused losses
 activation_memory_budget = 1.0   # compiled only: the share of the compiler's activation memory to keep; below 1 it

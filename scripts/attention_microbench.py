@@ -1,5 +1,5 @@
-"""Causal attention alone, forward and backward, on the GPU: each SDPA kernel, and flash-attn-4 as "fa4" when
-it imports, on a preset's shape, in the layout the model gives it (q, k and v are views into one projection
+"""Causal attention alone, forward and backward, on the GPU: each SDPA kernel, and the fa4 backend (cuDNN's
+forward with flash-attn-4's backward) when flash-attn-4 imports, on a preset's shape, in the layout the model gives it (q, k and v are views into one projection
 output). Each one's output and gradients are compared with float32 math on the
 same inputs, and its GPU kernel times are recorded under NAME in the results file (with the fingerprint).
 
@@ -55,7 +55,7 @@ def measure(name, qkv, grad_out, reference, reps):
         leaf.grad = None
         attention(leaf, backends).backward(grad_out)
 
-    # forward with gradients wanted: evaluation's forward runs another kernel for fa4 (model.causal_attention)
+    # forward with gradients wanted: for fa4 it also saves the log-sum-exp, which evaluation's forward does not
     return {"kernel_ms_forward": round(kernel_ms(lambda: attention(leaf, backends), reps), 4),
             "kernel_ms_forward_backward": round(kernel_ms(forward_backward, reps), 4),
             "out_relative_error": relative_error(out, reference[0]),
