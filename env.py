@@ -87,7 +87,12 @@ def load_config(defaults, argv):
     config = dict(defaults)
     args = list(argv)
     if "-h" in args or "--help" in args:
-        print_usage(defaults)
+        try:
+            print_usage(defaults)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            # the reader stopped early (`--help | head`): no traceback, and none at exit when Python flushes again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(0)
     while args:
         arg = args.pop(0)

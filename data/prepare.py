@@ -18,6 +18,7 @@ import argparse
 import datetime
 import glob
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -113,11 +114,9 @@ def find_local(source):
         raise PrepareError(f"--source {source!r} mixes file types ({' and '.join(builders)}); "
                            f"use one type (.txt, or .jsonl/.json, or .parquet) per corpus")
     if any(f.name.endswith(".zst") for f in files):
-        try:
-            import zstandard  # noqa: F401  (datasets needs it for .zst)
-        except ImportError:
+        if importlib.util.find_spec("zstandard") is None:  # datasets needs it for .zst
             raise PrepareError(f"--source {source!r} has .zst files, which need the zstandard package "
-                               f"(pip install zstandard)") from None
+                               f"(pip install zstandard)")
     return split_files, base, rule, builders[0]
 
 

@@ -146,6 +146,18 @@ def test_help_lists_every_key_with_its_default_and_exits_0(script):
     assert "--micro_batch_size=8\n" in done.stdout and "--sdpa_backend='auto'\n" in done.stdout
 
 
+def test_help_piped_into_a_reader_that_stops_early_ends_quietly():
+    """`bench.py --help | head -1` ended in a BrokenPipeError traceback."""
+    # more keys than a pipe holds (64 KiB), so that the writer is still writing when the reader leaves
+    many_keys = "{**train.DEFAULTS, **{f'key_{i}': i for i in range(5000)}}"
+    proc = subprocess.Popen([sys.executable, "-c", f"import env, train; env.load_config({many_keys}, ['--help'])"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()  # as head does after its line
+    assert proc.wait(timeout=120) == 0
+    assert proc.stderr.read() == b""
+
+
 def test_portable_traceback_names_no_path_of_this_machine(tmp_path):
     import torch
 

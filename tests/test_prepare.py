@@ -221,6 +221,18 @@ def test_bad_input_is_one_clear_error_and_touches_nothing(tmp_path, make, words)
     assert not list(tmp_path.glob("cache.tmp-*")) and not list(tmp_path.glob("cache.old-*"))
 
 
+def test_zst_files_without_zstandard_are_one_clear_error(tmp_path, monkeypatch):
+    """datasets reads .zst through the zstandard package; without it the error would come from deep inside."""
+    import importlib.util
+    from data import prepare as prepare_module
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "part-0.jsonl.zst").write_bytes(b"")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "zstandard" else find_spec(name, *a))
+    with pytest.raises(PrepareError, match=r"has \.zst files, which need the zstandard package \(pip install zstandard\)"):
+        prepare_module.find_local(str(tmp_path / "src"))
+
+
 def test_max_vocab_and_hub_errors(books, built, monkeypatch):
     out, _ = built
     with pytest.raises(PrepareError, match=f"has {VOCAB} tokens but the model's vocabulary holds 256"):
