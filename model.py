@@ -149,12 +149,16 @@ def _flash_attention_4_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
     return cudnn_attention_forward(q, k, v)
 
 
+# SDPA's cuDNN kernel as an op of its own, which returns the log-sum-exp that F.scaled_dot_product_attention
+# keeps to itself. Named here so that the CPU tests can stand in for it: cuDNN has no CPU kernel.
+_cudnn_sdpa = torch.ops.aten._scaled_dot_product_cudnn_attention
+
+
 def cudnn_attention_forward(q, k, v):
     """cuDNN's causal forward with the log-sum-exp that flash-attn-4's backward takes, in its layouts: the
     output (B, T, H, D) and the log-sum-exp (B, H, T) in float32, both contiguous, as the fake says."""
     B, T, H, D = q.shape
-    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        *(t.transpose(1, 2) for t in (q, k, v)), None, True, 0.0, True, False)[:2]
+    out, lse = _cudnn_sdpa(*(t.transpose(1, 2) for t in (q, k, v)), None, True, 0.0, True, False)[:2]
     return out.transpose(1, 2).contiguous(), lse.reshape(B, H, T).contiguous()
 
 

@@ -60,6 +60,15 @@ def attention_forward_by_hand(q, k, v):
     return out.to(q.dtype).contiguous(), lse
 
 
+def cudnn_attention_by_hand(q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False,
+                            return_debug_mask=False, scale=None):
+    """aten._scaled_dot_product_cudnn_attention in plain torch (cuDNN has no CPU kernel), for q, k, v (B, H, T, D):
+    its output (B, H, T, D) and log-sum-exp (B, H, T, 1), then the seven values our op does not read."""
+    assert attn_bias is None and compute_log_sumexp and dropout_p == 0 and is_causal and not return_debug_mask
+    out, lse = attention_forward_by_hand(*(t.transpose(1, 2) for t in (q, k, v)))
+    return (out.transpose(1, 2).contiguous(), lse.unsqueeze(-1)) + (None,) * 7
+
+
 def attention_backward_by_hand(q, k, v, out, dout, lse, causal, dq, dk, dv, **unused):
     """flash-attn-4's _flash_attn_bwd in plain torch, from the saved output and log-sum-exp as it works."""
     assert causal and not unused
@@ -76,11 +85,11 @@ def attention_backward_by_hand(q, k, v, out, dout, lse, causal, dq, dk, dv, **un
 
 @pytest.fixture
 def flash_attn_4_stand_in(monkeypatch):
-    """The fa4 backend's two kernels written out in plain torch: cuDNN's forward with its log-sum-exp, and
-    flash-attn-4's backward (its interface module, with _flash_attn_bwd). Both need a GPU (flash-attn-4's a
-    Hopper or Blackwell one), so the CPU tests what our op passes them and does with what they return. That
-    the two kernels agree on the log-sum-exp is a GPU fact: scripts/attention_microbench.py checks the
-    gradients against float32 math there."""
+    """The fa4 backend's two kernels written out in plain torch: cuDNN's forward with its log-sum-exp (the aten
+    op), and flash-attn-4's backward (its interface module, with _flash_attn_bwd). Both need a GPU
+    (flash-attn-4's a Hopper or Blackwell one), so the CPU tests what our op passes them and does with what
+    they return. That the two kernels agree on the log-sum-exp is a GPU fact: scripts/attention_microbench.py
+    checks the gradients against float32 math there."""
     import types
     import model
     interface = types.ModuleType("flash_attn.cute.interface")
@@ -88,7 +97,7 @@ def flash_attn_4_stand_in(monkeypatch):
     for name in ("flash_attn", "flash_attn.cute"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
-    monkeypatch.setattr(model, "cudnn_attention_forward", attention_forward_by_hand)
+    monkeypatch.setattr(model, "_cudnn_sdpa", cudnn_attention_by_hand)
     return interface
 
 
