@@ -406,6 +406,9 @@ def _update(path, change):
 
 
 def _put(data, keys, value, path):
+    if keys == ["history"]:
+        raise ResultsFileError(f"results file {path}: 'history' holds the file's replaced values; record under "
+                               f"another name")
     node, last = _parent(data, keys, path), keys[-1]
     old = node.get(last)
     same_run = isinstance(old, dict) and isinstance(value, dict) and old.get("run_id") is not None \
@@ -449,7 +452,7 @@ def append(path, keys, item):
 
 def lookup(path, keys, default=None):
     node = read_results(path)
-    for key in ([keys] if isinstance(keys, str) else keys):
+    for key in _key_list(keys):
         if not isinstance(node, dict) or key not in node:
             return default
         node = node[key]

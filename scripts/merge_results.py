@@ -4,17 +4,27 @@
 
 Benchmark, profile and other two-level sections merge entry by entry, training runs by name, all through
 env.record_many, so nothing already in INTO is lost (a replaced entry moves to its "history").
+
+The returned file began as a copy of INTO when the call started, so it also holds every entry INTO had then.
+An entry that INTO has replaced since (a comparison recomputed here while the call ran) comes back with its old
+value, which INTO keeps in its history: such a value is skipped, not merged over the newer one.
 """
+import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import env  # noqa: E402
 
-NESTED = {"benchmarks", "profiles", "tuning-candidates"}
+NESTED = {"benchmarks", "profiles"}
+
+
+def canonical(path, value):
+    return json.dumps([path, value], sort_keys=True, default=str)
 
 
 def merge(source, target):
+    """Merges source's entries into target; returns how many were merged and how many skipped as stale."""
     items = []
     for key, value in env.read_results(source).items():
         if key == "history":
@@ -23,8 +33,10 @@ def merge(source, target):
             items += [([key, name], entry) for name, entry in value.items()]
         else:
             items.append(([key], value))
-    env.record_many(target, items)  # one lock and one write for the whole merge
-    return len(items)
+    replaced_here = {canonical(h.get("path"), h.get("value")) for h in env.lookup(target, ["history"], [])}
+    fresh = [(keys, value) for keys, value in items if canonical(keys, value) not in replaced_here]
+    env.record_many(target, fresh)  # one lock and one write for the whole merge
+    return len(fresh), len(items) - len(fresh)
 
 
 def main(argv):
@@ -35,7 +47,9 @@ def main(argv):
     try:
         if not Path(source).is_file():
             raise env.ResultsFileError(f"{source} does not exist; give the results file a device call returned")
-        print(f"merged {merge(source, into)} entries of {source} into {into}")
+        merged, stale = merge(source, into)
+        print(f"merged {merged} entries of {source} into {into}"
+              + (f"; skipped {stale} that {into} has replaced since" if stale else ""))
     except env.ResultsFileError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

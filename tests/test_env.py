@@ -414,12 +414,41 @@ def test_merging_a_returned_results_file_keeps_everything(tmp_path):
     env.record(returned, ["benchmarks", "changed"], {"run_id": "d", "tokens_per_second": 4.0})
     env.record(returned, ["profiles", "new"], {"run_id": "c", "kernel_count": 7})
     env.record(returned, ["run-2"], {"run_id": "r2", "status": "complete"})
-    assert merge_results.merge(returned, local) == 4
+    assert merge_results.merge(returned, local) == (4, 0)
     merged = env.read_results(local)
     assert set(merged["benchmarks"]) == {"old", "new", "changed"}
     assert merged["benchmarks"]["changed"]["run_id"] == "d" and merged["profiles"]["new"]["kernel_count"] == 7
     assert merged["run-1"]["run_id"] == "r1" and merged["run-2"]["run_id"] == "r2"
     assert [h["path"] for h in merged["history"]] == [["benchmarks", "changed"]]  # the replaced entry is kept
+
+
+def test_merging_never_brings_back_a_value_replaced_here_while_the_device_ran(tmp_path):
+    """The device's copy starts as the local file; an entry recomputed here meanwhile must stay the new one."""
+    import importlib.util
+    import shutil
+    spec = importlib.util.spec_from_file_location("merge_results", REPO / "scripts" / "merge_results.py")
+    merge_results = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(merge_results)
+    local, returned = tmp_path / "local.json", tmp_path / "returned.json"
+    env.record(local, ["matched-comparison"], {"optimized": "s15", "difference": 0.0173})
+    env.record(local, ["benchmarks", "a"], {"run_id": "a"})
+    shutil.copy(local, returned)  # the device call starts
+    env.record(returned, ["benchmarks", "b"], {"run_id": "b"})  # what it measures
+    env.record(local, ["matched-comparison"], {"optimized": "s29", "difference": -0.0105})  # meanwhile, here
+    assert merge_results.merge(returned, local) == (2, 1)
+    merged = env.read_results(local)
+    assert merged["matched-comparison"]["optimized"] == "s29" and set(merged["benchmarks"]) == {"a", "b"}
+    assert [h["value"]["optimized"] for h in merged["history"]] == ["s15"]
+
+
+def test_history_cannot_be_recorded_over(tmp_path):
+    """history is where replaced values go; a run named "history" would have replaced it whole."""
+    path = tmp_path / "r.json"
+    env.record(path, ["a"], 1)
+    env.record(path, ["a"], 2)
+    with pytest.raises(env.ResultsFileError, match="'history' holds the file's replaced values"):
+        env.record(path, ["history"], {"run_id": "x"})
+    assert env.read_results(path)["history"][0]["value"] == 1
 
 
 def test_atomic_writes_keep_the_file_mode_and_give_new_files_the_usual_one(tmp_path):
