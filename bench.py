@@ -6,7 +6,6 @@
 (forward, backward, clipping, optimizer). The headline is the median window's tokens/s. The entry goes to
 benchmarks.NAME in the results file. Under torchrun, tokens/s are totals over all GPUs and per GPU.
 """
-import math
 import os
 import statistics
 import sys
@@ -20,7 +19,7 @@ import torch
 import env
 import model as model_lib
 import train
-from data.loader import Prefetcher, TrainData, read_rows
+from data.loader import Prefetcher, TrainData
 
 # ---------------------------------------------------------------- defaults (plus everything train.py takes)
 warmup = 20
@@ -167,6 +166,15 @@ def check_protocol(cfg):
             raise env.ConfigError(f"{key} must be at least 1, got {cfg[key]}")
 
 
+def cache_and_model(cfg):
+    """The verified token cache (None for synthetic data) and the model config; a mistake in either is a
+    ConfigError, which is the user's to fix, not a measurement to record."""
+    if cfg.data_mode == "real":
+        cache, mcfg, _ = train.setup(cfg)
+        return cache, mcfg
+    return None, train.model_config(cfg, cfg.vocab_size or 32000)
+
+
 def run_protocol(cfg):
     """One protocol-v2 run; returns its entry (status "error" with the error text if it failed)."""
     rank, local_rank, world_size = train.distributed()
@@ -183,23 +191,20 @@ def run_protocol(cfg):
     trainer = None
     try:
         check_protocol(cfg)
-        device = train.resolve_device(cfg)
-        if device == "cuda":
-            device = f"cuda:{local_rank}"
-            torch.cuda.set_device(local_rank)
+        device = train.resolve_device(cfg, local_rank)
+        if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
         sequences_per_update = train.check_execution(cfg, world_size)
-        if cfg.data_mode == "real":
-            cache, mcfg, _ = train.setup(cfg)
+        cache, mcfg = cache_and_model(cfg)
+        if cache:
             protocol["cache_identity"] = cache.identity
-            data = TrainData(cache.train, cfg.seq_len, sequences_per_update, cfg.seed, cfg.train_subset_tokens)
+            data = train.training_data(cfg, cache, sequences_per_update)
             full_updates = data.n_sequences // sequences_per_update  # the timed updates are all full ones
             if full_updates == 0:
                 raise env.ConfigError("the training subset holds less than one full update")
             make = lambda u: data.micro_batches(u // full_updates, u % full_updates, cfg.micro_batch_size,
                                                 rank, world_size)
         else:
-            mcfg = train.model_config(cfg, cfg.vocab_size or 32000)
             data, make = synthetic_batches(cfg, mcfg.vocab_size, sequences_per_update, rank, world_size)
         total = cfg.warmup + cfg.windows * cfg.steps + (cfg.profile_updates if cfg.profile else 1)
         trainer = train.Trainer(cfg, mcfg, device, total_updates=total, world_size=world_size, local_rank=local_rank)
@@ -274,12 +279,7 @@ def probe_partial_updates(trainer, data, cfg, sync, rank, world_size):
     per_update = data.sequences_per_update
     probes = []
     for count in [per_update, max(1, per_update * 11 // 32), max(1, per_update * 25 // 32), per_update]:
-        sequences = np.arange(count)
-        share = np.array_split(sequences, world_size)[rank]
-        mb = cfg.micro_batch_size
-        n_micro = math.ceil(math.ceil(count / world_size) / mb)
-        micro = [read_rows(data.tokens, share[i * mb:(i + 1) * mb] * cfg.seq_len, cfg.seq_len, mb)
-                 for i in range(n_micro)]
+        micro, _ = data.batches_of(np.arange(count), cfg.micro_batch_size, rank, world_size)
         micro = [(x.to(trainer.device), y.to(trainer.device)) for x, y in micro]
         sync()
         start = time.perf_counter()
@@ -310,7 +310,10 @@ def run(cfg):
             raise env.ConfigError(f"presets={cfg.presets!r} names no preset; valid: {', '.join(model_lib.PRESETS)}")
         runs = []
         for preset in names:
-            model_lib.get_preset(preset)  # unknown names fail here, before any run
+            try:
+                model_lib.get_preset(preset)  # unknown names fail here, before any run
+            except ValueError as exc:
+                raise env.ConfigError(str(exc)) from None
             # each preset's own shape: a config's dim, n_layers, ... would make every preset the same model
             shape = dict.fromkeys(("dim", "n_layers", "n_heads", "hidden_dim"), 0)
             runs.append((f"{cfg.name}-{preset}", train.Config(cfg, preset=preset, name=f"{cfg.name}-{preset}", **shape)))
@@ -351,7 +354,7 @@ def main(argv):
     try:
         cfg = train.Config(env.load_config(DEFAULTS, argv))
         entries = run(cfg)
-    except (*train.USER_ERRORS, ValueError) as exc:
+    except train.USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0 if all(e["status"] == "ok" for e in entries) else 1

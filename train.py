@@ -97,9 +97,13 @@ class Config(dict):
 
 
 def model_config(cfg, vocab):
+    """The model's shape: the preset with the config's overrides; a bad one is a ConfigError."""
     overrides = {k: cfg[k] for k in ("dim", "n_layers", "n_heads", "hidden_dim") if cfg[k]}
-    return model_lib.get_preset(cfg.preset, vocab_size=cfg.vocab_size or vocab, max_seq_len=cfg.seq_len,
-                                **overrides)
+    try:
+        return model_lib.get_preset(cfg.preset, vocab_size=cfg.vocab_size or vocab, max_seq_len=cfg.seq_len,
+                                    **overrides)
+    except ValueError as exc:  # unknown preset, width not divisible by heads, ...
+        raise env.ConfigError(str(exc)) from None
 
 
 def recipe(cfg, mcfg, cache_identity):
@@ -116,14 +120,22 @@ def run_dir(cfg):
     return Path(cfg.out_dir or f"out/{cfg.name}")
 
 
-def resolve_device(cfg):
-    if cfg.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if cfg.device not in ("cpu", "cuda"):
+def resolve_device(cfg, local_rank=None):
+    """"cpu" or "cuda"; given this process's local rank, its own GPU ("cuda:N"), made the current one."""
+    if cfg.device not in ("auto", "cpu", "cuda"):
         raise env.ConfigError(f"device {cfg.device!r} is not one of auto, cpu, cuda")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise env.ConfigError("device 'cuda' was asked for but PyTorch sees no GPU; use --device=cpu")
-    return cfg.device
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    if device == "cuda" and local_rank is not None:
+        torch.cuda.set_device(local_rank)
+        return f"cuda:{local_rank}"
+    return device
+
+
+def training_data(cfg, cache, sequences_per_update):
+    """The fixed training subset of the cache, cut into the run's updates (train.py trains it, bench.py times it)."""
+    return TrainData(cache.train, cfg.seq_len, sequences_per_update, cfg.seed, cfg.train_subset_tokens)
 
 
 def check_execution(cfg, world_size=1):
@@ -137,7 +149,7 @@ def check_execution(cfg, world_size=1):
     if cfg.sdpa_backend == "fa4":
         try:
             model_lib.flash_attn_4()
-        except ValueError as exc:  # flash-attn-4 is not installed, or lacks the functions the op calls
+        except ValueError as exc:  # flash-attn-4 is not installed, or lacks the backward function the op calls
             raise env.ConfigError(f"sdpa_backend: {exc}") from None
     if cfg.loss_impl not in model_lib.LOSS_IMPLEMENTATIONS:
         raise env.ConfigError(f"loss_impl {cfg.loss_impl!r} is not one of {', '.join(model_lib.LOSS_IMPLEMENTATIONS)}")
@@ -317,10 +329,7 @@ def setup(cfg):
         cache = TokenCache(cfg.data_dir)
     except CacheError as exc:
         raise env.ConfigError(str(exc)) from None
-    try:
-        mcfg = model_config(cfg, cache.vocab_size)
-    except ValueError as exc:  # unknown preset, width not divisible by heads, ...
-        raise env.ConfigError(str(exc)) from None
+    mcfg = model_config(cfg, cache.vocab_size)
     if cache.vocab_size > mcfg.vocab_size:
         raise env.ConfigError(f"the data's tokenizer has {cache.vocab_size} tokens but the model's vocabulary "
                               f"holds {mcfg.vocab_size}; set vocab_size=0 (follow the data) or at least "
@@ -391,14 +400,11 @@ def train(cfg):
     session_start = time.time()
     rank, local_rank, world_size = distributed()
     main_process = rank == 0
-    device = resolve_device(cfg)
-    if device == "cuda":
-        device = f"cuda:{local_rank}"
-        torch.cuda.set_device(local_rank)
+    device = resolve_device(cfg, local_rank)
     sequences_per_update = check_execution(cfg, world_size)
     cache, mcfg, rec = setup(cfg)
     recipe_id = env.hash_json(rec)
-    data = TrainData(cache.train, cfg.seq_len, sequences_per_update, cfg.seed, cfg.train_subset_tokens)
+    data = training_data(cfg, cache, sequences_per_update)
     total_updates = data.updates_per_epoch * cfg.epochs
     trainer = Trainer(cfg, mcfg, device, total_updates, world_size, local_rank)
     out = run_dir(cfg)
@@ -416,6 +422,12 @@ def train(cfg):
         except Exception as exc:
             raise env.ConfigError(f"checkpoint {ckpt_path} could not be loaded ({type(exc).__name__}: {exc}); "
                                   f"move it away to start afresh, or resume from another --out_dir") from None
+        missing = [k for k in ("recipe", "model", "optimizer", "step", "rng", *state)
+                   if not isinstance(ckpt, dict) or k not in ckpt]
+        if missing:
+            raise env.ConfigError(f"checkpoint {ckpt_path} is not one train.py wrote (it lacks "
+                                  f"{', '.join(missing[:4])}); move it away to start afresh, or resume from "
+                                  f"another --out_dir")
         differ = recipe_differences(ckpt["recipe"], rec)
         if differ:
             raise env.ConfigError(f"checkpoint {ckpt_path} was trained with another recipe; fields that differ: "

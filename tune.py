@@ -173,7 +173,7 @@ def candidate_identity(cfg, candidate, where):
     """What a measurement depends on: the candidate's training config, the protocol, the machine and the
     data, not names or paths."""
     settings = {k: v for k, v in dict(cfg, **candidate).items()
-                if k in train.DEFAULTS and k not in ("name", "out_dir", "results_file")}
+                if k in train.DEFAULTS and k not in ("name", *WHERE_KEYS)}
     return env.hash_json({"settings": settings, "protocol": {k: cfg[k] for k in PROTOCOL_KEYS}, "machine": where})
 
 
@@ -185,7 +185,9 @@ def tune(cfg):
     for b in backends:
         if b not in train.model_lib.ATTENTION_BACKENDS:
             raise env.ConfigError(f"tune_backends: {b!r} is not one of {', '.join(train.model_lib.ATTENTION_BACKENDS)}")
-        if b == "fa4":  # or every fa4 candidate would fail the same way
+        if b == "fa4":
+            # a missing flash-attn-4 would fail every fa4 candidate the same way (a GPU that is not Hopper or
+            # Blackwell is refused by each candidate as it starts)
             train.check_execution(train.Config(cfg, sdpa_backend=b))
     for m in modes:
         if m != "eager" and m not in train.COMPILE_MODES:
@@ -196,7 +198,8 @@ def tune(cfg):
     for key in ("budget", "candidate_timeout"):
         if cfg[key] <= 0:
             raise env.ConfigError(f"{key} must be a positive number of minutes, got {cfg[key]}")
-    bench.check_protocol(cfg)  # or every candidate would fail the same way
+    bench.check_protocol(cfg)  # or every candidate would fail the same way, and the sweep record no selection
+    bench.cache_and_model(cfg)
     valid_sizes = []
     for size in sorted(set(sizes)):
         try:

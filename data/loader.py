@@ -127,7 +127,10 @@ class TrainData:
         of micro-steps (so gradient syncs line up); a short share is padded with ignored rows, which keeps
         one batch shape for the whole run and so never triggers a recompile.
         """
-        sequences = self.update_sequences(epoch, update)
+        return self.batches_of(self.update_sequences(epoch, update), micro_batch_size, rank, world_size)
+
+    def batches_of(self, sequences, micro_batch_size, rank=0, world_size=1):
+        """micro_batches for any array of sequence indices (bench.py's partial-update probe picks its own)."""
         share = np.array_split(sequences, world_size)[rank]
         steps = math.ceil(math.ceil(len(sequences) / world_size) / micro_batch_size)
         batches = [read_rows(self.tokens, share[i * micro_batch_size:(i + 1) * micro_batch_size] * self.seq_len,

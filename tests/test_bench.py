@@ -93,11 +93,16 @@ def test_error_is_recorded_not_lost(tmp_path, text_cache, monkeypatch):
     assert str(env.REPO) not in trace and '"/' not in trace
 
 
-def test_user_mistake_is_one_line(tmp_path, text_cache, capsys):
-    code, _ = run_bench(tmp_path, text_cache, "--name=bad", "--data_mode=imaginary")
-    assert code == 2
+@pytest.mark.parametrize("args, words", [(["--data_mode=imaginary"], ["data_mode", "synthetic"]),
+                                         (["--data_mode=synthetic", "--preset=bogus"], ["unknown", "'bogus'"]),
+                                         (["--data_mode=synthetic", "--n_heads=7"], ["64", "7"]),
+                                         (["--presets=20m,bogus"], ["unknown", "'bogus'"])])
+def test_user_mistake_is_one_line_and_no_result(tmp_path, text_cache, capsys, args, words):
+    """A bad model shape in synthetic mode was recorded as a failed measurement, with a traceback."""
+    code, results = run_bench(tmp_path, text_cache, "--name=bad", *args)
+    assert code == 2 and not results.get("benchmarks")
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "data_mode" in err[0] and "synthetic" in err[0]
+    assert len(err) == 1 and all(w in err[0] for w in words), err
 
 
 def test_presets_print_before_and_after(tmp_path, text_cache, capsys):

@@ -641,13 +641,19 @@ def test_regional_compilation_keeps_the_math_and_the_checkpoint_names(text_cache
     assert "loss" in vars(compiled.raw_model) and "loss" not in vars(eager.raw_model)  # the head compiled apart
 
 
-def test_a_corrupt_checkpoint_is_one_line_error(text_cache, tmp_path, capsys):
+@pytest.mark.parametrize("content, words", [(b"not a checkpoint", "could not be loaded"),
+                                             ({"model": {}}, "is not one train.py wrote (it lacks recipe"),
+                                             ([1, 2], "is not one train.py wrote")])
+def test_a_corrupt_or_foreign_checkpoint_is_one_line_error(text_cache, tmp_path, capsys, content, words):
+    """A file torch loads but train.py did not write (a model-only export, a list) was a KeyError traceback."""
+    import torch
     cfg = small_config(text_cache, tmp_path)
     (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "ckpt.pt").write_bytes(b"not a checkpoint")
+    ckpt = tmp_path / "out" / "ckpt.pt"
+    ckpt.write_bytes(content) if isinstance(content, bytes) else torch.save(content, ckpt)
     assert train.main(cli_args(cfg) + ["--resume=True"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "ckpt.pt" in err[0] and "could not be loaded" in err[0]
+    assert len(err) == 1 and "ckpt.pt" in err[0] and words in err[0], err
 
 
 def test_an_activation_memory_budget_saves_less_for_backward_with_the_same_math(text_cache, tmp_path, monkeypatch):

@@ -166,7 +166,10 @@ def test_fa4_without_flash_attn_4_is_refused_before_any_candidate(tmp_path, text
                                         ("--tune_compile_modes=", "tune_compile_modes is empty"),
                                         ("--tune_backends=,", "tune_backends is empty"),
                                         ("--data_mode=bogus", "data_mode 'bogus'"),
-                                        ("--warmup=0", "warmup must be at least 1")])
+                                        ("--warmup=0", "warmup must be at least 1"),
+                                        # each would fail every candidate, and the sweep record no selection
+                                        ("--data_dir=/nonexistent/cache", "/nonexistent/cache"),
+                                        ("--preset=bogus", "unknown model preset 'bogus'")])
 def test_sweep_settings_are_checked_before_any_candidate(tmp_path, text_cache, capsys, arg, words):
     results = tmp_path / "results.json"
     argv = TINY + [f"--data_dir={text_cache}", f"--results_file={results}", f"--tuned_dir={tmp_path / 'tuned'}", arg]
