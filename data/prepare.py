@@ -275,6 +275,11 @@ def prepare(source, out, tokenizer=None, vocab_size=32000, val_fraction=0.01, nu
         # the cache replaces --out whole: never a folder (or file) that holds something else
         raise PrepareError(f"--out {str(out)!r} exists and is not a token cache; give a new folder, an empty one, "
                            f"or an existing cache")
+    try:  # before any tokenizing: the cache and its lock file go beside --out
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PrepareError(f"--out {str(out)!r}: its folder {str(out.parent)!r} cannot be made ({exc.strerror}); "
+                           f"give a path in a writable folder") from None
 
     # 1. what the inputs are, hashed before any work, so an up-to-date cache is found without tokenizing
     hub = source.startswith("hf:")
@@ -307,7 +312,6 @@ def prepare(source, out, tokenizer=None, vocab_size=32000, val_fraction=0.01, nu
 
     # 2. under a lock, so two prepares of one DIR don't interleave: recover, check the cache, build, swap
     from filelock import FileLock
-    out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out) + ".lock"):
         for p in out.parent.glob(glob.escape(out.name) + ".tmp-*"):  # left by a killed run
             shutil.rmtree(p, ignore_errors=True)

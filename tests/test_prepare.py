@@ -13,6 +13,7 @@ import pytest
 
 from data import prepare as prep
 from data.prepare import PrepareError, prepare
+from data.prepare import main as prepare_main
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "gutenberg"
@@ -219,6 +220,16 @@ def test_bad_input_is_one_clear_error_and_touches_nothing(tmp_path, make, words)
     assert "\n" not in message and all(w in message for w in words), message
     assert os.listdir(out) == ["meta.json"] and (out / "meta.json").read_text() == "{}"
     assert not list(tmp_path.glob("cache.tmp-*")) and not list(tmp_path.glob("cache.old-*"))
+
+
+def test_out_under_a_file_is_one_clear_error_before_any_work(tmp_path, books, capsys):
+    """The folder for --out was made after the tokenizer was trained, and a failure was a traceback."""
+    (tmp_path / "afile").write_text("not a folder")
+    with pytest.raises(SystemExit) as exit_info:
+        prepare_main(["--source", str(books), "--out", str(tmp_path / "afile" / "cache"), "--vocab_size", "300"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "afile" in err[0] and "cannot be made" in err[0], err
 
 
 def test_zst_files_without_zstandard_are_one_clear_error(tmp_path, monkeypatch):
