@@ -100,7 +100,7 @@ def check_before_training(cfg, sides):
     if not all(c.full_validation for c in sides):
         raise CompareError("the verdict compares the full validation losses; set full_validation=True "
                            "(in the config and in any --optimized_overrides)")
-    check_plot_path(cfg.plot or f"out/{cfg.name}-comparison.png")
+    check_plot_path(plot_file(cfg))
     recipes = []
     for side, c in zip(("baseline", "optimized"), sides):
         try:
@@ -368,8 +368,12 @@ def save_plot(path, runs):
 
 # ---------------------------------------------------------------- main
 
+def plot_file(cfg):
+    return cfg.plot or f"out/{cfg.name}-comparison.png"
+
+
 def compare(cfg):
-    plot_path = cfg.plot or f"out/{cfg.name}-comparison.png"
+    plot = plot_file(cfg)
     if cfg.baseline or cfg.optimized:
         if not (cfg.baseline and cfg.optimized):
             raise CompareError("give both --baseline=NAME and --optimized=NAME to compare finished runs, or neither "
@@ -377,14 +381,14 @@ def compare(cfg):
         if cfg.tuned or cfg.optimized_overrides:
             raise CompareError("--tuned and --optimized_overrides shape runs to train; with --baseline and "
                                "--optimized nothing is trained, so drop them")
-        check_plot_path(plot_path)
-        return compare_runs(cfg.results_file, cfg.baseline, cfg.optimized, cfg.allow_recipe_change, plot_path,
+        check_plot_path(plot)
+        return compare_runs(cfg.results_file, cfg.baseline, cfg.optimized, cfg.allow_recipe_change, plot,
                             cfg.noise_runs)
     sides = side_configs(cfg)
     recipe_identities = check_before_training(cfg, sides)
     for side, c, identity in zip(("baseline", "optimized"), sides, recipe_identities):
         train_or_reuse(side, c, identity, cfg.rerun)
-    return compare_runs(cfg.results_file, sides[0].name, sides[1].name, cfg.allow_recipe_change, plot_path,
+    return compare_runs(cfg.results_file, sides[0].name, sides[1].name, cfg.allow_recipe_change, plot,
                         cfg.noise_runs)
 
 
@@ -392,7 +396,7 @@ def main(argv):
     try:
         cfg = train.Config(env.load_config(DEFAULTS, argv))
         comparison = compare(cfg)
-    except (env.ConfigError, env.ResultsFileError, CacheError, CompareError) as exc:
+    except (*train.USER_ERRORS, CompareError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except RunFailed as exc:
