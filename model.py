@@ -56,7 +56,8 @@ PRESETS = {
 }
 
 # Pinning one SDPA kernel makes a benchmark measure the kernel it names; "auto" lets PyTorch choose. "fa4" is
-# not an SDPA kernel: flash-attn-4 through our own op when gradients are wanted (see causal_attention).
+# not an SDPA kernel: when gradients are wanted, our own op with cuDNN's forward and flash-attn-4's backward
+# (see causal_attention).
 ATTENTION_BACKENDS = {
     "auto": None,
     "flash": [SDPBackend.FLASH_ATTENTION],
@@ -201,8 +202,8 @@ _flash_attention_4_op.register_autograd(_flash_attention_4_backward, setup_conte
 
 
 def flash_attention_4(q, k, v):
-    """Causal softmax attention by flash-attn-4: q, k, v (B, T, H, D) in bf16 or fp16 (views with any strides
-    but the last), the output the same shape, contiguous."""
+    """Causal softmax attention, forward by cuDNN and backward by flash-attn-4: q, k, v (B, T, H, D) in bf16 or
+    fp16 (views with any strides but the last), the output the same shape, contiguous."""
     return _flash_attention_4_op(q, k, v)[0]
 
 

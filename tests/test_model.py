@@ -545,9 +545,9 @@ def test_fa4_with_a_flash_attn_4_lacking_its_functions_is_a_clear_error(flash_at
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_fa4_op_gives_sdpa_loss_and_gradients(flash_attn_4_stand_in, compiled):
-    """Our op around flash-attn-4, with its two functions written out by hand: the model's loss and every
-    gradient equal SDPA's. This checks what the op hands them (layouts, the saved output and log-sum-exp, the
-    order of backward's arguments) and, compiled, that its fake outputs match the real ones."""
+    """Our op pair, with cuDNN's forward and flash-attn-4's backward written out by hand: the model's loss and
+    every gradient equal SDPA's. This checks what the ops hand them (layouts, the saved output and log-sum-exp,
+    the order of backward's arguments) and, compiled, that the fakes' outputs match the real ones."""
     config = tiny_config()
     x, y = random_batch(config, 2, 48)
     results = {}
