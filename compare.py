@@ -362,8 +362,7 @@ def save_plot(path, runs):
         ax.legend()
     fig.suptitle(" vs ".join(name for name, _ in runs))
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    env.atomic_write(path, lambda f: fig.savefig(f, format=Path(path).suffix[1:].lower(), dpi=100))
 
 
 # ---------------------------------------------------------------- main

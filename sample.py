@@ -7,7 +7,9 @@
 The checkpoint is out_dir/ckpt.pt as train.py writes it; the tokenizer is the one data/prepare.py saved in
 the run's data_dir. Samples go to stdout, one after another, each followed by a line of dashes.
 """
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -117,10 +119,18 @@ def check_settings(cfg):
 
 
 def export(model, tokenizer, folder):
-    """Save transformers' LlamaForCausalLM of this model and the tokenizer into folder."""
+    """Save transformers' LlamaForCausalLM of this model and the tokenizer into folder.
+
+    Both are written into a temporary folder inside it, and each file is then renamed into place: a crash
+    leaves the folder's files whole, old or new, never half a weights file."""
     hf = model_lib.to_hf(model)
-    hf.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".export-") as staging:
+        hf.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        for written in Path(staging).iterdir():
+            os.replace(written, folder / written.name)
     print(f"exported {folder}: load it with transformers.AutoModelForCausalLM.from_pretrained({str(folder)!r}) "
           f"and AutoTokenizer.from_pretrained({str(folder)!r})", file=sys.stderr)
 

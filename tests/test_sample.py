@@ -116,6 +116,28 @@ def test_export_hf_loads_in_transformers_with_equal_logits(trained, tmp_path):
         torch.testing.assert_close(hf(ids).logits, model(ids), atol=1e-4, rtol=0)
 
 
+def test_a_failed_export_leaves_the_folder_as_it_was(trained, tmp_path, monkeypatch):
+    """A crash between the weights and the tokenizer left a folder that loaded neither way."""
+    folder = tmp_path / "hf"
+    assert sample.main([f"--out_dir={trained['out']}", "--device=cpu", f"--export_hf={folder}"]) == 0
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    from transformers import PreTrainedTokenizerFast  # what sample.load_tokenizer gives
+
+    def disk_full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", disk_full)
+    monkeypatch.setattr(model_lib, "to_hf", lambda m, _to_hf=model_lib.to_hf: _perturbed(_to_hf(m)))
+    with pytest.raises(OSError, match="No space left"):
+        sample.main([f"--out_dir={trained['out']}", "--device=cpu", f"--export_hf={folder}"])
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+def _perturbed(hf):
+    with torch.no_grad():
+        next(hf.parameters()).add_(1.0)  # so that new weights would differ from the exported ones
+    return hf
+
+
 def test_missing_checkpoint_and_tokenizer_are_one_line_errors(trained, tmp_path, capsys):
     assert sample.main([f"--out_dir={tmp_path / 'nothing'}", "--device=cpu"]) == 2
     err = capsys.readouterr().err
