@@ -3,9 +3,11 @@
 Each candidate is one protocol-v2 run of bench.py in its own process, so an out-of-memory error, a crash or
 a hang (past candidate_timeout) ends that candidate only. Not a grid: first the micro-batch knee in the
 first compile mode, then attention backends at the best size, then the other compile modes (eager
-included), then CPU threads. A size above one that ran out of memory is never tried, and no candidate is
-started that the remaining budget cannot finish (estimated from those already measured).
+included), then CPU threads. A size at or above one that ran out of memory is never tried with the same other
+settings, and no candidate is started that the remaining budget cannot finish (estimated from those already
+measured).
 """
+import math
 import subprocess
 import sys
 import time
@@ -50,6 +52,12 @@ def make_candidate(micro_batch_size, mode, backend, threads):
             "compile_mode": "default" if mode == "eager" else mode, "sdpa_backend": backend, "cpu_threads": threads}
 
 
+def other_settings(candidate):
+    """A candidate's settings but its micro-batch size: one backend running out of memory at a size says nothing
+    of another (the math kernel keeps the whole score matrix; cuDNN's does not)."""
+    return tuple(sorted((k, v) for k, v in candidate.items() if k != "micro_batch_size"))
+
+
 def is_out_of_memory(result):
     return result.get("status") != "ok" and "out of memory" in str(result.get("error", "")).lower()
 
@@ -65,7 +73,7 @@ class Sweep:
         self.start = clock()
         self.results = []  # (candidate, result, wall seconds)
         self.exhausted = False
-        self.oom_size = None
+        self.oom_sizes = {}  # the smallest size that ran out of memory, per the candidate's other settings
         self.planned = len(sizes) + len(backends) - 1 + len(modes) - 1 + max(len(threads) - 1, 0)
 
     def elapsed(self):
@@ -100,8 +108,9 @@ class Sweep:
         known = self.result_of(candidate)
         if known is not None:
             return known
-        if self.oom_size is not None and candidate["micro_batch_size"] >= self.oom_size:
-            return None  # never above (or at) a size that ran out of memory
+        size, settings = candidate["micro_batch_size"], other_settings(candidate)
+        if size >= self.oom_sizes.get(settings, math.inf):
+            return None  # never above (or at) a size that ran out of memory with the same settings
         if self.results and self.elapsed() + self.estimate(candidate) > self.budget_seconds:
             self.exhausted = True
             raise BudgetExhausted
@@ -110,7 +119,7 @@ class Sweep:
         seconds = self.clock() - start
         self.results.append((candidate, result, seconds))
         if is_out_of_memory(result):
-            self.oom_size = min(candidate["micro_batch_size"], self.oom_size or candidate["micro_batch_size"])
+            self.oom_sizes[settings] = min(size, self.oom_sizes.get(settings, size))
         self.on_result(self, candidate, result)
         return result
 

@@ -49,6 +49,23 @@ def test_never_above_a_size_that_ran_out_of_memory():
     assert not sweep.exhausted
 
 
+def test_out_of_memory_in_one_backend_does_not_skip_the_others_at_that_size():
+    """The math kernel running out of memory at 32 skipped every later candidate at 32."""
+    clock, tried = FakeClock(), []
+    measure = fake_measure(clock, RATES, tried=tried)
+
+    def math_runs_out_at_32(candidate, seconds_left):
+        result = measure(candidate, seconds_left)
+        if candidate["sdpa_backend"] == "math" and candidate["micro_batch_size"] >= 32:
+            return {"status": "error", "error": "torch.OutOfMemoryError: CUDA out of memory."}
+        return result
+    sweep = tune.Sweep([8, 16, 32], ["default"], ["auto", "math", "cudnn"], [0], math_runs_out_at_32,
+                       budget_seconds=3600, clock=clock)
+    sweep.run()
+    assert tune.make_candidate(32, "default", "cudnn", 0) in tried
+    assert sweep.best()[0] == tune.make_candidate(32, "default", "cudnn", 0)
+
+
 def test_knee_stops_the_size_search_and_modes_run_at_the_best_size():
     clock, tried = FakeClock(), []
     sweep = tune.Sweep([4, 8, 16, 32, 64, 128], MODES, ["auto"], [0],
