@@ -50,7 +50,7 @@ weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.95
 adam_eps = 1e-8
-grad_clip = 1.0
+grad_clip = 1.0                  # clip the gradient's global norm to this (0: no clipping; the norm is still logged)
 # execution: how the math is run, never what it is
 device = "auto"                  # auto, cpu, cuda
 micro_batch_size = 8
@@ -139,6 +139,8 @@ def training_data(cfg, cache, sequences_per_update):
 
 
 def check_execution(cfg, world_size=1):
+    """Every setting that would fail or mean nothing, refused before any work as a ConfigError; returns the
+    sequences per update."""
     if cfg.compile_mode not in COMPILE_MODES:
         raise env.ConfigError(f"compile_mode {cfg.compile_mode!r} is not one of {', '.join(COMPILE_MODES)}")
     if cfg.compile_scope not in COMPILE_SCOPES:
@@ -160,9 +162,21 @@ def check_execution(cfg, world_size=1):
         if cfg[key] <= 0:
             raise env.ConfigError(f"{key} must be positive, got {cfg[key]}")
     for key in ("epochs", "warmup_updates", "cpu_threads", "checkpoint_minutes", "stop_after_updates",
-                "train_subset_tokens", "val_subset_tokens"):
+                "train_subset_tokens", "val_subset_tokens", "seed", "weight_decay", "grad_clip", "min_lr"):
         if cfg[key] < 0:
             raise env.ConfigError(f"{key} must be 0 or more, got {cfg[key]}")
+    for key in ("learning_rate", "adam_eps"):
+        if cfg[key] <= 0:
+            raise env.ConfigError(f"{key} must be positive, got {cfg[key]}")
+    for key in ("beta1", "beta2"):
+        if not 0 <= cfg[key] < 1:
+            raise env.ConfigError(f"{key} must lie in [0, 1), got {cfg[key]}")
+    if cfg.min_lr > cfg.learning_rate:
+        raise env.ConfigError(f"min_lr {cfg.min_lr} is above learning_rate {cfg.learning_rate}; the cosine schedule "
+                              f"decays from learning_rate to min_lr")
+    if cfg.val_subset_tokens == 1:
+        raise env.ConfigError("val_subset_tokens 1 holds no target (the first token is only an input); give 0 "
+                              "(all) or at least 2")
     if cfg.name in RESERVED_NAMES:
         raise env.ConfigError(f"name {cfg.name!r} is a section of the results file; choose another --name")
     if cfg.tokens_per_update % cfg.seq_len:
@@ -291,7 +305,7 @@ class Trainer:
                     with self.autocast(enabled=False):
                         (loss * scale).backward()
                 loss_sum += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.cfg.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.cfg.grad_clip or math.inf)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1

@@ -172,6 +172,23 @@ def test_one_autocast_region_per_update_casts_each_weight_once_with_the_same_mat
             assert torch.equal(p, q), name
 
 
+def test_grad_clip_0_turns_clipping_off_and_still_reports_the_norm(text_cache, tmp_path):
+    """As in nanoGPT. Before, 0 clipped every gradient to nothing, and no weight ever moved."""
+    cfg = small_config(text_cache, tmp_path, grad_clip=0.0, weight_decay=0.0)
+    cache, mcfg, _ = train.setup(cfg)
+    data = train.training_data(cfg, cache, train.check_execution(cfg))
+    trainers = []
+    for max_norm in (0.0, 1e9):  # off, and a limit no norm reaches: the same update
+        torch.manual_seed(0)
+        trainers.append(train.Trainer(train.Config(cfg, grad_clip=max_norm), mcfg, "cpu", total_updates=10))
+    before = [p.detach().clone() for p in trainers[0].raw_model.parameters()]
+    batches, n_tokens = data.micro_batches(0, 0, cfg.micro_batch_size)
+    (_, norm_off), (_, norm_far) = (t.update(batches, n_tokens) for t in trainers)
+    assert norm_off.item() > 0 and torch.equal(norm_off, norm_far)
+    for p, q, b in zip(trainers[0].raw_model.parameters(), trainers[1].raw_model.parameters(), before):
+        assert torch.equal(p, q) and not torch.equal(p, b)
+
+
 def test_a_partial_update_is_the_token_weighted_mean(text_cache, tmp_path):
     cfg = small_config(text_cache, tmp_path)
     data = train_data(cfg)
@@ -463,7 +480,17 @@ def test_bad_micro_batch_size_lists_the_valid_ones(text_cache, tmp_path, capsys)
                                           (dict(seq_len=0), "seq_len must be positive"),
                                           (dict(log_interval=0), "log_interval must be positive"),
                                           (dict(eval_batch_size=0), "eval_batch_size"),
-                                          (dict(epochs=-1), "epochs must be 0 or more")])
+                                          (dict(epochs=-1), "epochs must be 0 or more"),
+                                          # recipe values that AdamW or the data order would reject with a
+                                          # traceback mid-run, or that would train quietly in the wrong direction
+                                          (dict(learning_rate=-1e-3), "learning_rate must be positive"),
+                                          (dict(beta1=1.5), "beta1 must lie in"),
+                                          (dict(adam_eps=0.0), "adam_eps must be positive"),
+                                          (dict(weight_decay=-0.1), "weight_decay must be 0 or more"),
+                                          (dict(grad_clip=-1.0), "grad_clip must be 0 or more"),
+                                          (dict(seed=-1), "seed must be 0 or more"),
+                                          (dict(min_lr=0.01), "min_lr 0.01 is above learning_rate"),
+                                          (dict(val_subset_tokens=1), "val_subset_tokens 1 holds no target")])
 def test_bad_execution_keys_are_refused_before_any_work(text_cache, tmp_path, capsys, change, word):
     cfg = small_config(text_cache, tmp_path, **change)
     with pytest.raises(env.ConfigError, match=word):
