@@ -634,11 +634,14 @@ def test_torchrun_training_on_two_processes(text_cache, tmp_path):
 
 
 def test_the_recipe_identity_is_of_the_resolved_model(text_cache, tmp_path):
-    cfg = small_config(text_cache, tmp_path)
-    preset = train.model_lib.get_preset(cfg.preset)
-    spelled_out = train.Config(cfg, dim=cfg.dim or preset.dim, n_layers=cfg.n_layers or preset.n_layers,
-                               n_heads=cfg.n_heads or preset.n_heads, hidden_dim=cfg.hidden_dim or preset.hidden_dim)
-    assert recipe_id(spelled_out) == recipe_id(cfg)  # "0 keeps the preset's value" is the same math
+    """"0 keeps the preset's value" is the same math as writing the preset's value out, and another value is not.
+    (small_config sets every shape field, so the preset's own fields are spelled out against zeros here.)"""
+    shape = ("dim", "n_layers", "n_heads", "hidden_dim")
+    zeros = small_config(text_cache, tmp_path, **dict.fromkeys(shape, 0))
+    preset = train.model_lib.get_preset(zeros.preset)
+    spelled_out = train.Config(zeros, **{k: getattr(preset, k) for k in shape})
+    assert spelled_out != zeros and recipe_id(spelled_out) == recipe_id(zeros)
+    assert recipe_id(train.Config(spelled_out, n_layers=preset.n_layers + 1)) != recipe_id(zeros)
 
 
 def test_prefetcher_thread_ends_when_training_stops_early(text_cache, tmp_path):
