@@ -1,7 +1,9 @@
 """Reading token caches made by data/prepare.py: verified, memory-mapped, shuffled per epoch.
 
 A training sequence i is tokens[i*T : i*T + T + 1] (inputs are the first T, targets the last T), so the
-sequences of an epoch step by T and every token after the first is a target exactly once. The order of an
+sequences of an epoch step by T and every token after the first is a target exactly once, up to the last
+whole sequence: the (N - 1) % T tokens after it are never targets (639 of the reference recipe's 10M-token
+subset), since a partial sequence would give one update another shape or padding. The order of an
 epoch's sequences depends only on (seed, epoch), and update u takes the u-th slice of that order: two runs
 with the same seed see the same tokens in the same updates whatever their micro-batch, accumulation or
 number of GPUs. Only how an update's sequences are split into micro-batches depends on those.
@@ -70,6 +72,7 @@ class TokenCache:
 
 
 def sequence_count(n_tokens, seq_len):
+    """Whole training sequences in n_tokens tokens (the loader's docstring says what is left over)."""
     return max(0, (n_tokens - 1) // seq_len)
 
 

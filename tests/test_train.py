@@ -243,6 +243,20 @@ def test_every_sequence_once_per_epoch_and_padded_last_update(text_cache, tmp_pa
     assert int((batches[1][1] == IGNORE).all(dim=1).sum()) == 3
 
 
+def test_targets_are_every_token_after_the_first_once_up_to_the_last_whole_sequence():
+    """With a remainder, as the loader's docstring says: the tokens after the last whole sequence are never
+    targets, and every other token after the first is one exactly once per epoch."""
+    seq_len, whole, left_over = 8, 6, 5
+    tokens = np.arange(whole * seq_len + 1 + left_over, dtype=np.int64)  # each token's value is its position
+    data = TrainData(tokens, seq_len, sequences_per_update=4, seed=0)
+    assert data.n_sequences == whole
+    targets = []
+    for u in range(data.updates_per_epoch):
+        batches, _ = data.micro_batches(0, u, 2)
+        targets += [int(t) for _, y in batches for t in y.flatten() if t != IGNORE]
+    assert sorted(targets) == list(range(1, whole * seq_len + 1))  # the last 5 positions never appear
+
+
 def test_the_run_counts_every_token_exactly(text_cache, tmp_path):
     cfg = small_config(text_cache, tmp_path, epochs=3, full_validation=False)
     entry = train.train(cfg)
