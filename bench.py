@@ -19,13 +19,14 @@ import torch
 import env
 import model as model_lib
 import train
-from data.loader import Prefetcher, TrainData
+from data.loader import CacheError, Prefetcher, TokenCache, TrainData
 
 # ---------------------------------------------------------------- defaults (plus everything train.py takes)
 warmup = 20
 steps = 100
 windows = 3
-data_mode = "real"             # real: the token cache; synthetic: random tokens, no dataset needed
+data_mode = "real"             # real: the token cache; synthetic: random tokens, no dataset needed (the
+                               # vocabulary still follows a cache at data_dir when there is one, else 32,000)
 profile = False                # GPU kernel time by category over profile_updates updates, in profiles.NAME
 profile_updates = 3
 cold = False                   # compile with fresh, empty inductor and Triton caches
@@ -172,7 +173,11 @@ def cache_and_model(cfg):
     if cfg.data_mode == "real":
         cache, mcfg, _ = train.setup(cfg)
         return cache, mcfg
-    return None, train.model_config(cfg, cfg.vocab_size or 32000)
+    try:  # the LM head train.py would build from this config; the Llama tokenizer's 32,000 without a cache
+        vocab = TokenCache(cfg.data_dir, verify=False).vocab_size
+    except CacheError:
+        vocab = 32000
+    return None, train.model_config(cfg, vocab)
 
 
 def run_protocol(cfg):
@@ -243,7 +248,7 @@ def run_protocol(cfg):
         gpu_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
         kernels, attention = profiled_kernels(trainer, batches, cfg.profile_updates if cfg.profile else 1)
         entry.update(
-            status="ok", tokens_per_second=tokens_per_second, tokens_per_second_per_gpu=tokens_per_second / world_size,
+            status="ok", vocab_size=mcfg.vocab_size, tokens_per_second=tokens_per_second, tokens_per_second_per_gpu=tokens_per_second / world_size,
             flops_per_token=flops, mfu=env.mfu(flops, tokens_per_second / world_size, gpu_name),
             measurements=measurements, attention_kernels=attention,
             peak_memory_bytes=train.peak_memory_bytes(dev),

@@ -24,7 +24,7 @@ def main(argv):
     sequences_per_update = train.check_execution(cfg)  # before any folder is made
     folders, was_cold = bench.cache_state(True)
     print(f"compiler caches {folders}, cold: {was_cold}")
-    mcfg = train.model_config(cfg, cfg.vocab_size or 32000)
+    _, mcfg = bench.cache_and_model(train.Config(cfg, data_mode="synthetic"))  # synthetic tokens, as bench's
     _, make = bench.synthetic_batches(cfg, mcfg.vocab_size, sequences_per_update, 0, 1)
     batches = bench.batch_stream(make, device, 3)
     start = time.perf_counter()

@@ -22,7 +22,7 @@ def main(argv, updates=10, top=25):
     cfg = train.Config(env.load_config(bench.DEFAULTS, argv))
     device = train.resolve_device(cfg)
     sequences_per_update = train.check_execution(cfg)
-    mcfg = train.model_config(cfg, cfg.vocab_size or 32000)
+    _, mcfg = bench.cache_and_model(train.Config(cfg, data_mode="synthetic"))  # synthetic tokens, as bench's
     _, make = bench.synthetic_batches(cfg, mcfg.vocab_size, sequences_per_update, 0, 1)
     batches = bench.batch_stream(make, device, 10 + 2 * updates)
     trainer = train.Trainer(cfg, mcfg, device, total_updates=10 + 2 * updates)

@@ -8,6 +8,7 @@ import bench
 import env
 import model as model_lib
 import train
+from data.loader import TokenCache
 
 SHAPE = ["--dim=64", "--n_layers=2", "--n_heads=2", "--hidden_dim=128"]
 TINY = ["--preset=20m", *SHAPE, "--seq_len=64", "--tokens_per_update=512", "--micro_batch_size=4", "--device=cpu", "--cpu_threads=1",
@@ -75,7 +76,16 @@ def test_synthetic_mode_needs_no_dataset(tmp_path):
     assert code == 0
     entry = results["benchmarks"]["cpu-synth"]
     assert entry["status"] == "ok" and entry["protocol"]["data_mode"] == "synthetic"
-    assert entry["protocol"]["cache_identity"] is None
+    assert entry["protocol"]["cache_identity"] is None and entry["vocab_size"] == 512
+
+
+def test_synthetic_mode_times_the_model_train_py_would_build(tmp_path, text_cache):
+    """With vocab_size=0 the vocabulary follows the cache; synthetic data times 32,000 classes only without one
+    (it timed 32,000 for a 4,096-token cache, an LM head 8x the one trained)."""
+    code, results = run_bench(tmp_path, text_cache, "--name=synth-cache", "--data_mode=synthetic")
+    assert code == 0 and results["benchmarks"]["synth-cache"]["vocab_size"] == TokenCache(text_cache).vocab_size
+    code, results = run_bench(tmp_path, tmp_path / "no-such-cache", "--name=synth-none", "--data_mode=synthetic")
+    assert code == 0 and results["benchmarks"]["synth-none"]["vocab_size"] == 32000
 
 
 def test_error_is_recorded_not_lost(tmp_path, text_cache, monkeypatch):
