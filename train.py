@@ -492,16 +492,24 @@ def train(cfg):
             save_checkpoint(ckpt_path, trainer, dict(state, recipe=rec, config=dict(cfg), model_config=mcfg.to_dict()))
 
     def evaluate(max_tokens):
+        from tqdm import tqdm
         batches = eval_batches(cache.val, cfg.seq_len, cfg.eval_batch_size, max_tokens)
         if world_size > 1:
             batches = (b for i, b in enumerate(batches) if i % world_size == rank)
+        scored = min(max_tokens or len(cache.val), len(cache.val)) - 1
+        total = math.ceil(math.ceil(math.ceil(max(scored, 0) / cfg.seq_len) / cfg.eval_batch_size) / world_size)
+        # a full pass over a large validation split takes minutes; the bar goes when it ends
+        batches = tqdm(batches, total=total, desc="full validation" if not max_tokens else "validation subset",
+                       unit="batch", leave=False, disable=not main_process)
         return trainer.evaluate(batches)
 
     if main_process:
         print(f"{cfg.name}: {parameters:,} parameters, {data.n_sequences:,} sequences of {cfg.seq_len} per epoch, "
               f"{data.updates_per_epoch} updates per epoch x {cfg.epochs} epochs, "
               f"micro-batch {cfg.micro_batch_size} x {sequences_per_update // cfg.micro_batch_size // world_size} "
-              f"accumulation x {world_size} process(es), {device}, recipe {recipe_id[:12]}")
+              f"accumulation x {world_size} process(es), {device}, recipe {recipe_id[:12]}"
+              + ("; the first update compiles the model" if cfg.compile and state["first_update_seconds"] is None
+                 else ""), flush=True)
     stop = StopRequest()  # before the "running" entry, so that no signal can leave it standing
     record("running")
     status = "running"
@@ -523,6 +531,9 @@ def train(cfg):
                     if device.startswith("cuda"):
                         torch.cuda.synchronize()
                     state["first_update_seconds"] = time.time() - segment_start
+                    if main_process:
+                        print(f"first update: {state['first_update_seconds']:.1f} s"
+                              + (" (compile included)" if cfg.compile else ""), flush=True)
                 loss_total = loss_sum if loss_total is None else loss_total + loss_sum
                 state["tokens"] += n_tokens
                 state["update_in_epoch"] = u + 1

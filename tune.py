@@ -244,6 +244,8 @@ def tune(cfg):
             records.append(record)
             return record
         bench_name = f"{cfg.name}-{name}"
+        # a candidate's output is kept for its error message, so say what runs while it compiles and measures
+        print(f"  running {name} (at most {min(cfg.candidate_timeout, seconds_left / 60):.1f} min)...", flush=True)
         command = [sys.executable, str(env.REPO / "bench.py"), str(config_path), f"--name={bench_name}",
                    f"--results_file={cfg.results_file}"] + [f"--{k}={cfg[k]}" for k in PROTOCOL_KEYS]
         timeout = max(1.0, min(cfg.candidate_timeout * 60, seconds_left))
