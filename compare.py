@@ -205,12 +205,34 @@ NOISE_RULE = ("; or, when larger, 3 * sqrt(2) * the sample standard deviation of
               "on a GPU, and that spread is a difference two matched runs can show without any change of math)")
 
 
-def training_noise(results, names, results_file):
-    """{name: final validation loss} of the noise runs and their sample standard deviation."""
-    losses = {n: finished_run(results, n, results_file)["final_validation"]["loss"] for n in names}
+def training_noise(results, names, results_file, baseline_name, optimized_name):
+    """{name: final validation loss} of the noise runs and their sample standard deviation.
+
+    A noise run must be the baseline's recipe, its seed aside, and neither of the two runs compared: any other
+    run's loss would widen the tolerance with a difference of math (the compared pair as its own noise passes
+    whatever their difference)."""
+    compared = {baseline_name, optimized_name} & set(names)
+    if compared:
+        raise CompareError(f"--noise_runs names {', '.join(sorted(compared))}, a run being compared; give other "
+                           f"runs of the baseline's recipe (repeats, other seeds)")
+    baseline = shape_free(results[baseline_name].get("recipe") or {})
+    losses = {}
+    for n in names:
+        entry = finished_run(results, n, results_file)
+        differ = [k for k in train.recipe_differences(baseline, shape_free(entry.get("recipe") or {})) if k != "seed"]
+        if differ:
+            raise CompareError(f"noise run {n} is not the baseline's recipe (it differs in {', '.join(differ)}); "
+                               f"give repeats or other seeds of {baseline_name}'s recipe")
+        losses[n] = entry["final_validation"]["loss"]
     if len(losses) < 2:
         raise CompareError(f"--noise_runs needs at least two finished runs to measure a spread, got {len(losses)}")
     return losses, statistics.stdev(losses.values())
+
+
+def shape_free(recipe):
+    """A recipe without the config's model fields, which older runs recorded beside the resolved "model"
+    (dim=0 and dim=320 are one model); the resolved model stays."""
+    return {k: v for k, v in recipe.items() if k not in train.MODEL_KEYS} if "model" in recipe else recipe
 
 
 def run_summary(entry):
@@ -238,7 +260,7 @@ def compare_runs(results_file, baseline_name, optimized_name, allow_recipe_chang
     noise = {}
     names = [n.strip() for n in noise_runs.split(",") if n.strip()]
     if names:
-        losses, std = training_noise(results, names, results_file)
+        losses, std = training_noise(results, names, results_file, baseline_name, optimized_name)
         noise = {"noise_runs": losses, "training_noise_std": std}
         tol, rule = max(tol, 3 * math.sqrt(2) * std), TOLERANCE_RULE + NOISE_RULE
     difference = fo["loss"] - fb["loss"]

@@ -165,6 +165,14 @@ def test_the_verdict_both_ways_and_training_noise(tmp_path, capsys):
     std = float(np.std([4.59, 4.62, 4.65], ddof=1))
     assert c["losses_agree"] and c["training_noise_std"] == pytest.approx(std)
     assert c["tolerance"] == pytest.approx(3 * 2 ** 0.5 * std)
+    # Noise runs of another recipe, or the compared runs themselves, would widen the tolerance at will: the pair
+    # as its own noise gives at least 3 x their difference, so any two runs would pass.
+    capsys.readouterr()
+    assert read("far", "--noise_runs=base,far") == 2
+    assert "a run being compared" in capsys.readouterr().err
+    env.record(results, ["big-model"], dict(finished(5.9), recipe={"seed": "r1", "model": {"dim": 768}}))
+    assert read("far", "--noise_runs=repeat-0,big-model") == 2
+    assert "noise run big-model is not the baseline's recipe (it differs in model)" in capsys.readouterr().err
     env.record(results, ["other-recipe"], finished(4.601, recipe="r2"))
     assert read("other-recipe") == 2  # a different recipe is refused, not compared
     assert "different recipes" in capsys.readouterr().err
