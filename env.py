@@ -117,14 +117,18 @@ def load_config(defaults, argv):
             if not path.is_file():
                 raise ConfigError(f"config file {arg!r} does not exist; pass a file such as config/tiny_cpu.py "
                                   f"or overrides as --key=value")
-            namespace = {}
+            # One namespace holding the settings so far, as nanoGPT's configurator runs a file in the script's
+            # globals: `tokens_per_update = seq_len * 32` sees the default seq_len, and a comprehension or
+            # function in the file sees the names assigned above it (with separate locals it did not).
+            namespace = dict(config)
             try:
-                exec(compile(path.read_text(), str(path), "exec"), {}, namespace)
+                exec(compile(path.read_text(), str(path), "exec"), namespace)
             except Exception as exc:  # a config file is user input: report, don't trace back
                 raise ConfigError(f"config file {arg} could not be run: {type(exc).__name__}: {exc}") from None
             for key, value in namespace.items():
-                if key.startswith("_") or isinstance(value, types.ModuleType):  # `import math` is not a key
-                    continue
+                if key.startswith("_") or isinstance(value, (types.ModuleType, types.FunctionType, type,
+                                                             types.BuiltinFunctionType)):
+                    continue  # `import math`, `from math import sqrt`, a helper function: not settings
                 if key not in defaults:
                     raise _unknown_key(key, defaults, f"config file {arg}")
                 config[key] = _check_type(key, value, defaults[key], f"config file {arg}")
@@ -178,10 +182,11 @@ def config_identity(config):
 def source_hash(root=REPO):
     """Hash of the repository's Python files (path and bytes), so an entry names the code that produced it.
 
-    Tests and the device scripts are left out: editing them changes no result, and a changed hash makes
-    tune.py measure again and compare.py train again."""
+    Tests, the device scripts and config files are left out: editing them changes no result of a given config
+    (each entry records its config and that config's identity), and a changed hash makes tune.py measure again
+    and compare.py train again. tune.py writes config/tuned/*.py while it sweeps, which changed the hash."""
     digest = hashlib.sha256()
-    skip = {"venv", "__pycache__", "out", "runs", "cache", "tests", "scripts"}
+    skip = {"venv", "__pycache__", "out", "runs", "cache", "tests", "scripts", "config"}
     files = []
     for folder, subfolders, names in os.walk(root):
         subfolders[:] = [d for d in subfolders if d not in skip and not d.startswith(".")]  # never .venv
@@ -306,8 +311,11 @@ def allocation_usage(environ=None, now=None):
     }
 
 
-# Dense bf16 tensor-core peak by device name, for MFU. Longest names first so "GH200" wins over "H200".
-PEAK_BF16_FLOPS = {"GH200": 989e12, "H200": 989e12, "H100": 989e12, "A100": 312e12}
+# Dense bf16 tensor-core peak by device name, for MFU (the datasheets give twice these, with sparsity). A name
+# matches as whole words, longest first: "GH200" is not an H200's, "RTX A1000" not an A100's, and the PCIe and
+# NVL cards run at lower clocks than the SXM parts named plainly ("NVIDIA H100 80GB HBM3", "NVIDIA H200").
+PEAK_BF16_FLOPS = {"GH200": 989e12, "H200": 989e12, "H200 NVL": 835e12, "H100": 989e12, "H100 PCIe": 756e12,
+                   "H100 NVL": 835e12, "A100": 312e12}
 
 
 def mfu(flops_per_token, tokens_per_second_per_gpu, device_name):
@@ -321,7 +329,7 @@ def peak_flops(device_name):
     if not device_name:
         return None
     for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
-        if key in device_name:
+        if re.search(rf"(?<!\w){re.escape(key)}(?!\w)", device_name):
             return PEAK_BF16_FLOPS[key]
     return None
 

@@ -367,6 +367,9 @@ def test_allocation_usage_without_start_time():
 
 @pytest.mark.parametrize("name, peak", [("NVIDIA H200", 989e12), ("NVIDIA GH200 120GB", 989e12),
                                         ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+                                        ("NVIDIA A100 80GB PCIe", 312e12), ("NVIDIA H100 PCIe", 756e12),
+                                        ("NVIDIA H100 NVL", 835e12), ("NVIDIA H200 NVL", 835e12),
+                                        ("NVIDIA RTX A1000", None),  # "A100" is in that name, not as a word
                                         ("NVIDIA GeForce RTX 4090", None), ("", None), (None, None)])
 def test_peak_flops(name, peak):
     assert env.peak_flops(name) == peak
@@ -390,7 +393,11 @@ def test_source_hash_follows_python_files_only(tmp_path):
     second = env.source_hash(root)
     assert second != first
     (root / "new.py").write_text("")
-    assert env.source_hash(root) not in (first, second)
+    third = env.source_hash(root)
+    assert third not in (first, second)
+    (root / "config" / "tuned").mkdir(parents=True)  # tune.py writes its candidates here as it sweeps
+    (root / "config" / "tuned" / "candidate.py").write_text("micro_batch_size = 16\n")
+    assert env.source_hash(root) == third
 
 
 def test_identities_are_key_order_independent():
@@ -469,6 +476,23 @@ def test_a_config_file_may_import_modules(tmp_path):
     path = tmp_path / "c.py"
     path.write_text("import math\nlearning_rate = math.sqrt(4e-6)\n")
     assert env.load_config(train.DEFAULTS, [str(path)])["learning_rate"] == pytest.approx(2e-3)
+
+
+def test_a_config_file_is_python_that_sees_the_settings_so_far(tmp_path):
+    """As nanoGPT's configurator: names imported from modules are not keys, a comprehension sees the names above
+    it, and an expression may use a default the file does not set. Each of these failed before."""
+    first, path = tmp_path / "first.py", tmp_path / "c.py"
+    first.write_text("seq_len = 256\n")
+    path.write_text("from math import sqrt\n"
+                    "tokens_per_update = seq_len * 64\n"  # seq_len from the file before
+                    "epochs = sum(1 for _ in range(tokens_per_update // 4096))\n"  # an earlier name, in a generator
+                    "learning_rate = sqrt(4e-6) * (warmup_updates / 100)\n")  # a default this file does not set
+    config = env.load_config(train.DEFAULTS, [str(first), str(path)])
+    assert config["tokens_per_update"] == 256 * 64 and config["epochs"] == 4
+    assert config["learning_rate"] == pytest.approx(2e-3)
+    path.write_text("def twice(x):\n    return 2 * x\nbatch = twice(8)\n")
+    with pytest.raises(env.ConfigError, match="unknown config key 'batch'"):  # helpers are fine; settings are keys
+        env.load_config(train.DEFAULTS, [str(path)])
 
 
 def test_merge_script_refuses_a_missing_source(tmp_path, capsys):
