@@ -802,6 +802,8 @@ def config_from_hf(hf_cfg):
         problems.append("untied input and output embeddings")
     if rope.get("rope_type", "default") != "default":
         problems.append(f"rope scaling {rope.get('rope_type')!r}")
+    if getattr(hf_cfg, "hidden_act", "silu") not in ("silu", "swish"):  # SwiGLU's gate; the same function
+        problems.append(f"activation {hf_cfg.hidden_act!r} (SwiGLU needs silu)")
     if problems:
         raise ValueError("this Llama checkpoint is outside the tiny-llm family: " + ", ".join(problems))
     return ModelConfig(vocab_size=hf_cfg.vocab_size, dim=hf_cfg.hidden_size, n_layers=hf_cfg.num_hidden_layers,

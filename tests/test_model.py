@@ -1,5 +1,6 @@
 """model.py: preset sizes, exact parity with transformers' Llama, loss variants, FLOPs and input errors."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -106,10 +107,13 @@ def test_from_hf_round_trip_and_save_pretrained(tmp_path):
         assert torch.allclose(model.from_hf(loaded).eval()(x), logits, rtol=0, atol=1e-5)
 
 
-def test_from_hf_refuses_checkpoints_outside_the_family():
+@pytest.mark.parametrize("field, value, words", [("num_key_value_heads", 1, "grouped-query"),
+                                                 # it loaded, and its logits differed from transformers' by 1e-2
+                                                 ("hidden_act", "gelu", "activation 'gelu' (SwiGLU needs silu)")])
+def test_from_hf_refuses_checkpoints_outside_the_family(field, value, words):
     hf = model.to_hf(model.Transformer(tiny_config()))
-    hf.config.num_key_value_heads = 1
-    with pytest.raises(ValueError, match="grouped-query"):
+    setattr(hf.config, field, value)
+    with pytest.raises(ValueError, match=re.escape(words)):
         model.from_hf(hf)
 
 
