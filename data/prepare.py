@@ -3,7 +3,7 @@
     python data/prepare.py --source ../shared/data/gutenberg --out data/cache/gutenberg --vocab_size 32000
     python data/prepare.py --source hf:roneneldan/TinyStories --out data/cache/tinystories --tokenizer gpt2
 
-SRC is a local folder, file or glob of .txt / .jsonl / .json / .parquet (optionally .gz/.bz2/.xz/.zst), or
+SRC is a local folder, file or glob of .txt / .jsonl / .json (optionally .gz/.bz2/.xz/.zst) / .parquet, or
 hf:NAME[:CONFIG][@SPLIT] for a Hugging Face dataset. A .txt file is one document; a jsonl/parquet row is one
 document (column "text"). A folder with train/ and val/ (or validation/) keeps that split; otherwise whole
 documents are held out by a hash of their text, so no document is in both splits. The .bin files are flat
@@ -39,7 +39,7 @@ FORMAT = 1
 EOT = "<|endoftext|>"
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # datasets builders
 COMPRESSIONS = ("", ".gz", ".bz2", ".xz", ".zst")  # decompressed by datasets' download manager
-SUPPORTED = ".txt, .jsonl, .json or .parquet, each optionally compressed as .gz, .bz2, .xz or .zst"
+SUPPORTED = ".txt, .jsonl or .json, each optionally compressed as .gz, .bz2, .xz or .zst, or .parquet"
 CRASH_ENV = "TINY_LLM_PREPARE_CRASH_AFTER"
 BATCH = 64  # documents per map batch: whole books are ~0.5 MB each, so this bounds memory per worker
 
@@ -57,11 +57,14 @@ def crash_point(step):
 
 def builder_of(path):
     name = path.name.lower()
+    compressed = False
     for c in COMPRESSIONS[1:]:
         if name.endswith(c):
-            name = name[: -len(c)]
+            name, compressed = name[: -len(c)], True
             break
-    return BUILDERS.get(os.path.splitext(name)[1])
+    builder = BUILDERS.get(os.path.splitext(name)[1])
+    # datasets reads parquet by its footer, which a compressed file hides (parquet compresses inside anyway)
+    return None if compressed and builder == "parquet" else builder
 
 
 def data_files_in(folder):
@@ -433,16 +436,17 @@ def build(source, splits, tok, tok_name, vocab_size, val_fraction, num_proc, see
     if "corpus" in splits:
         u = scans["corpus"].data.column("u").to_numpy()
         is_val = keep["corpus"] & (u < val_fraction)
-        if not is_val.any() and keep["corpus"].sum() >= 2:  # a tiny corpus still gets one val document
-            is_val[np.flatnonzero(keep["corpus"])[np.argmin(u[keep["corpus"]])]] = True
+        if not is_val.any() and keep["corpus"].sum() >= 2:  # a tiny corpus still gets one val document,
+            # with its copies: identical texts hash alike, and one on each side would be val text seen in training
+            is_val = keep["corpus"] & (u == u[keep["corpus"]].min())
         index = {"train": np.flatnonzero(keep["corpus"] & ~is_val), "val": np.flatnonzero(is_val)}
         splits = {k: splits["corpus"].select(v) for k, v in index.items()}
     else:
         splits = {k: splits[k].select(np.flatnonzero(keep[k])) for k in ("train", "val")}
     for k in ("train", "val"):
         if len(splits[k]) == 0:
-            hint = ("give at least 2 documents with text" if rule.startswith("held-out")
-                    else f"put documents with text in its {k} split")
+            hint = ("give at least 2 different documents with text, or a smaller --val_fraction"
+                    if rule.startswith("held-out") else f"put documents with text in its {k} split")
             raise PrepareError(f"the {k} split of --source {source!r} is empty under the rule '{rule}'; {hint}")
 
     if tok is None:

@@ -158,6 +158,26 @@ def test_tiny_corpus_still_gets_a_val_document(tmp_path):
     assert meta["val_documents"] == 1 and meta["train_documents"] == 2
 
 
+def test_the_tiny_corpus_fallback_moves_a_document_with_its_copies(tmp_path):
+    """The fallback moved one document to val and left its identical copy in train: val text seen in training."""
+    (tmp_path / "src").mkdir()
+    texts = [f"Short document number {i}, with a few words in it." for i in range(3)]
+    # the copy is of the document the fallback picks: the smallest hash
+    first = min(texts, key=lambda t: hashlib.sha256(t.encode()).digest()[:8])
+    for i, text in enumerate(texts + [first]):
+        (tmp_path / "src" / f"d{i}.txt").write_text(text)
+    meta = prepare(tmp_path / "src", tmp_path / "cache", vocab_size=300, val_fraction=0.001, num_proc=1)
+    val, train = (decode_docs(tmp_path / "cache", k, meta) for k in ("val", "train"))
+    assert val == [first, first] and sorted(train) == sorted(t for t in texts if t != first)
+
+
+def test_compressed_parquet_is_refused_in_one_line(tmp_path):
+    """datasets reads parquet by its footer; a .parquet.gz failed deep inside with 'magic bytes not found'."""
+    (tmp_path / "rows.parquet.gz").write_bytes(b"")
+    with pytest.raises(PrepareError, match=r"rows.parquet.gz.*unsupported.*\.parquet$"):
+        prepare(tmp_path / "rows.parquet.gz", tmp_path / "cache", vocab_size=300, num_proc=1)
+
+
 def run_cli(*args, crash=None):
     env = dict(os.environ, **({prep.CRASH_ENV: crash} if crash else {}))
     return subprocess.run([sys.executable, str(ROOT / "data" / "prepare.py"), *map(str, args)],
