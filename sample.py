@@ -17,7 +17,7 @@ import torch
 import env
 import model as model_lib
 import train
-from data.loader import CacheError, TokenCache
+from data.loader import CacheError, TokenCache, prepare_command
 
 # ---------------------------------------------------------------- defaults (train.py's keys are accepted too)
 prompt = "Once upon a time"      # "" starts from the end-of-text token, i.e. a new document
@@ -47,12 +47,13 @@ def load_checkpoint(out_dir, device):
     return model.to(device).eval(), ckpt
 
 
-def load_tokenizer(data_dir):
-    """The tokenizer data/prepare.py saved into the token cache folder the run trained on."""
+def load_tokenizer(data_dir, vocab_size=0):
+    """The tokenizer data/prepare.py saved into the token cache folder the run trained on (vocab_size, the
+    model's, completes the prepare command suggested when it is missing)."""
     folder = Path(data_dir)
     if not (folder / "tokenizer_config.json").is_file() and not (folder / "tokenizer.json").is_file():
         raise SampleError(f"no tokenizer in {folder} (the run's data_dir); data/prepare.py saves it there: "
-                          f"python data/prepare.py --source ../shared/data/gutenberg --out {folder}")
+                          f"{prepare_command(folder, vocab_size)}")
     from transformers import AutoTokenizer
     try:
         return AutoTokenizer.from_pretrained(str(folder))
@@ -142,7 +143,7 @@ def sample(cfg):
     out_dir = train.run_dir(cfg)
     model, ckpt = load_checkpoint(out_dir, device)
     data_dir = model_lib.run_data_dir(ckpt)
-    tokenizer = load_tokenizer(data_dir)
+    tokenizer = load_tokenizer(data_dir, model.config.vocab_size)
     if cfg.export_hf:
         export(model, tokenizer, cfg.export_hf)
         return []

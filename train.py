@@ -340,7 +340,7 @@ def peak_memory_bytes(device):
 def setup(cfg):
     """Shared by train and bench: the verified data cache, the model config and the recipe identity."""
     try:
-        cache = TokenCache(cfg.data_dir)
+        cache = TokenCache(cfg.data_dir, vocab_size=cfg.vocab_size)
     except CacheError as exc:
         raise env.ConfigError(str(exc)) from None
     mcfg = model_config(cfg, cache.vocab_size)

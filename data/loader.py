@@ -33,12 +33,14 @@ def sha256_file(path):
 class TokenCache:
     """train.bin and val.bin of a prepared folder, checked against its meta.json."""
 
-    def __init__(self, path, verify=True):
+    def __init__(self, path, verify=True, vocab_size=0):
+        """vocab_size: the vocabulary the caller's model expects (0: the cache's); it completes the prepare
+        command that the error for a missing cache suggests."""
         self.path = Path(path)
         meta_path = self.path / "meta.json"
         if not meta_path.is_file():
             raise CacheError(f"token cache {self.path} has no meta.json; prepare it first, e.g. "
-                             f"python data/prepare.py --source ../shared/data/gutenberg --out {self.path}")
+                             f"{prepare_command(self.path, vocab_size)}")
         try:
             self.meta = json.loads(meta_path.read_text())
             dtype = np.dtype(self.meta["dtype"])
@@ -69,6 +71,12 @@ class TokenCache:
                 raise CacheError(f"{path} holds token id {int(tokens.max())}, outside its vocabulary of "
                                  f"{self.vocab_size}; prepare the cache again")
             setattr(self, split, tokens)
+
+
+def prepare_command(out, vocab_size=0):
+    """The command that makes the cache `out` from the shared corpus (prepare.py trains 32,000 tokens unless told)."""
+    return (f"python data/prepare.py --source ../shared/data/gutenberg --out {out}"
+            + (f" --vocab_size {vocab_size}" if vocab_size else ""))
 
 
 def sequence_count(n_tokens, seq_len):

@@ -543,6 +543,17 @@ def test_model_and_data_mistakes_are_one_line_errors(text_cache, tmp_path, capsy
     assert err.startswith("error: ") and word in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("vocab_size", [0, 4096])
+def test_a_missing_cache_suggests_the_command_that_makes_it(tmp_path, capsys, vocab_size):
+    """config/tiny_cpu.py's missing cache suggested a 32,000-token prepare for its 4,096-token model."""
+    missing = tmp_path / "gutenberg-4k"
+    cfg = small_config(missing, tmp_path, vocab_size=vocab_size)
+    assert train.main(cli_args(cfg)) == 2
+    err = capsys.readouterr().err.strip()
+    command = f"python data/prepare.py --source ../shared/data/gutenberg --out {missing}"
+    assert err.count("\n") == 0 and err.endswith(command + (f" --vocab_size {vocab_size}" if vocab_size else ""))
+
+
 @pytest.mark.parametrize("damage, words", [
     (lambda c: (c / "meta.json").write_text("{not json"), "unreadable or incomplete"),
     (lambda c: (c / "meta.json").write_text(json.dumps({k: v for k, v in json.loads((c / "meta.json").read_text()).items()
