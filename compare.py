@@ -38,7 +38,8 @@ baseline_micro_batch_size = 8
 plot = ""                        # "" means out/<name>-comparison.png
 rerun = False                    # train again even when a complete run of the same config exists
 noise_runs = ""                  # comma-separated finished runs (repeats, other seeds) whose spread of final
-                                 # validation loss measures training noise; widens the tolerance to cover it
+                                 # validation loss measures training noise; widens the tolerance to cover it.
+                                 # Each must be the baseline's recipe, its seed aside, and not a compared run
 
 DEFAULTS = dict(train.DEFAULTS, **env.defaults_of(globals()))
 
