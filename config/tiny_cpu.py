@@ -1,4 +1,4 @@
-# A model small enough to train for real in about two minutes on 2 CPU cores: 4 layers of width 128,
+# A model small enough to train for real in about a minute on 2 CPU cores: 4 layers of width 128,
 # context 128, on the shared corpus tokenized with a 4096-token BPE (see docs/DATA.md).
 name = "tiny-cpu"
 preset = "20m"
