@@ -140,6 +140,18 @@ def defaults_of(namespace):
     return {k: v for k, v in namespace.items() if not k.startswith("_") and type(v) in (bool, int, float, str)}
 
 
+def check_gpu_script(parser, results_file, what):
+    """Before the GPU scripts' work: a CUDA GPU, and a results file that reads (not a broken one found after the
+    work); each failure is argparse's one-line error."""
+    import torch
+    if not torch.cuda.is_available():
+        parser.error(f"this times {what} on a GPU, and PyTorch sees no CUDA GPU here")
+    try:
+        read_results(results_file)
+    except ResultsFileError as exc:
+        parser.error(str(exc))
+
+
 def positive_int(text):
     """argparse type of the GPU scripts' counts (--rows, --reps, ...): an integer of at least 1."""
     import argparse
@@ -465,6 +477,18 @@ def lookup(path, keys, default=None):
             return default
         node = node[key]
     return node
+
+
+def print_variants(label, results, columns):
+    """The GPU scripts' table of what they measured: a row per variant of results ({name: its fields, or
+    {"error": text}}), a column per (header, field, format spec) of columns."""
+    widths = [max(len(header), 9) + 2 for header, _, _ in columns]
+    print(f"{label:<16}" + "".join(f"{header:>{w}}" for (header, _, _), w in zip(columns, widths)))
+    for name, fields in results.items():
+        if "error" in fields:
+            print(f"{name:<16} error: {fields['error']}")
+        else:
+            print(f"{name:<16}" + "".join(f"{fields[key]:>{w}{spec}}" for (_, key, spec), w in zip(columns, widths)))
 
 
 def new_run_id():

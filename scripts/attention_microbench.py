@@ -76,12 +76,7 @@ def main():
     unknown = [n for n in names if n not in model.ATTENTION_BACKENDS]
     if unknown:
         parser.error(f"--backends: {', '.join(unknown)} not among {', '.join(model.ATTENTION_BACKENDS)}")
-    if not torch.cuda.is_available():
-        parser.error("this times attention on a GPU, and PyTorch sees no CUDA GPU here")
-    try:
-        env.read_results(args.results_file)  # a broken results file fails now, not after the work
-    except env.ResultsFileError as exc:
-        parser.error(str(exc))
+    env.check_gpu_script(parser, args.results_file, "attention")
     config = model.get_preset(args.preset)
     torch.manual_seed(0)
     shape = (args.batch, args.seq_len, 3, config.n_heads, config.head_dim)
@@ -99,13 +94,10 @@ def main():
         "run_id": env.new_run_id(), "preset": args.preset, "shape_btHd": [args.batch, args.seq_len, config.n_heads,
                                                                            config.head_dim],
         "reps": args.reps, "results": results, "environment": env.fingerprint()})
-    print(f"{'backend':<12}{'kernel ms fwd':>15}{'fwd+bwd':>9}{'out err':>11}{'grad err':>11}")
-    for name, r in results.items():
-        if "error" in r:
-            print(f"{name:<12} error: {r['error']}")
-        else:
-            print(f"{name:<12}{r['kernel_ms_forward']:>15.3f}{r['kernel_ms_forward_backward']:>9.3f}"
-                  f"{r['out_relative_error']:>11.2e}{r['grad_relative_error']:>11.2e}")
+    env.print_variants("backend", results, [("kernel ms fwd", "kernel_ms_forward", ".3f"),
+                                            ("fwd+bwd", "kernel_ms_forward_backward", ".3f"),
+                                            ("out err", "out_relative_error", ".2e"),
+                                            ("grad err", "grad_relative_error", ".2e")])
 
 
 if __name__ == "__main__":

@@ -52,15 +52,10 @@ def main():
     parser.add_argument("--name", default="ce-rows-sweep")
     parser.add_argument("--results_file", default="results.json")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        parser.error("this times a GPU kernel, and PyTorch sees no CUDA GPU here")
+    env.check_gpu_script(parser, args.results_file, "the loss kernel")
     tree = Path(args.tree).resolve() if args.tree else ROOT
     if not (tree / "model.py").is_file():
         parser.error(f"--tree {args.tree} holds no model.py; give a copy of this repository")
-    try:
-        env.read_results(args.results_file)  # a broken results file fails now, not after the work
-    except env.ResultsFileError as exc:
-        parser.error(str(exc))
     torch.manual_seed(0)
     logits = (torch.randn(args.rows, args.vocab, device="cuda") * 3).to(torch.bfloat16)
     targets = torch.randint(0, args.vocab, (args.rows,), device="cuda")

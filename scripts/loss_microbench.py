@@ -84,12 +84,7 @@ def main():
     parser.add_argument("--name", default="loss-microbench", help="the results file key")
     parser.add_argument("--results_file", default="results.json")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        parser.error("this times the loss on a GPU, and PyTorch sees no CUDA GPU here")
-    try:
-        env.read_results(args.results_file)  # a broken results file fails now, not after the work
-    except env.ResultsFileError as exc:
-        parser.error(str(exc))
+    env.check_gpu_script(parser, args.results_file, "the loss")
     torch.manual_seed(0)
     h = torch.randn(args.tokens, args.dim, device="cuda")
     weight = torch.randn(args.vocab, args.dim, device="cuda") * 0.02
@@ -111,13 +106,10 @@ def main():
     env.record(args.results_file, [args.name], {
         "run_id": env.new_run_id(), "tokens": args.tokens, "dim": args.dim, "vocab": args.vocab, "reps": args.reps,
         "results": results, "environment": env.fingerprint()})
-    print(f"{'variant':<16}{'ms fwd+bwd':>12}{'extra GiB':>11}{'loss':>16}{'grad_h err':>12}{'grad_w err':>12}")
-    for name, r in results.items():
-        if "error" in r:
-            print(f"{name:<16} error: {r['error']}")
-        else:
-            print(f"{name:<16}{r['ms_forward_backward']:>12.3f}{r['peak_extra_gib']:>11.3f}{r['loss']:>16.2f}"
-                  f"{r['grad_h_relative_error']:>12.2e}{r['grad_w_relative_error']:>12.2e}")
+    env.print_variants("variant", results, [("ms fwd+bwd", "ms_forward_backward", ".3f"),
+                                            ("extra GiB", "peak_extra_gib", ".3f"), ("loss", "loss", ".2f"),
+                                            ("grad_h err", "grad_h_relative_error", ".2e"),
+                                            ("grad_w err", "grad_w_relative_error", ".2e")])
 
 
 if __name__ == "__main__":

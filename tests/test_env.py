@@ -495,6 +495,27 @@ def test_a_config_file_is_python_that_sees_the_settings_so_far(tmp_path):
         env.load_config(train.DEFAULTS, [str(path)])
 
 
+def test_gpu_scripts_refuse_a_broken_results_file_before_any_work(tmp_path, monkeypatch, capsys):
+    import argparse
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past the GPU check, as on the device
+    broken = tmp_path / "r.json"
+    broken.write_text("{not json")
+    with pytest.raises(SystemExit) as exit_info:
+        env.check_gpu_script(argparse.ArgumentParser(prog="x"), broken, "attention")
+    assert exit_info.value.code == 2 and str(broken) in capsys.readouterr().err
+    env.check_gpu_script(argparse.ArgumentParser(prog="x"), tmp_path / "new.json", "attention")  # a new file is fine
+
+
+def test_the_gpu_scripts_table_has_a_row_per_variant_and_errors_in_theirs(capsys):
+    env.print_variants("backend", {"cudnn": {"ms": 0.07112, "err": 2.41e-3}, "fa4": {"error": "ValueError: gone"}},
+                       [("kernel ms", "ms", ".3f"), ("grad err", "err", ".2e")])
+    header, cudnn, fa4 = capsys.readouterr().out.splitlines()
+    assert header.split() == ["backend", "kernel", "ms", "grad", "err"]
+    assert cudnn.split() == ["cudnn", "0.071", "2.41e-03"] and fa4 == "fa4              error: ValueError: gone"
+    assert len(cudnn) == len(header)  # the columns line up under their headers
+
+
 def test_merge_script_refuses_a_missing_source(tmp_path, capsys):
     import importlib.util
     spec = importlib.util.spec_from_file_location("merge_results", REPO / "scripts" / "merge_results.py")
@@ -522,7 +543,8 @@ def test_gpu_scripts_refuse_bad_arguments_in_one_line(tmp_path, script, arg, wor
     assert not (tmp_path / "r.json").exists()
 
 
-@pytest.mark.parametrize("script", ["ce_rows_sweep.py", "loss_microbench.py", "eval_speed.py"])
+@pytest.mark.parametrize("script", ["ce_rows_sweep.py", "loss_microbench.py", "attention_microbench.py",
+                                    "eval_speed.py"])
 def test_gpu_scripts_say_in_one_line_that_they_need_a_gpu(tmp_path, script):
     """The GPU microbenchmarks on a machine without CUDA: exit 2 with one sentence, no traceback, no file."""
     result = subprocess.run([sys.executable, str(REPO / "scripts" / script), f"--results_file={tmp_path / 'r.json'}"],
