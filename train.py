@@ -18,7 +18,7 @@ import torch._functorch.config  # activation_memory_budget
 
 import env
 import model as model_lib
-from data.loader import CacheError, Prefetcher, TokenCache, TrainData, eval_batches
+from data.loader import CacheError, Prefetcher, TokenCache, TrainData, eval_batch_count, eval_batches
 
 # ---------------------------------------------------------------- defaults (config files and --key=value override them)
 # run
@@ -496,8 +496,7 @@ def train(cfg):
         batches = eval_batches(cache.val, cfg.seq_len, cfg.eval_batch_size, max_tokens)
         if world_size > 1:
             batches = (b for i, b in enumerate(batches) if i % world_size == rank)
-        scored = min(max_tokens or len(cache.val), len(cache.val)) - 1
-        total = math.ceil(math.ceil(math.ceil(max(scored, 0) / cfg.seq_len) / cfg.eval_batch_size) / world_size)
+        total = math.ceil(eval_batch_count(len(cache.val), cfg.seq_len, cfg.eval_batch_size, max_tokens) / world_size)
         # a full pass over a large validation split takes minutes; the bar goes when it ends
         batches = tqdm(batches, total=total, desc="full validation" if not max_tokens else "validation subset",
                        unit="batch", leave=False, disable=not main_process)

@@ -149,6 +149,12 @@ class TrainData:
         return batches, len(sequences) * self.seq_len
 
 
+def eval_batch_count(n_tokens, seq_len, batch_size, max_tokens=0):
+    """How many batches eval_batches yields for n_tokens tokens (a progress bar's total)."""
+    scored = min(max_tokens or n_tokens, n_tokens) - 1
+    return math.ceil(math.ceil(max(scored, 0) / seq_len) / batch_size)
+
+
 def eval_batches(tokens, seq_len, batch_size, max_tokens=0):
     """(inputs, targets) over the first max_tokens tokens (0: all), every token after the first scored once.
 

@@ -257,6 +257,19 @@ def test_targets_are_every_token_after_the_first_once_up_to_the_last_whole_seque
     assert sorted(targets) == list(range(1, whole * seq_len + 1))  # the last 5 positions never appear
 
 
+@pytest.mark.parametrize("n, seq_len, batch, max_tokens", [(1000, 8, 4, 0), (1000, 8, 4, 57), (1000, 7, 3, 0),
+                                                           (9, 8, 4, 0), (1, 8, 4, 0), (1000, 8, 4, 5000)])
+def test_eval_batches_score_each_token_once_and_their_count_is_known_ahead(n, seq_len, batch, max_tokens):
+    """The validation bar's total is eval_batch_count; a wrong count would leave the bar short or over."""
+    from data.loader import eval_batch_count, eval_batches
+    tokens = np.arange(n, dtype=np.int64)  # each token's value is its position
+    batches = list(eval_batches(tokens, seq_len, batch, max_tokens))
+    assert len(batches) == eval_batch_count(n, seq_len, batch, max_tokens)
+    assert all(x.shape == y.shape == (batch, seq_len) for x, y in batches)
+    targets = sorted(int(t) for _, y in batches for t in y.flatten() if t != IGNORE)
+    assert targets == list(range(1, min(max_tokens or n, n)))
+
+
 def test_the_run_counts_every_token_exactly(text_cache, tmp_path):
     cfg = small_config(text_cache, tmp_path, epochs=3, full_validation=False)
     entry = train.train(cfg)
