@@ -419,10 +419,16 @@ def _parent(data, keys, path):
 
 def _update(path, change):
     """Under the file's lock: read, call change(data), write back atomically."""
-    with _lock(path):
-        data = read_results(path)
-        change(data)
-        atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
+    from filelock import Timeout
+    try:  # the lock file goes beside the results file, so its folder must exist first
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _lock(path):
+            data = read_results(path)
+            change(data)
+            atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
+    except (OSError, Timeout) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
+        raise ResultsFileError(f"results file {path} cannot be written ({why}); pass another --results_file") from None
 
 
 def _put(data, keys, value, path):

@@ -126,7 +126,10 @@ def export(model, tokenizer, folder):
     leaves the folder's files whole, old or new, never half a weights file."""
     hf = model_lib.to_hf(model)
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SampleError(f"--export_hf {folder} cannot be made ({exc.strerror}); give a writable folder") from None
     with tempfile.TemporaryDirectory(dir=folder, prefix=".export-") as staging:
         hf.save_pretrained(staging)
         tokenizer.save_pretrained(staging)

@@ -422,6 +422,10 @@ def train(cfg):
     total_updates = data.updates_per_epoch * cfg.epochs
     trainer = Trainer(cfg, mcfg, device, total_updates, world_size, local_rank)
     out = run_dir(cfg)
+    try:  # now, not at the first checkpoint after an epoch of training
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise env.ConfigError(f"out_dir {str(out)!r} cannot be made ({exc.strerror}); give a writable folder") from None
     ckpt_path = out / "ckpt.pt"
     flops = model_lib.flops_per_token(mcfg, cfg.seq_len)
     gpu_name = torch.cuda.get_device_name(device) if device.startswith("cuda") else None

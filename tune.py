@@ -229,6 +229,11 @@ def tune(cfg):
     where = dict(machine(), cache_identity=cache_identity(cfg))
     records = []
     tuned_dir = Path(cfg.tuned_dir)
+    try:  # each candidate's config is written there before it runs
+        tuned_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise env.ConfigError(f"tuned_dir {cfg.tuned_dir!r} cannot be made ({exc.strerror}); give a writable "
+                              f"folder") from None
 
     def measure(candidate, seconds_left):
         name = candidate_name(candidate)

@@ -132,6 +132,13 @@ def test_a_failed_export_leaves_the_folder_as_it_was(trained, tmp_path, monkeypa
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
 
+def test_an_export_folder_that_cannot_be_made_is_one_line(trained, tmp_path, capsys):
+    (tmp_path / "afile").write_text("a file, not a folder")
+    assert sample.main([f"--out_dir={trained['out']}", "--device=cpu", f"--export_hf={tmp_path / 'afile' / 'hf'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--export_hf" in err[0] and "cannot be made" in err[0], err
+
+
 def _perturbed(hf):
     with torch.no_grad():
         next(hf.parameters()).add_(1.0)  # so that new weights would differ from the exported ones

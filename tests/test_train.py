@@ -556,6 +556,19 @@ def test_model_and_data_mistakes_are_one_line_errors(text_cache, tmp_path, capsy
     assert err.startswith("error: ") and word in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("key, words", [("out_dir", "out_dir"), ("results_file", "results file")])
+def test_an_unwritable_out_dir_or_results_file_is_one_line_before_training(text_cache, tmp_path, capsys, key, words):
+    """An out_dir under a file failed at the first checkpoint, after an epoch, in a traceback; a results file
+    there in filelock's Timeout."""
+    (tmp_path / "afile").write_text("a file, not a folder")
+    cfg = small_config(text_cache, tmp_path, **{key: str(tmp_path / "afile" / "x")})
+    assert train.main(cli_args(cfg)) == 2
+    err = capsys.readouterr()
+    lines = err.err.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0] and "afile" in lines[0], lines
+    assert "update " not in err.out  # refused before any update
+
+
 @pytest.mark.parametrize("vocab_size", [0, 4096])
 def test_a_missing_cache_suggests_the_command_that_makes_it(tmp_path, capsys, vocab_size):
     """config/tiny_cpu.py's missing cache suggested a 32,000-token prepare for its 4,096-token model."""

@@ -178,6 +178,15 @@ def test_fa4_without_flash_attn_4_is_refused_before_any_candidate(tmp_path, text
     assert "needs the flash-attn-4 package" in capsys.readouterr().err and not (tmp_path / "r.json").exists()
 
 
+def test_an_unwritable_tuned_dir_is_one_line_before_any_candidate(tmp_path, text_cache, capsys):
+    (tmp_path / "afile").write_text("a file, not a folder")
+    argv = TINY + [f"--data_dir={text_cache}", f"--results_file={tmp_path / 'r.json'}",
+                   f"--tuned_dir={tmp_path / 'afile' / 'tuned'}"]
+    assert tune.main(argv) == 2
+    out = capsys.readouterr()
+    assert "tuned_dir" in out.err and "cannot be made" in out.err and "running" not in out.out
+
+
 @pytest.mark.parametrize("arg, words", [("--budget=-1", "budget must be a positive"),
                                         ("--candidate_timeout=0", "candidate_timeout must be a positive"),
                                         ("--tune_compile_modes=", "tune_compile_modes is empty"),
