@@ -433,6 +433,24 @@ def test_the_recipe_identity_ignores_execution(text_cache, tmp_path, change):
     assert recipe_id(train.Config(cfg, **change)) == recipe_id(cfg)
 
 
+# The recipe identities of the shipped configs (with a fixed cache identity), as recorded by every run of them:
+# a change of code that moves one makes earlier runs unresumable and uncomparable, so it must be deliberate.
+SHIPPED_RECIPES = {
+    "config/20m_gh200.py": ("36b1a1c183de09f546f608dbc1856e5b952ae0421fb2f079b68ed9e6d7f7f01b", 32000),
+    "config/50m.py": ("a7b3ba62cf69381773f5ab92ad4115d6b7ac56e0c763df88c2ab53dda3c1fbb7", 32000),
+    "config/90m.py": ("b84aca720e57afdb99f2d765d9ab4f64cc93829fe04f972f0449348f369496d6", 32000),
+    "config/tiny_cpu.py": ("59c944b0805cba48f8128861324fce3fb7b56eb260f408efc5aee1569f403f61", 4096),
+}
+
+
+@pytest.mark.parametrize("path", sorted(SHIPPED_RECIPES))
+def test_the_shipped_configs_keep_their_recipe_identity(path):
+    identity, vocab = SHIPPED_RECIPES[path]
+    cfg = train.Config(env.load_config(train.DEFAULTS, [str(REPO / path)]))
+    mcfg = train.model_config(cfg, vocab)
+    assert env.hash_json(train.recipe(cfg, mcfg, "pinned-cache-identity")) == identity
+
+
 def test_the_recipe_identity_follows_the_data(text_cache, tmp_path):
     cfg = small_config(text_cache, tmp_path)
     _, _, rec = train.setup(cfg)
