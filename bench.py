@@ -2,7 +2,7 @@
 
     python bench.py config/20m_gh200.py --compile=True --micro_batch_size=32 --name=final-20m
 
-20 warmup updates, then 3 windows of 100 updates; each is train.Trainer.update, the step train.py runs
+20 warmup updates, then 3 windows of 100 updates; each is Trainer.update, the step train.py runs
 (forward, backward, clipping, optimizer). The headline is the median window's tokens/s. The entry goes to
 benchmarks.NAME in the results file. Under torchrun, tokens/s are totals over all GPUs and per GPU.
 """
@@ -20,6 +20,9 @@ import env
 import model as model_lib
 import train
 from data.loader import CacheError, Prefetcher, TokenCache, TrainData
+from configurator import ConfigError, load_config
+from results import lookup, record
+from trainer import Trainer, all_reduce_sum, distributed, peak_memory_bytes
 
 # ---------------------------------------------------------------- defaults (plus everything train.py takes)
 warmup = 20
@@ -161,10 +164,10 @@ def device_used_bytes(device):
 def check_protocol(cfg):
     """The bench keys' own checks (tune.py runs them too, before its sweep)."""
     if cfg.data_mode not in ("real", "synthetic"):
-        raise env.ConfigError(f"data_mode {cfg.data_mode!r} is not one of real, synthetic")
+        raise ConfigError(f"data_mode {cfg.data_mode!r} is not one of real, synthetic")
     for key in ("warmup", "steps", "windows", "profile_updates"):
         if cfg[key] < 1:
-            raise env.ConfigError(f"{key} must be at least 1, got {cfg[key]}")
+            raise ConfigError(f"{key} must be at least 1, got {cfg[key]}")
 
 
 def cache_and_model(cfg):
@@ -182,10 +185,10 @@ def cache_and_model(cfg):
 
 def run_protocol(cfg):
     """One protocol-v2 run; returns its entry (status "error" with the error text if it failed)."""
-    rank, local_rank, world_size = train.distributed()
+    rank, local_rank, world_size = distributed()
     entry = {"name": cfg.name, "run_id": env.new_run_id(), "status": "running", "preset": cfg.preset,
              "micro_batch_size": cfg.micro_batch_size, "compile": cfg.compile, "compile_mode": cfg.compile_mode,
-             "sdpa_backend": cfg.sdpa_backend, "loss_impl": cfg.loss_impl, "cpu_threads": cfg.cpu_threads,
+             "attention_backend": cfg.attention_backend, "loss_impl": cfg.loss_impl, "cpu_threads": cfg.cpu_threads,
              "world_size": world_size, "config_identity": env.config_identity(dict(cfg)),
              "source_hash": env.source_hash(), "config": dict(cfg)}
     folders, was_cold = cache_state(cfg.cold)
@@ -206,13 +209,13 @@ def run_protocol(cfg):
             data = train.training_data(cfg, cache, sequences_per_update)
             full_updates = data.n_sequences // sequences_per_update  # the timed updates are all full ones
             if full_updates == 0:
-                raise env.ConfigError("the training subset holds less than one full update")
+                raise ConfigError("the training subset holds less than one full update")
             make = lambda u: data.micro_batches(u // full_updates, u % full_updates, cfg.micro_batch_size,
                                                 rank, world_size)
         else:
             data, make = synthetic_batches(cfg, mcfg.vocab_size, sequences_per_update, rank, world_size)
         total = cfg.warmup + cfg.windows * cfg.steps + (cfg.profile_updates if cfg.profile else 1)
-        trainer = train.Trainer(cfg, mcfg, device, total_updates=total, world_size=world_size, local_rank=local_rank)
+        trainer = Trainer(cfg, mcfg, device, total_updates=total, world_size=world_size, local_rank=local_rank)
         dev = trainer.device
         sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
         entry["parameters"] = sum(p.numel() for p in trainer.raw_model.parameters())
@@ -239,7 +242,7 @@ def run_protocol(cfg):
                 loss_total += loss_sum
             sync()
             seconds = time.perf_counter() - start
-            loss_total = train.all_reduce_sum(loss_total, world_size)
+            loss_total = all_reduce_sum(loss_total, world_size)
             measurements.append(window_summary(w, seconds, cfg.steps, cfg.tokens_per_update, loss_total.item(),
                                                grad_norm.item()))
             device_peaks.append(device_used_bytes(dev))
@@ -251,7 +254,7 @@ def run_protocol(cfg):
             status="ok", vocab_size=mcfg.vocab_size, tokens_per_second=tokens_per_second, tokens_per_second_per_gpu=tokens_per_second / world_size,
             flops_per_token=flops, mfu=env.mfu(flops, tokens_per_second / world_size, gpu_name),
             measurements=measurements, attention_kernels=attention,
-            peak_memory_bytes=train.peak_memory_bytes(dev),
+            peak_memory_bytes=peak_memory_bytes(dev),
             peak_reserved_bytes=torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else None,
             # What the device had in use at the window ends (CUDA graph pools, the context, everything),
             # and before the model existed, so the difference is ours.
@@ -263,7 +266,7 @@ def run_protocol(cfg):
         if cfg.partial_probe:
             entry["partial_probe"] = probe_partial_updates(trainer, data, cfg, sync, rank, world_size)
         if world_size > 1 and cfg.scaling_reference:
-            reference = env.lookup(cfg.results_file, ["benchmarks", cfg.scaling_reference, "tokens_per_second"])
+            reference = lookup(cfg.results_file, ["benchmarks", cfg.scaling_reference, "tokens_per_second"])
             entry["scaling_efficiency"] = tokens_per_second / world_size / reference if reference else None
     except train.USER_ERRORS:
         raise  # a user mistake, not a measurement
@@ -297,11 +300,11 @@ def probe_partial_updates(trainer, data, cfg, sync, rank, world_size):
 
 
 def record_entry(cfg, entry):
-    env.record(cfg.results_file, ["benchmarks", cfg.name], entry)
+    record(cfg.results_file, ["benchmarks", cfg.name], entry)
     if "profile" in entry:
-        env.record(cfg.results_file, ["profiles", cfg.name], dict(entry["profile"], run_id=entry["run_id"]))
+        record(cfg.results_file, ["profiles", cfg.name], dict(entry["profile"], run_id=entry["run_id"]))
     if "partial_probe" in entry:
-        env.record(cfg.results_file, ["partial-probe"], {"benchmark": cfg.name, "run_id": entry["run_id"],
+        record(cfg.results_file, ["partial-probe"], {"benchmark": cfg.name, "run_id": entry["run_id"],
                                                           "probes": entry["partial_probe"]})
 
 
@@ -312,20 +315,20 @@ def run(cfg):
     if cfg.presets:
         names = [p.strip() for p in cfg.presets.split(",") if p.strip()]
         if not names:
-            raise env.ConfigError(f"presets={cfg.presets!r} names no preset; valid: {', '.join(model_lib.PRESETS)}")
+            raise ConfigError(f"presets={cfg.presets!r} names no preset; valid: {', '.join(model_lib.PRESETS)}")
         runs = []
         for preset in names:
             try:
                 model_lib.get_preset(preset)  # unknown names fail here, before any run
             except ValueError as exc:
-                raise env.ConfigError(str(exc)) from None
+                raise ConfigError(str(exc)) from None
             # each preset's own shape: a config's dim, n_layers, ... would make every preset the same model
             shape = dict.fromkeys(("dim", "n_layers", "n_heads", "hidden_dim"), 0)
             runs.append((f"{cfg.name}-{preset}", train.Config(cfg, preset=preset, name=f"{cfg.name}-{preset}", **shape)))
     entries = []
     fingerprint = None
     for name, run_cfg in runs:
-        previous = env.lookup(cfg.results_file, ["benchmarks", name]) if rank == 0 else None
+        previous = lookup(cfg.results_file, ["benchmarks", name]) if rank == 0 else None
         entry = run_protocol(run_cfg)
         if rank == 0:
             fingerprint = fingerprint or env.fingerprint(entry["protocol"]["cache_identity"])
@@ -357,7 +360,7 @@ def print_table(entries):
 
 def main(argv):
     try:
-        cfg = train.Config(env.load_config(DEFAULTS, argv))
+        cfg = train.Config(load_config(DEFAULTS, argv))
         entries = run(cfg)
     except train.USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -27,6 +27,8 @@ from pathlib import Path
 import env
 import train
 from data.loader import CacheError
+from configurator import ConfigError, defaults_of, load_config, write_config_file
+from results import atomic_write, lookup, read_results, record
 
 # ---------------------------------------------------------------- defaults (train.py's keys are accepted too)
 baseline = ""                    # with optimized: compare these two finished runs, train nothing
@@ -41,10 +43,10 @@ noise_runs = ""                  # comma-separated finished runs (repeats, other
                                  # validation loss measures training noise; widens the tolerance to cover it.
                                  # Each must be the baseline's recipe, its seed aside, and not a compared run
 
-DEFAULTS = dict(train.DEFAULTS, **env.defaults_of(globals()))
+DEFAULTS = dict(train.DEFAULTS, **defaults_of(globals()))
 
 # How the baseline executes: the plainest way, whatever the config asks for.
-BASELINE_EXECUTION = {"compile": False, "sdpa_backend": "auto", "loss_impl": "full"}
+BASELINE_EXECUTION = {"compile": False, "attention_backend": "auto", "loss_impl": "full"}
 # Bulky fields of a run's entry that the comparison leaves out (the run's own entry keeps them).
 BULKY = ("environment", "config", "recipe")
 TOLERANCE_RULE = ("|optimized - baseline| final validation loss <= 3 standard errors of the difference of the two "
@@ -69,7 +71,7 @@ def side_configs(cfg):
     base = dict(given, micro_batch_size=cfg.baseline_micro_batch_size, **BASELINE_EXECUTION)
     layers = []
     if cfg.tuned:
-        path = env.lookup(cfg.results_file, ["tuning", "selected", "config_path"])
+        path = lookup(cfg.results_file, ["tuning", "selected", "config_path"])
         if not path:
             raise CompareError(f"--tuned=True but results file {cfg.results_file} has no tuning.selected.config_path; "
                                f"run tune.py first, or drop --tuned")
@@ -83,7 +85,7 @@ def side_configs(cfg):
         raise CompareError(f"--optimized_overrides={cfg.optimized_overrides!r} does not parse ({exc}); give "
                            f"space-separated --key=value, quoted as a whole") from None
     # The given config's train keys act as the defaults, so a layer can only set train.py's keys.
-    opt = env.load_config(given, layers)
+    opt = load_config(given, layers)
     sides = []
     for side, c in (("baseline", base), ("optimized", opt)):
         # Separate names and folders, or the two runs would overwrite each other's entry and checkpoint.
@@ -107,7 +109,7 @@ def check_before_training(cfg, sides):
         try:
             train.check_execution(c)
             rec = train.setup(c)[2]
-        except (env.ConfigError, CacheError) as exc:
+        except (ConfigError, CacheError) as exc:
             hint = " (the baseline's micro-batch is --baseline_micro_batch_size)" if side == "baseline" else ""
             raise CompareError(f"{side} run: {exc}{hint}") from None
         recipes.append(rec)
@@ -147,13 +149,13 @@ def train_or_reuse(side, c, recipe_identity, rerun):
     """Train the run with train.py, unless a complete run of the same config, recipe and code is recorded."""
     out = train.run_dir(c)
     config_path = out / "compare_config.py"
-    env.write_config_file(config_path, c, train.DEFAULTS,
+    write_config_file(config_path, c, train.DEFAULTS,
                           header=f"The {side} run of a matched comparison, written by compare.py.\n"
                                  f"Rerun it with: python train.py {config_path}")
     args = [str(config_path), f"--name={c.name}", f"--results_file={c.results_file}"]
     # The identity train.py will record: the same loader on the same arguments.
-    identity = env.config_identity(env.load_config(train.DEFAULTS, args))
-    old = env.lookup(c.results_file, [c.name])
+    identity = env.config_identity(load_config(train.DEFAULTS, args))
+    old = lookup(c.results_file, [c.name])
     if (not rerun and isinstance(old, dict) and old.get("status") == "complete" and old.get("final_validation")
             and old.get("config_identity") == identity and old.get("recipe_identity") == recipe_identity
             and (old.get("environment") or {}).get("source_hash") == env.source_hash()):
@@ -248,7 +250,7 @@ def compare_runs(results_file, baseline_name, optimized_name, allow_recipe_chang
     """Compare two finished runs, record results["matched-comparison"], print the table; returns the entry."""
     if baseline_name == optimized_name:
         raise CompareError(f"--baseline and --optimized both name {baseline_name!r}; compare two different runs")
-    results = env.read_results(results_file)
+    results = read_results(results_file)
     b = finished_run(results, baseline_name, results_file)
     o = finished_run(results, optimized_name, results_file)
     identity_equal = b["recipe_identity"] == o["recipe_identity"]
@@ -285,7 +287,7 @@ def compare_runs(results_file, baseline_name, optimized_name, allow_recipe_chang
         "run_id": env.new_run_id(),
         **noise,
     }
-    env.record(results_file, ["matched-comparison"], comparison)
+    record(results_file, ["matched-comparison"], comparison)
     print_table(comparison, b, o)
     save_plot(plot_path, [(baseline_name, b), (optimized_name, o)])
     print(f"recorded matched-comparison in {results_file}; plot {plot_path}")
@@ -299,7 +301,7 @@ def _fmt(value, spec, suffix=""):
 
 
 # Execution keys that say how the update ran (the others name files, logging and stopping).
-SHOWN_EXECUTION = ("compile_mode", "compile_scope", "sdpa_backend", "loss_impl", "loss_chunk_tokens",
+SHOWN_EXECUTION = ("compile_mode", "compile_scope", "attention_backend", "loss_impl", "loss_chunk_tokens",
                    "activation_memory_budget", "cpu_threads")
 
 
@@ -385,7 +387,7 @@ def save_plot(path, runs):
         ax.legend()
     fig.suptitle(" vs ".join(name for name, _ in runs))
     fig.tight_layout()
-    env.atomic_write(path, lambda f: fig.savefig(f, format=Path(path).suffix[1:].lower(), dpi=100))
+    atomic_write(path, lambda f: fig.savefig(f, format=Path(path).suffix[1:].lower(), dpi=100))
 
 
 # ---------------------------------------------------------------- main
@@ -416,7 +418,7 @@ def compare(cfg):
 
 def main(argv):
     try:
-        cfg = train.Config(env.load_config(DEFAULTS, argv))
+        cfg = train.Config(load_config(DEFAULTS, argv))
         comparison = compare(cfg)
     except (*train.USER_ERRORS, CompareError) as exc:
         print(f"error: {exc}", file=sys.stderr)

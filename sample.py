@@ -14,10 +14,11 @@ from pathlib import Path
 
 import torch
 
-import env
-import model as model_lib
+import checkpoint
 import train
+from configurator import ConfigError, defaults_of, load_config
 from data.loader import CacheError, TokenCache, prepare_command
+from hf import to_hf
 
 # ---------------------------------------------------------------- defaults (train.py's keys are accepted too)
 prompt = "Once upon a time"      # "" starts from the end-of-text token, i.e. a new document
@@ -27,7 +28,7 @@ top_k = 50                       # sample only among the k likeliest tokens (0: 
 num_samples = 1
 export_hf = ""                   # a folder: save the model as transformers' LlamaForCausalLM there, with the tokenizer
 
-DEFAULTS = dict(train.DEFAULTS, **env.defaults_of(globals()))  # seed, device, name and out_dir mean what they mean in train.py
+DEFAULTS = dict(train.DEFAULTS, **defaults_of(globals()))  # seed, device, name and out_dir mean what they mean in train.py
 
 
 class SampleError(ValueError):
@@ -41,7 +42,7 @@ def load_checkpoint(out_dir, device):
         raise SampleError(f"no checkpoint at {path}; train one first (python train.py CONFIG --name=NAME saves "
                           f"out/NAME/ckpt.pt) or pass the --out_dir of a trained run")
     try:
-        model, ckpt = model_lib.load_checkpoint(path)
+        model, ckpt = checkpoint.load_model(path)
     except ValueError as exc:
         raise SampleError(str(exc)) from None
     return model.to(device).eval(), ckpt
@@ -124,7 +125,7 @@ def export(model, tokenizer, folder):
 
     Both are written into a temporary folder inside it, and each file is then renamed into place: a crash
     leaves the folder's files whole, old or new, never half a weights file."""
-    hf = model_lib.to_hf(model)
+    hf = to_hf(model)
     folder = Path(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -145,7 +146,7 @@ def sample(cfg):
     device = train.resolve_device(cfg)
     out_dir = train.run_dir(cfg)
     model, ckpt = load_checkpoint(out_dir, device)
-    data_dir = model_lib.run_data_dir(ckpt)
+    data_dir = checkpoint.run_data_dir(ckpt)
     tokenizer = load_tokenizer(data_dir, model.config.vocab_size)
     if cfg.export_hf:
         export(model, tokenizer, cfg.export_hf)
@@ -163,9 +164,9 @@ def sample(cfg):
 
 def main(argv):
     try:
-        cfg = train.Config(env.load_config(DEFAULTS, argv))
+        cfg = train.Config(load_config(DEFAULTS, argv))
         texts = sample(cfg)
-    except (env.ConfigError, SampleError) as exc:
+    except (ConfigError, SampleError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

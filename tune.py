@@ -17,6 +17,8 @@ import bench
 import env
 import train
 from data.loader import CacheError, TokenCache
+from configurator import ConfigError, load_config, write_config_file
+import results
 
 
 # ---------------------------------------------------------------- defaults (plus everything bench.py takes)
@@ -26,7 +28,7 @@ tune_micro_batch_sizes = "4,8,16,32"
 tune_compile_modes = "default,reduce-overhead,max-autotune-no-cudagraphs,max-autotune,eager"
 tune_backends = "auto,flash,efficient,cudnn"
 tune_threads = ""                # e.g. "1,4,8"; empty keeps cpu_threads
-tuned_dir = "config/tuned"
+tuned_dir = "out/tuned"
 knee_gain = 0.03                 # a larger micro-batch must beat the last by 3% to continue the knee search
 
 WHERE_KEYS = ("results_file", "out_dir")
@@ -43,13 +45,13 @@ class BudgetExhausted(Exception):
 
 def candidate_name(c):
     mode = "eager" if not c["compile"] else c["compile_mode"]
-    return (f"micro-{c['micro_batch_size']}-compile-{int(c['compile'])}-{c['sdpa_backend']}-{mode}"
+    return (f"micro-{c['micro_batch_size']}-compile-{int(c['compile'])}-{c['attention_backend']}-{mode}"
             f"-threads-{c['cpu_threads']}")
 
 
 def make_candidate(micro_batch_size, mode, backend, threads):
     return {"micro_batch_size": micro_batch_size, "compile": mode != "eager",
-            "compile_mode": "default" if mode == "eager" else mode, "sdpa_backend": backend, "cpu_threads": threads}
+            "compile_mode": "default" if mode == "eager" else mode, "attention_backend": backend, "cpu_threads": threads}
 
 
 def other_settings(candidate):
@@ -144,10 +146,10 @@ class Sweep:
                 return
             # 2. attention backends at the best size, 3. compile modes, 4. CPU threads
             for b in self.backends[1:]:
-                self.attempt(dict(best, sdpa_backend=b))
+                self.attempt(dict(best, attention_backend=b))
             best, _ = self.best()
             for m in self.modes:
-                self.attempt(make_candidate(best["micro_batch_size"], m, best["sdpa_backend"], best["cpu_threads"]))
+                self.attempt(make_candidate(best["micro_batch_size"], m, best["attention_backend"], best["cpu_threads"]))
             best, _ = self.best()
             for t in self.threads[1:]:
                 self.attempt(dict(best, cpu_threads=t))
@@ -159,7 +161,7 @@ def parse_list(text, kind, key):
     try:
         return [kind(v.strip()) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise env.ConfigError(f"{key}={text!r}: expected a comma-separated list of {kind.__name__}") from None
+        raise ConfigError(f"{key}={text!r}: expected a comma-separated list of {kind.__name__}") from None
 
 
 def machine():
@@ -193,20 +195,20 @@ def tune(cfg):
     threads = parse_list(cfg.tune_threads, int, "tune_threads") or [cfg.cpu_threads]
     for b in backends:
         if b not in train.model_lib.ATTENTION_BACKENDS:
-            raise env.ConfigError(f"tune_backends: {b!r} is not one of {', '.join(train.model_lib.ATTENTION_BACKENDS)}")
+            raise ConfigError(f"tune_backends: {b!r} is not one of {', '.join(train.model_lib.ATTENTION_BACKENDS)}")
         if b == "fa4":
             # a missing flash-attn-4 would fail every fa4 candidate the same way (a GPU that is not Hopper or
             # Blackwell is refused by each candidate as it starts)
-            train.check_execution(train.Config(cfg, sdpa_backend=b))
+            train.check_execution(train.Config(cfg, attention_backend=b))
     for m in modes:
         if m != "eager" and m not in train.COMPILE_MODES:
-            raise env.ConfigError(f"tune_compile_modes: {m!r} is not one of eager, {', '.join(train.COMPILE_MODES)}")
+            raise ConfigError(f"tune_compile_modes: {m!r} is not one of eager, {', '.join(train.COMPILE_MODES)}")
     for key, values in (("tune_micro_batch_sizes", sizes), ("tune_compile_modes", modes), ("tune_backends", backends)):
         if not values:
-            raise env.ConfigError(f"{key} is empty; give at least one value")
+            raise ConfigError(f"{key} is empty; give at least one value")
     for key in ("budget", "candidate_timeout"):
         if cfg[key] <= 0:
-            raise env.ConfigError(f"{key} must be a positive number of minutes, got {cfg[key]}")
+            raise ConfigError(f"{key} must be a positive number of minutes, got {cfg[key]}")
     bench.check_protocol(cfg)  # or every candidate would fail the same way, and the sweep record no selection
     bench.cache_and_model(cfg)
     valid_sizes = []
@@ -214,14 +216,14 @@ def tune(cfg):
         try:
             train.check_execution(train.Config(cfg, micro_batch_size=size))
             valid_sizes.append(size)
-        except env.ConfigError as exc:
+        except ConfigError as exc:
             print(f"skipping micro-batch {size}: {exc}")
     if not valid_sizes:
-        raise env.ConfigError("no micro-batch size in tune_micro_batch_sizes divides an update")
+        raise ConfigError("no micro-batch size in tune_micro_batch_sizes divides an update")
 
     source = env.source_hash()
     previous = {}
-    old = env.lookup(cfg.results_file, ["tuning"]) or {}
+    old = results.lookup(cfg.results_file, ["tuning"]) or {}
     for record in old.get("candidates", []):
         # only measurements: an error may have been the budget's cut or a passing fault, so it is tried again
         if record.get("source_hash") == source and record.get("candidate_identity") and record.get("status") == "ok":
@@ -232,7 +234,7 @@ def tune(cfg):
     try:  # each candidate's config is written there before it runs
         tuned_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise env.ConfigError(f"tuned_dir {cfg.tuned_dir!r} cannot be made ({exc.strerror}); give a writable "
+        raise ConfigError(f"tuned_dir {cfg.tuned_dir!r} cannot be made ({exc.strerror}); give a writable "
                               f"folder") from None
 
     def measure(candidate, seconds_left):
@@ -242,7 +244,7 @@ def tune(cfg):
         candidate_cfg = dict(cfg, **candidate, name=name)
         # where a run writes its results and checkpoints is its caller's choice, not a setting to reproduce
         settings = {k: v for k, v in candidate_cfg.items() if k in train.DEFAULTS and k not in WHERE_KEYS}
-        env.write_config_file(config_path, settings,
+        write_config_file(config_path, settings,
                               train.DEFAULTS, header=f"tune.py candidate {name}\nreproduce: python train.py {config_path}")
         if identity in previous:
             record = dict(previous[identity], reused=True, config_path=str(config_path))
@@ -255,10 +257,10 @@ def tune(cfg):
                    f"--results_file={cfg.results_file}"] + [f"--{k}={cfg[k]}" for k in PROTOCOL_KEYS]
         timeout = max(1.0, min(cfg.candidate_timeout * 60, seconds_left))
         start = time.time()
-        before = (env.lookup(cfg.results_file, ["benchmarks", bench_name]) or {}).get("run_id")
+        before = (results.lookup(cfg.results_file, ["benchmarks", bench_name]) or {}).get("run_id")
         try:
             proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-            entry = env.lookup(cfg.results_file, ["benchmarks", bench_name])
+            entry = results.lookup(cfg.results_file, ["benchmarks", bench_name])
             if not entry or entry.get("run_id") == before:  # the process died before recording
                 entry = None
             if entry is None:
@@ -293,7 +295,7 @@ def tune(cfg):
               "elapsed_minutes": sweep.elapsed() / 60, "source_hash": source, "candidates": records,
               "selected": best_result, "selected_config_path": best_result["config_path"] if best_result else None,
               "base_config": {k: v for k, v in cfg.items() if k in train.DEFAULTS}}
-    env.record(cfg.results_file, ["tuning"], tuning)
+    results.record(cfg.results_file, ["tuning"], tuning)
     if best_result:
         print(f"selected {best_result['name']}: {best_result['tokens_per_second']:,.0f} tok/s -> "
               f"python train.py {best_result['config_path']}")
@@ -302,7 +304,7 @@ def tune(cfg):
 
 def main(argv):
     try:
-        cfg = train.Config(env.load_config(DEFAULTS, argv))
+        cfg = train.Config(load_config(DEFAULTS, argv))
         tuning = tune(cfg)
     except train.USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -34,6 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script too
 import env  # noqa: E402
 from data.loader import sha256_file  # noqa: E402  (the loader verifies what this hashes)
+from results import atomic_write_text  # noqa: E402
 
 FORMAT = 1
 EOT = "<|endoftext|>"
@@ -341,7 +342,7 @@ def prepare(source, out, tokenizer=None, vocab_size=32000, val_fraction=0.01, nu
             meta["cache_identity"] = env.hash_json([meta["tokenizer_files_sha256"], source_sha, rule,
                                                   meta["train_sha256"], meta["val_sha256"]])
             # written last: a folder with meta.json is complete
-            env.atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1, sort_keys=True) + "\n")
+            atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1, sort_keys=True) + "\n")
             crash_point("meta.json")
             old = out.parent / f"{out.name}.old-{os.getpid()}"
             if out.exists():

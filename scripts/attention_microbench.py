@@ -15,11 +15,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench  # noqa: E402
 import env  # noqa: E402
-import model  # noqa: E402
+from results import record  # noqa: E402
+import common  # noqa: E402
+from kernels.attention import ATTENTION_BACKENDS, causal_attention  # noqa: E402
+from model import PRESETS, get_preset  # noqa: E402
 
 
 def attention(qkv, backends):
-    return model.causal_attention(*qkv.unbind(2), backends)  # q, k, v views into one tensor, as in the model
+    return causal_attention(*qkv.unbind(2), backends)  # q, k, v views into one tensor, as in the model
 
 
 def gradients(qkv, grad_out, backends):
@@ -47,7 +50,7 @@ def relative_error(value, reference):
 
 
 def measure(name, qkv, grad_out, reference, reps):
-    backends = model.ATTENTION_BACKENDS[name]
+    backends = ATTENTION_BACKENDS[name]
     out, grad = gradients(qkv, grad_out, backends)
     leaf = qkv.detach().requires_grad_()
 
@@ -64,37 +67,37 @@ def measure(name, qkv, grad_out, reference, reps):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="20m", choices=list(model.PRESETS))
-    parser.add_argument("--batch", type=env.positive_int, default=32)
-    parser.add_argument("--seq_len", type=env.positive_int, default=1024)
+    parser.add_argument("--preset", default="20m", choices=list(PRESETS))
+    parser.add_argument("--batch", type=common.positive_int, default=32)
+    parser.add_argument("--seq_len", type=common.positive_int, default=1024)
     parser.add_argument("--backends", default="cudnn,flash,fa4,efficient")
-    parser.add_argument("--reps", type=env.positive_int, default=50)
+    parser.add_argument("--reps", type=common.positive_int, default=50)
     parser.add_argument("--name", default="attention-microbench", help="the results file key")
     parser.add_argument("--results_file", default="results.json")
     args = parser.parse_args()
     names = args.backends.split(",")
-    unknown = [n for n in names if n not in model.ATTENTION_BACKENDS]
+    unknown = [n for n in names if n not in ATTENTION_BACKENDS]
     if unknown:
-        parser.error(f"--backends: {', '.join(unknown)} not among {', '.join(model.ATTENTION_BACKENDS)}")
-    env.check_gpu_script(parser, args.results_file, "attention")
-    config = model.get_preset(args.preset)
+        parser.error(f"--backends: {', '.join(unknown)} not among {', '.join(ATTENTION_BACKENDS)}")
+    common.check_gpu_script(parser, args.results_file, "attention")
+    config = get_preset(args.preset)
     torch.manual_seed(0)
     shape = (args.batch, args.seq_len, 3, config.n_heads, config.head_dim)
     qkv = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     grad_out = torch.randn(args.batch, args.seq_len, config.n_heads, config.head_dim, device="cuda",
                            dtype=torch.bfloat16)
-    reference = gradients(qkv.float(), grad_out.float(), model.ATTENTION_BACKENDS["math"])
+    reference = gradients(qkv.float(), grad_out.float(), ATTENTION_BACKENDS["math"])
     results = {}
     for name in names:
         try:
             results[name] = measure(name, qkv, grad_out, reference, args.reps)
         except Exception as exc:  # noqa: BLE001 - recorded, the others still run
             results[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-    env.record(args.results_file, [args.name], {
+    record(args.results_file, [args.name], {
         "run_id": env.new_run_id(), "preset": args.preset, "shape_btHd": [args.batch, args.seq_len, config.n_heads,
                                                                            config.head_dim],
         "reps": args.reps, "results": results, "environment": env.fingerprint()})
-    env.print_variants("backend", results, [("kernel ms fwd", "kernel_ms_forward", ".3f"),
+    common.print_variants("backend", results, [("kernel ms fwd", "kernel_ms_forward", ".3f"),
                                             ("fwd+bwd", "kernel_ms_forward_backward", ".3f"),
                                             ("out err", "out_relative_error", ".2e"),
                                             ("grad err", "grad_relative_error", ".2e")])

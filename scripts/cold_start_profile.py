@@ -13,13 +13,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench  # noqa: E402
-import env  # noqa: E402
-import model as model_lib  # noqa: E402
+from kernels import cross_entropy  # noqa: E402
 import train  # noqa: E402
+from configurator import load_config  # noqa: E402
+from trainer import Trainer  # noqa: E402
 
 
 def main(argv):
-    cfg = train.Config(env.load_config(bench.DEFAULTS, argv))
+    cfg = train.Config(load_config(bench.DEFAULTS, argv))
     device = train.resolve_device(cfg)
     sequences_per_update = train.check_execution(cfg)  # before any folder is made
     folders, was_cold = bench.cache_state(True)
@@ -28,12 +29,12 @@ def main(argv):
     _, make = bench.synthetic_batches(cfg, mcfg.vocab_size, sequences_per_update, 0, 1)
     batches = bench.batch_stream(make, device, 3)
     start = time.perf_counter()
-    trainer = train.Trainer(cfg, mcfg, device, total_updates=3)
+    trainer = Trainer(cfg, mcfg, device, total_updates=3)
     print(f"model and optimizer: {time.perf_counter() - start:.2f} s")
     if cfg.loss_impl == "fused" and trainer.device.type == "cuda":
         start = time.perf_counter()
         logits = torch.randn(4, mcfg.vocab_size, device=device, dtype=torch.bfloat16)
-        model_lib._cross_entropy_rows(trainer.device)(logits, torch.zeros(4, dtype=torch.long, device=device))
+        cross_entropy._cross_entropy_rows(trainer.device)(logits, torch.zeros(4, dtype=torch.long, device=device))
         torch.cuda.synchronize()
         print(f"the loss kernel's Triton compile: {time.perf_counter() - start:.2f} s")
     start = time.perf_counter()

@@ -14,18 +14,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench  # noqa: E402
-import env  # noqa: E402
 import train  # noqa: E402
+from configurator import load_config  # noqa: E402
+from trainer import Trainer  # noqa: E402
 
 
 def main(argv, updates=10, top=25):
-    cfg = train.Config(env.load_config(bench.DEFAULTS, argv))
+    cfg = train.Config(load_config(bench.DEFAULTS, argv))
     device = train.resolve_device(cfg)
     sequences_per_update = train.check_execution(cfg)
     _, mcfg = bench.cache_and_model(train.Config(cfg, data_mode="synthetic"))  # synthetic tokens, as bench's
     _, make = bench.synthetic_batches(cfg, mcfg.vocab_size, sequences_per_update, 0, 1)
     batches = bench.batch_stream(make, device, 10 + 2 * updates)
-    trainer = train.Trainer(cfg, mcfg, device, total_updates=10 + 2 * updates)
+    trainer = Trainer(cfg, mcfg, device, total_updates=10 + 2 * updates)
     sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
     for _ in range(10):
         trainer.update(*next(batches))

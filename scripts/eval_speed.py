@@ -19,6 +19,9 @@ import bench  # noqa: E402
 import env  # noqa: E402
 import train  # noqa: E402
 from data.loader import Prefetcher, eval_batches  # noqa: E402
+from configurator import ConfigError, load_config  # noqa: E402
+from results import read_results, record  # noqa: E402
+from trainer import Trainer  # noqa: E402
 
 DEFAULTS = dict(train.DEFAULTS, name="eval-speed", passes=3)
 
@@ -42,15 +45,15 @@ def kernel_ms(trainer, make_batches):
 
 
 def main(argv):
-    cfg = train.Config(env.load_config(DEFAULTS, argv))
+    cfg = train.Config(load_config(DEFAULTS, argv))
     device = train.resolve_device(cfg)
     if device != "cuda":
-        raise env.ConfigError(f"eval_speed.py times passes on the GPU; --device={cfg.device} gives the CPU"
+        raise ConfigError(f"eval_speed.py times passes on the GPU; --device={cfg.device} gives the CPU"
                               if cfg.device == "cpu" else
                               "eval_speed.py times passes on the GPU, and PyTorch sees no CUDA GPU here")
     if cfg.passes < 1:
-        raise env.ConfigError(f"passes must be at least 1, got {cfg.passes}")
-    env.read_results(cfg.results_file)  # a broken results file fails now, not after the work
+        raise ConfigError(f"passes must be at least 1, got {cfg.passes}")
+    read_results(cfg.results_file)  # a broken results file fails now, not after the work
     cache, mcfg, _ = train.setup(cfg)
 
     def loader(c):
@@ -61,7 +64,7 @@ def main(argv):
 
     variants = {"unpinned": (cfg.eval_batch_size, loader), "prefetched": (cfg.eval_batch_size, prefetched),
                 "prefetched-2x": (2 * cfg.eval_batch_size, prefetched)}
-    trainer = train.Trainer(cfg, mcfg, device, total_updates=1)
+    trainer = Trainer(cfg, mcfg, device, total_updates=1)
     results = {}
     for name, (batch_size, make) in variants.items():
         c = train.Config(cfg, eval_batch_size=batch_size)
@@ -72,7 +75,7 @@ def main(argv):
                          "kernel_ms": kernels, "gpu_busy": kernels / 1e3 / seconds}
         print(f"{name:<14} batch {batch_size:>3}  {result['tokens'] / seconds:>12,.0f} tok/s  {seconds * 1e3:7.1f} ms"
               f"  kernels {kernels:7.1f} ms ({kernels / 1e3 / seconds:.0%} busy)  loss {result['loss']:.5f}")
-    env.record(cfg.results_file, [cfg.name], {"run_id": env.new_run_id(), "config": dict(cfg), "variants": results,
+    record(cfg.results_file, [cfg.name], {"run_id": env.new_run_id(), "config": dict(cfg), "variants": results,
                                              "environment": env.fingerprint()})
 
 

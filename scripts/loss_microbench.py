@@ -18,7 +18,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import env  # noqa: E402
-import model  # noqa: E402
+from results import record  # noqa: E402
+import common  # noqa: E402
+from kernels.cross_entropy import linear_cross_entropy  # noqa: E402
 
 
 def full_loss(h, weight, targets):
@@ -28,8 +30,8 @@ def full_loss(h, weight, targets):
 def candidates():
     found = {"full-eager": full_loss,
              "full-compiled": torch.compile(full_loss, dynamic=False),
-             "fused-8192": lambda h, w, t: model.linear_cross_entropy(h, w, t, 8192),
-             "fused-32768": lambda h, w, t: model.linear_cross_entropy(h, w, t, 32768)}
+             "fused-8192": lambda h, w, t: linear_cross_entropy(h, w, t, 8192),
+             "fused-32768": lambda h, w, t: linear_cross_entropy(h, w, t, 32768)}
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
     except Exception as exc:  # noqa: BLE001 - any import failure only means "not measured"
@@ -77,14 +79,14 @@ def run(fn, h32, weight, targets, reps):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=env.positive_int, default=32768)
-    parser.add_argument("--dim", type=env.positive_int, default=320)
-    parser.add_argument("--vocab", type=env.positive_int, default=32000)
-    parser.add_argument("--reps", type=env.positive_int, default=20)
+    parser.add_argument("--tokens", type=common.positive_int, default=32768)
+    parser.add_argument("--dim", type=common.positive_int, default=320)
+    parser.add_argument("--vocab", type=common.positive_int, default=32000)
+    parser.add_argument("--reps", type=common.positive_int, default=20)
     parser.add_argument("--name", default="loss-microbench", help="the results file key")
     parser.add_argument("--results_file", default="results.json")
     args = parser.parse_args()
-    env.check_gpu_script(parser, args.results_file, "the loss")
+    common.check_gpu_script(parser, args.results_file, "the loss")
     torch.manual_seed(0)
     h = torch.randn(args.tokens, args.dim, device="cuda")
     weight = torch.randn(args.vocab, args.dim, device="cuda") * 0.02
@@ -103,10 +105,10 @@ def main():
             "peak_extra_gib": round(r["peak_extra_bytes"] / 2**30, 3),
             "grad_h_relative_error": ((r["grad_h"] - reference["grad_h"]).norm() / reference["grad_h"].norm()).item(),
             "grad_w_relative_error": ((r["grad_w"] - reference["grad_w"]).norm() / reference["grad_w"].norm()).item()}
-    env.record(args.results_file, [args.name], {
+    record(args.results_file, [args.name], {
         "run_id": env.new_run_id(), "tokens": args.tokens, "dim": args.dim, "vocab": args.vocab, "reps": args.reps,
         "results": results, "environment": env.fingerprint()})
-    env.print_variants("variant", results, [("ms fwd+bwd", "ms_forward_backward", ".3f"),
+    common.print_variants("variant", results, [("ms fwd+bwd", "ms_forward_backward", ".3f"),
                                             ("extra GiB", "peak_extra_gib", ".3f"), ("loss", "loss", ".2f"),
                                             ("grad_h err", "grad_h_relative_error", ".2e"),
                                             ("grad_w err", "grad_w_relative_error", ".2e")])

@@ -3,7 +3,7 @@
     python scripts/merge_results.py RETURNED.json [INTO.json]
 
 Benchmark, profile and other two-level sections merge entry by entry, training runs by name, all through
-env.record_many, so nothing already in INTO is lost (a replaced entry moves to its "history").
+record_many, so nothing already in INTO is lost (a replaced entry moves to its "history").
 
 The returned file began as a copy of INTO when the call started, so it also holds every entry INTO had then.
 An entry that INTO has replaced since (a comparison recomputed here while the call ran) comes back with its old
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import env  # noqa: E402
+from results import ResultsFileError, lookup, read_results, record_many  # noqa: E402
 
 NESTED = {"benchmarks", "profiles"}
 
@@ -26,16 +26,16 @@ def canonical(path, value):
 def merge(source, target):
     """Merges source's entries into target; returns how many were merged and how many skipped as stale."""
     items = []
-    for key, value in env.read_results(source).items():
+    for key, value in read_results(source).items():
         if key == "history":
             continue
         if key in NESTED and isinstance(value, dict):
             items += [([key, name], entry) for name, entry in value.items()]
         else:
             items.append(([key], value))
-    replaced_here = {canonical(h.get("path"), h.get("value")) for h in env.lookup(target, ["history"], [])}
+    replaced_here = {canonical(h.get("path"), h.get("value")) for h in lookup(target, ["history"], [])}
     fresh = [(keys, value) for keys, value in items if canonical(keys, value) not in replaced_here]
-    env.record_many(target, fresh)  # one lock and one write for the whole merge
+    record_many(target, fresh)  # one lock and one write for the whole merge
     return len(fresh), len(items) - len(fresh)
 
 
@@ -46,11 +46,11 @@ def main(argv):
     source, into = argv[0], argv[1] if len(argv) > 1 else "results/h200.json"
     try:
         if not Path(source).is_file():
-            raise env.ResultsFileError(f"{source} does not exist; give the results file a device call returned")
+            raise ResultsFileError(f"{source} does not exist; give the results file a device call returned")
         merged, stale = merge(source, into)
         print(f"merged {merged} entries of {source} into {into}"
               + (f"; skipped {stale} that {into} has replaced since" if stale else ""))
-    except env.ResultsFileError as exc:
+    except ResultsFileError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

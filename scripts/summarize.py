@@ -7,13 +7,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import env  # noqa: E402
+from results import ResultsFileError, read_results  # noqa: E402
 
 
 def main(path, prefixes):
     if not Path(path).is_file():
-        raise env.ResultsFileError(f"{path} does not exist")
-    data = env.read_results(path)
+        raise ResultsFileError(f"{path} does not exist")
+    data = read_results(path)
     wanted = lambda name: not prefixes or name.startswith(tuple(prefixes))
     for name, e in data.get("benchmarks", {}).items():
         if not wanted(name):
@@ -47,5 +47,5 @@ if __name__ == "__main__":
         sys.exit("usage: python scripts/summarize.py RESULTS.json [PREFIX ...]")
     try:
         main(sys.argv[1], sys.argv[2:])
-    except env.ResultsFileError as exc:
+    except ResultsFileError as exc:
         sys.exit(f"error: {exc}")

@@ -53,7 +53,7 @@ def causal_scores(q, k):
 
 
 def attention_forward_by_hand(q, k, v):
-    """model.cudnn_attention_forward in plain torch: the output (B, T, H, D) and the log-sum-exp (B, H, T)."""
+    """kernels.attention.cudnn_attention_forward in plain torch: the output (B, T, H, D) and the log-sum-exp (B, H, T)."""
     scores = causal_scores(q, k)
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.einsum("bhts,bshd->bthd", torch.exp(scores - lse[..., None]), v.float())
@@ -91,13 +91,13 @@ def flash_attn_4_stand_in(monkeypatch):
     they return. That the two kernels agree on the log-sum-exp is a GPU fact: scripts/attention_microbench.py
     checks the gradients against float32 math there."""
     import types
-    import model
+    from kernels import attention
     interface = types.ModuleType("flash_attn.cute.interface")
     interface._flash_attn_bwd = attention_backward_by_hand
     for name in ("flash_attn", "flash_attn.cute"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
-    monkeypatch.setattr(model, "_cudnn_sdpa", cudnn_attention_by_hand)
+    monkeypatch.setattr(attention, "_cudnn_sdpa", cudnn_attention_by_hand)
     return interface
 
 

@@ -4,6 +4,8 @@ import statistics
 
 import pytest
 
+from results import read_results
+import trainer as trainer_lib
 import bench
 import env
 import model as model_lib
@@ -19,7 +21,7 @@ def run_bench(tmp_path, cache, *extra, base=TINY):
     results = tmp_path / "results.json"
     argv = base + [f"--data_dir={cache}", f"--results_file={results}", *extra]
     code = bench.main(argv)
-    return code, env.read_results(results)
+    return code, read_results(results)
 
 
 def test_window_arithmetic_and_median():
@@ -37,7 +39,7 @@ def test_protocol_entry_real_data(tmp_path, text_cache):
     entry = results["benchmarks"]["cpu-real"]
     assert entry["status"] == "ok"
     # the reference file's fields
-    for field in ("tokens_per_second", "micro_batch_size", "compile", "compile_mode", "sdpa_backend", "cpu_threads",
+    for field in ("tokens_per_second", "micro_batch_size", "compile", "compile_mode", "attention_backend", "cpu_threads",
                   "warmup_seconds", "first_update_seconds", "peak_memory_bytes", "attention_kernels",
                   "measurements", "protocol", "config_identity", "status", "source_hash", "compiler_cache",
                   "environment"):
@@ -91,7 +93,7 @@ def test_synthetic_mode_times_the_model_train_py_would_build(tmp_path, text_cach
 def test_error_is_recorded_not_lost(tmp_path, text_cache, monkeypatch):
     def out_of_memory(self, micro_batches, n_tokens):
         raise RuntimeError("CUDA out of memory. Tried to allocate 4.00 GiB")
-    monkeypatch.setattr(train.Trainer, "update", out_of_memory)
+    monkeypatch.setattr(trainer_lib.Trainer, "update", out_of_memory)
     code, results = run_bench(tmp_path, text_cache, "--name=cpu-oom")
     assert code == 1
     entry = results["benchmarks"]["cpu-oom"]
@@ -120,7 +122,7 @@ def test_presets_print_before_and_after(tmp_path, text_cache, capsys):
             "--vocab_size=512"]
     base = [a for a in TINY if not a.startswith("--preset=")]  # SHAPE stays: each preset must use its own shape
     assert run_bench(tmp_path, text_cache, *argv, base=base)[0] == 0
-    first = env.read_results(tmp_path / "results.json")["benchmarks"]
+    first = read_results(tmp_path / "results.json")["benchmarks"]
     assert set(first) == {"reg-20m", "reg-50m"}
     for name in ("20m", "50m"):
         preset = model_lib.Transformer(model_lib.get_preset(name, vocab_size=512, max_seq_len=64))
@@ -130,7 +132,7 @@ def test_presets_print_before_and_after(tmp_path, text_cache, capsys):
     table = capsys.readouterr().out
     before = f"{first['reg-20m']['tokens_per_second']:,.0f}"
     assert before in table  # the previous entry's figure is shown beside the new one
-    history = env.read_results(tmp_path / "results.json")["history"]
+    history = read_results(tmp_path / "results.json")["history"]
     assert {tuple(h["path"]) for h in history} == {("benchmarks", "reg-20m"), ("benchmarks", "reg-50m")}
 
 

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from scripts import common
+import configurator
+from results import ResultsFileError, _UMASK, append, atomic_write, atomic_write_text, lookup, read_results, record, record_many
 import env
 import train
 
@@ -20,9 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_defaults_come_from_train_and_are_not_changed():
     before = dict(train.DEFAULTS)
-    config = env.load_config(train.DEFAULTS, [])
+    config = configurator.load_config(train.DEFAULTS, [])
     assert config == train.DEFAULTS and config is not train.DEFAULTS
-    env.load_config(train.DEFAULTS, ["--learning_rate=0.5"])
+    configurator.load_config(train.DEFAULTS, ["--learning_rate=0.5"])
     assert train.DEFAULTS == before
     # the defaults are exactly train.py's module-level settings
     assert train.DEFAULTS["learning_rate"] == train.learning_rate and train.DEFAULTS["preset"] == train.preset
@@ -33,17 +36,17 @@ def test_config_file_then_overrides_in_order(tmp_path):
     path = tmp_path / "run.py"
     path.write_text("# a comment\nname = 'file'\nepochs = 3\nlearning_rate = 1e-3\n_helper = 7\n"
                     "tokens_per_update = 64 * 8\n")
-    config = env.load_config(train.DEFAULTS, [str(path), "--epochs=5", "--name", "cli"])
+    config = configurator.load_config(train.DEFAULTS, [str(path), "--epochs=5", "--name", "cli"])
     assert config["epochs"] == 5 and config["name"] == "cli"
     assert config["learning_rate"] == 1e-3 and config["tokens_per_update"] == 512
     assert "_helper" not in config
     assert config["seed"] == train.DEFAULTS["seed"]
     # an override before the file is overridden by the file
-    assert env.load_config(train.DEFAULTS, ["--epochs=5", str(path)])["epochs"] == 3
+    assert configurator.load_config(train.DEFAULTS, ["--epochs=5", str(path)])["epochs"] == 3
 
 
 def test_key_value_forms_and_dashes():
-    a = env.load_config(train.DEFAULTS, ["--micro_batch_size=4", "--learning_rate", "3e-4", "--min-lr=1e-5"])
+    a = configurator.load_config(train.DEFAULTS, ["--micro_batch_size=4", "--learning_rate", "3e-4", "--min-lr=1e-5"])
     assert a["micro_batch_size"] == 4 and a["learning_rate"] == 3e-4 and a["min_lr"] == 1e-5
     assert type(a["micro_batch_size"]) is int
 
@@ -54,35 +57,35 @@ def test_key_value_forms_and_dashes():
     (["--compile", "--epochs=2"], True),
 ])
 def test_bool_parsing(args, expected):
-    config = env.load_config(train.DEFAULTS, args)
+    config = configurator.load_config(train.DEFAULTS, args)
     assert config["compile"] is expected
 
 
 def test_bare_bool_flag_does_not_swallow_a_config_file(tmp_path):
     path = tmp_path / "c.py"
     path.write_text("epochs = 4\n")
-    config = env.load_config(train.DEFAULTS, ["--compile", str(path)])
+    config = configurator.load_config(train.DEFAULTS, ["--compile", str(path)])
     assert config["compile"] is True and config["epochs"] == 4
 
 
 def test_int_is_accepted_for_a_float(tmp_path):
-    assert env.load_config(train.DEFAULTS, ["--learning_rate=1"])["learning_rate"] == 1.0
-    assert type(env.load_config(train.DEFAULTS, ["--learning_rate=1"])["learning_rate"]) is float
+    assert configurator.load_config(train.DEFAULTS, ["--learning_rate=1"])["learning_rate"] == 1.0
+    assert type(configurator.load_config(train.DEFAULTS, ["--learning_rate=1"])["learning_rate"]) is float
     path = tmp_path / "c.py"
     path.write_text("grad_clip = 2\n")
-    assert type(env.load_config(train.DEFAULTS, [str(path)])["grad_clip"]) is float
+    assert type(configurator.load_config(train.DEFAULTS, [str(path)])["grad_clip"]) is float
 
 
 def test_float_is_not_accepted_for_an_int():
-    with pytest.raises(env.ConfigError, match="micro_batch_size"):
-        env.load_config(train.DEFAULTS, ["--micro_batch_size=2.5"])
+    with pytest.raises(configurator.ConfigError, match="micro_batch_size"):
+        configurator.load_config(train.DEFAULTS, ["--micro_batch_size=2.5"])
 
 
 @pytest.mark.parametrize("arg, closest", [("--learning_rat=1", "learning_rate"), ("--micro_batch=2", "micro_batch_size"),
                                           ("--epoch", "epochs")])
 def test_unknown_key_names_the_closest(arg, closest):
-    with pytest.raises(env.ConfigError) as info:
-        env.load_config(train.DEFAULTS, [arg])
+    with pytest.raises(configurator.ConfigError) as info:
+        configurator.load_config(train.DEFAULTS, [arg])
     assert closest in str(info.value)
     assert arg[2:].split("=")[0] in str(info.value)
 
@@ -90,38 +93,38 @@ def test_unknown_key_names_the_closest(arg, closest):
 def test_unknown_key_in_a_config_file(tmp_path):
     path = tmp_path / "c.py"
     path.write_text("learning_rat = 1e-3\n")
-    with pytest.raises(env.ConfigError) as info:
-        env.load_config(train.DEFAULTS, [str(path)])
+    with pytest.raises(configurator.ConfigError) as info:
+        configurator.load_config(train.DEFAULTS, [str(path)])
     assert "learning_rate" in str(info.value) and str(path) in str(info.value)
 
 
 def test_wrong_types_name_the_key(tmp_path):
-    with pytest.raises(env.ConfigError, match="micro_batch_size"):
-        env.load_config(train.DEFAULTS, ["--micro_batch_size=abc"])
+    with pytest.raises(configurator.ConfigError, match="micro_batch_size"):
+        configurator.load_config(train.DEFAULTS, ["--micro_batch_size=abc"])
     path = tmp_path / "c.py"
     path.write_text('epochs = "ten"\n')
-    with pytest.raises(env.ConfigError, match="epochs"):
-        env.load_config(train.DEFAULTS, [str(path)])
-    with pytest.raises(env.ConfigError, match="compile"):
-        env.load_config(train.DEFAULTS, ["--compile=maybe"])
+    with pytest.raises(configurator.ConfigError, match="epochs"):
+        configurator.load_config(train.DEFAULTS, [str(path)])
+    with pytest.raises(configurator.ConfigError, match="compile"):
+        configurator.load_config(train.DEFAULTS, ["--compile=maybe"])
 
 
 def test_missing_value_missing_file_and_broken_file(tmp_path):
-    with pytest.raises(env.ConfigError, match="epochs"):
-        env.load_config(train.DEFAULTS, ["--epochs"])
-    with pytest.raises(env.ConfigError, match="nope.py"):
-        env.load_config(train.DEFAULTS, [str(tmp_path / "nope.py")])
+    with pytest.raises(configurator.ConfigError, match="epochs"):
+        configurator.load_config(train.DEFAULTS, ["--epochs"])
+    with pytest.raises(configurator.ConfigError, match="nope.py"):
+        configurator.load_config(train.DEFAULTS, [str(tmp_path / "nope.py")])
     broken = tmp_path / "broken.py"
     broken.write_text("epochs = = 3\n")
-    with pytest.raises(env.ConfigError, match="broken.py"):
-        env.load_config(train.DEFAULTS, [str(broken)])
+    with pytest.raises(configurator.ConfigError, match="broken.py"):
+        configurator.load_config(train.DEFAULTS, [str(broken)])
 
 
 def test_write_config_file_reproduces_the_config(tmp_path):
-    config = env.load_config(train.DEFAULTS, ["--epochs=3", "--name=x", "--learning_rate=1e-4", "--compile"])
+    config = configurator.load_config(train.DEFAULTS, ["--epochs=3", "--name=x", "--learning_rate=1e-4", "--compile"])
     path = tmp_path / "out.py"
-    env.write_config_file(path, config, train.DEFAULTS, header="made by a test")
-    assert env.load_config(train.DEFAULTS, [str(path)]) == config
+    configurator.write_config_file(path, config, train.DEFAULTS, header="made by a test")
+    assert configurator.load_config(train.DEFAULTS, [str(path)]) == config
 
 
 @pytest.mark.parametrize("args", [["--learning_rat=1"], ["--micro_batch_size=abc"], ["missing_config.py"]])
@@ -143,14 +146,14 @@ def test_help_lists_every_key_with_its_default_and_exits_0(script):
     assert done.stdout.startswith(docstring.splitlines()[0])
     for key, value in train.DEFAULTS.items():
         assert f"--{key}=" in done.stdout, key
-    assert "--micro_batch_size=8\n" in done.stdout and "--sdpa_backend='auto'\n" in done.stdout
+    assert "--micro_batch_size=8\n" in done.stdout and "--attention_backend='auto'\n" in done.stdout
 
 
 def test_help_piped_into_a_reader_that_stops_early_ends_quietly():
     """`bench.py --help | head -1` ended in a BrokenPipeError traceback."""
     # more keys than a pipe holds (64 KiB), so that the writer is still writing when the reader leaves
     many_keys = "{**train.DEFAULTS, **{f'key_{i}': i for i in range(5000)}}"
-    proc = subprocess.Popen([sys.executable, "-c", f"import env, train; env.load_config({many_keys}, ['--help'])"],
+    proc = subprocess.Popen([sys.executable, "-c", f"import configurator, train; configurator.load_config({many_keys}, ['--help'])"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.readline()
     proc.stdout.close()  # as head does after its line
@@ -182,13 +185,14 @@ def test_portable_traceback_names_no_path_of_this_machine(tmp_path):
 # ---------------------------------------------------------------- the results file
 
 WRITER = """
-import os, sys, time, env
+import os, sys, time
+from results import record
 path, tag, go = sys.argv[1], sys.argv[2], sys.argv[3]
 open(f"{go}-{tag}-ready", "w").close()  # imports done (slow on a loaded machine)
 while not os.path.exists(go):  # start together, so that the writes really overlap
     time.sleep(0.001)
 for n in range(50):
-    env.record(path, ["runs", f"{tag}-{n}"], {"run_id": f"{tag}-{n}", "n": n, "pid": os.getpid()})
+    record(path, ["runs", f"{tag}-{n}"], {"run_id": f"{tag}-{n}", "n": n, "pid": os.getpid()})
     time.sleep(0.005)  # room for the other writer to take the lock between our writes
 """
 
@@ -217,59 +221,60 @@ def test_concurrent_writers_lose_nothing(tmp_path):
 
 def test_history_keeps_what_another_run_replaces(tmp_path):
     path = tmp_path / "r.json"
-    env.record(path, ["runs", "a"], {"run_id": "1", "loss": 3.0})
-    env.record(path, ["runs", "a"], {"run_id": "1", "loss": 2.5})  # the same run updating its entry
-    assert "history" not in env.read_results(path)
-    assert env.lookup(path, ["runs", "a", "loss"]) == 2.5
-    env.record(path, ["runs", "a"], {"run_id": "2", "loss": 2.0})  # another run takes the name
-    data = env.read_results(path)
+    record(path, ["runs", "a"], {"run_id": "1", "loss": 3.0})
+    record(path, ["runs", "a"], {"run_id": "1", "loss": 2.5})  # the same run updating its entry
+    assert "history" not in read_results(path)
+    assert lookup(path, ["runs", "a", "loss"]) == 2.5
+    record(path, ["runs", "a"], {"run_id": "2", "loss": 2.0})  # another run takes the name
+    data = read_results(path)
     assert data["runs"]["a"] == {"run_id": "2", "loss": 2.0}
     assert len(data["history"]) == 1
     old = data["history"][0]
     assert old["path"] == ["runs", "a"] and old["value"] == {"run_id": "1", "loss": 2.5}
     assert old["replaced_at"] <= time.time()
     # values without a run id: an equal value is no change, a different one is kept in history
-    env.record(path, "note", "x")
-    env.record(path, "note", "x")
-    assert len(env.read_results(path)["history"]) == 1
-    env.record(path, "note", "y")
-    assert env.read_results(path)["history"][-1]["value"] == "x"
-    assert env.lookup(path, ["runs", "missing"], default=7) == 7
+    record(path, "note", "x")
+    record(path, "note", "x")
+    assert len(read_results(path)["history"]) == 1
+    record(path, "note", "y")
+    assert read_results(path)["history"][-1]["value"] == "x"
+    assert lookup(path, ["runs", "missing"], default=7) == 7
 
 
 def test_record_many_is_one_write_and_all_or_nothing(tmp_path, monkeypatch):
     """A merge of many entries takes the lock and writes the file once; an item that cannot be placed leaves
     the file as it was, with none of the batch in it."""
     path = tmp_path / "r.json"
-    env.record(path, "scalar", 5)
+    record(path, "scalar", 5)
     writes = []
-    real_write = env.atomic_write_text
-    monkeypatch.setattr(env, "atomic_write_text", lambda p, text: (writes.append(p), real_write(p, text)))
-    env.record_many(path, [(["runs", str(i)], {"run_id": str(i)}) for i in range(50)])
-    assert len(writes) == 1 and len(env.lookup(path, "runs")) == 50
+    real_write = atomic_write_text
+    import results
+    monkeypatch.setattr(results, "atomic_write_text", lambda p, text: (writes.append(p), real_write(p, text)))
+    record_many(path, [(["runs", str(i)], {"run_id": str(i)}) for i in range(50)])
+    assert len(writes) == 1 and len(lookup(path, "runs")) == 50
     before = path.read_bytes()
-    with pytest.raises(env.ResultsFileError):
-        env.record_many(path, [(["runs", "new"], {"run_id": "x"}), (["scalar", "a"], 1)])
+    with pytest.raises(ResultsFileError):
+        record_many(path, [(["runs", "new"], {"run_id": "x"}), (["scalar", "a"], 1)])
     assert path.read_bytes() == before and len(writes) == 1
 
 
 def test_append_appends(tmp_path):
     path = tmp_path / "r.json"
-    env.append(path, ["benchmarks", "list"], {"i": 0})
-    env.append(path, ["benchmarks", "list"], {"i": 1})
-    assert env.lookup(path, ["benchmarks", "list"]) == [{"i": 0}, {"i": 1}]
-    env.record(path, "scalar", 1)
-    with pytest.raises(env.ResultsFileError):
-        env.append(path, "scalar", 2)
+    append(path, ["benchmarks", "list"], {"i": 0})
+    append(path, ["benchmarks", "list"], {"i": 1})
+    assert lookup(path, ["benchmarks", "list"]) == [{"i": 0}, {"i": 1}]
+    record(path, "scalar", 1)
+    with pytest.raises(ResultsFileError):
+        append(path, "scalar", 2)
 
 
 @pytest.mark.parametrize("content", [b"{not json", b"[1, 2]"])
 def test_a_corrupt_results_file_is_an_error_and_left_alone(tmp_path, content):
     path = tmp_path / "r.json"
     path.write_bytes(content)
-    for call in (lambda: env.read_results(path), lambda: env.record(path, ["runs", "a"], {"x": 1}),
-                 lambda: env.append(path, ["l"], 1)):
-        with pytest.raises(env.ResultsFileError) as info:
+    for call in (lambda: read_results(path), lambda: record(path, ["runs", "a"], {"x": 1}),
+                 lambda: append(path, ["l"], 1)):
+        with pytest.raises(ResultsFileError) as info:
             call()
         assert str(path) in str(info.value)
         assert path.read_bytes() == content
@@ -277,10 +282,10 @@ def test_a_corrupt_results_file_is_an_error_and_left_alone(tmp_path, content):
 
 def test_record_into_a_non_object_is_an_error(tmp_path):
     path = tmp_path / "r.json"
-    env.record(path, "runs", 5)
+    record(path, "runs", 5)
     before = path.read_bytes()
-    with pytest.raises(env.ResultsFileError):
-        env.record(path, ["runs", "a"], 1)
+    with pytest.raises(ResultsFileError):
+        record(path, ["runs", "a"], 1)
     assert path.read_bytes() == before
 
 
@@ -295,14 +300,14 @@ def test_atomic_write_failure_keeps_the_old_file(tmp_path):
         raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
-        env.atomic_write(path, half_then_fail)
+        atomic_write(path, half_then_fail)
     assert path.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.bin"]
 
-    env.atomic_write(path, lambda f: f.write(b"new"))
+    atomic_write(path, lambda f: f.write(b"new"))
     assert path.read_bytes() == b"new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.bin"]
-    env.atomic_write_text(tmp_path / "sub" / "t.txt", "text")  # creates the folder
+    atomic_write_text(tmp_path / "sub" / "t.txt", "text")  # creates the folder
     assert (tmp_path / "sub" / "t.txt").read_text() == "text"
 
 
@@ -414,15 +419,15 @@ def test_merging_a_returned_results_file_keeps_everything(tmp_path):
     merge_results = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(merge_results)
     local, returned = tmp_path / "local.json", tmp_path / "returned.json"
-    env.record(local, ["benchmarks", "old"], {"run_id": "a", "tokens_per_second": 1.0})
-    env.record(local, ["run-1"], {"run_id": "r1", "status": "complete"})
-    env.record(local, ["benchmarks", "changed"], {"run_id": "b", "tokens_per_second": 2.0})
-    env.record(returned, ["benchmarks", "new"], {"run_id": "c", "tokens_per_second": 3.0})
-    env.record(returned, ["benchmarks", "changed"], {"run_id": "d", "tokens_per_second": 4.0})
-    env.record(returned, ["profiles", "new"], {"run_id": "c", "kernel_count": 7})
-    env.record(returned, ["run-2"], {"run_id": "r2", "status": "complete"})
+    record(local, ["benchmarks", "old"], {"run_id": "a", "tokens_per_second": 1.0})
+    record(local, ["run-1"], {"run_id": "r1", "status": "complete"})
+    record(local, ["benchmarks", "changed"], {"run_id": "b", "tokens_per_second": 2.0})
+    record(returned, ["benchmarks", "new"], {"run_id": "c", "tokens_per_second": 3.0})
+    record(returned, ["benchmarks", "changed"], {"run_id": "d", "tokens_per_second": 4.0})
+    record(returned, ["profiles", "new"], {"run_id": "c", "kernel_count": 7})
+    record(returned, ["run-2"], {"run_id": "r2", "status": "complete"})
     assert merge_results.merge(returned, local) == (4, 0)
-    merged = env.read_results(local)
+    merged = read_results(local)
     assert set(merged["benchmarks"]) == {"old", "new", "changed"}
     assert merged["benchmarks"]["changed"]["run_id"] == "d" and merged["profiles"]["new"]["kernel_count"] == 7
     assert merged["run-1"]["run_id"] == "r1" and merged["run-2"]["run_id"] == "r2"
@@ -437,13 +442,13 @@ def test_merging_never_brings_back_a_value_replaced_here_while_the_device_ran(tm
     merge_results = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(merge_results)
     local, returned = tmp_path / "local.json", tmp_path / "returned.json"
-    env.record(local, ["matched-comparison"], {"optimized": "s15", "difference": 0.0173})
-    env.record(local, ["benchmarks", "a"], {"run_id": "a"})
+    record(local, ["matched-comparison"], {"optimized": "s15", "difference": 0.0173})
+    record(local, ["benchmarks", "a"], {"run_id": "a"})
     shutil.copy(local, returned)  # the device call starts
-    env.record(returned, ["benchmarks", "b"], {"run_id": "b"})  # what it measures
-    env.record(local, ["matched-comparison"], {"optimized": "s29", "difference": -0.0105})  # meanwhile, here
+    record(returned, ["benchmarks", "b"], {"run_id": "b"})  # what it measures
+    record(local, ["matched-comparison"], {"optimized": "s29", "difference": -0.0105})  # meanwhile, here
     assert merge_results.merge(returned, local) == (2, 1)
-    merged = env.read_results(local)
+    merged = read_results(local)
     assert merged["matched-comparison"]["optimized"] == "s29" and set(merged["benchmarks"]) == {"a", "b"}
     assert [h["value"]["optimized"] for h in merged["history"]] == ["s15"]
 
@@ -451,31 +456,31 @@ def test_merging_never_brings_back_a_value_replaced_here_while_the_device_ran(tm
 def test_history_cannot_be_recorded_over(tmp_path):
     """history is where replaced values go; a run named "history" would have replaced it whole."""
     path = tmp_path / "r.json"
-    env.record(path, ["a"], 1)
-    env.record(path, ["a"], 2)
-    with pytest.raises(env.ResultsFileError, match="'history' holds the file's replaced values"):
-        env.record(path, ["history"], {"run_id": "x"})
-    assert env.read_results(path)["history"][0]["value"] == 1
+    record(path, ["a"], 1)
+    record(path, ["a"], 2)
+    with pytest.raises(ResultsFileError, match="'history' holds the file's replaced values"):
+        record(path, ["history"], {"run_id": "x"})
+    assert read_results(path)["history"][0]["value"] == 1
 
 
 def test_atomic_writes_keep_the_file_mode_and_give_new_files_the_usual_one(tmp_path):
     path = tmp_path / "results.json"
-    env.record(path, ["a"], 1)
-    assert path.stat().st_mode & 0o777 == 0o666 & ~env._UMASK  # as open() would create it, not 0600
+    record(path, ["a"], 1)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~_UMASK  # as open() would create it, not 0600
     path.chmod(0o640)
-    env.record(path, ["b"], 2)
+    record(path, ["b"], 2)
     assert path.stat().st_mode & 0o777 == 0o640
 
 
 def test_a_results_file_that_is_a_folder_is_one_clear_error(tmp_path):
-    with pytest.raises(env.ResultsFileError, match="cannot be read"):
-        env.read_results(tmp_path)
+    with pytest.raises(ResultsFileError, match="cannot be read"):
+        read_results(tmp_path)
 
 
 def test_a_config_file_may_import_modules(tmp_path):
     path = tmp_path / "c.py"
     path.write_text("import math\nlearning_rate = math.sqrt(4e-6)\n")
-    assert env.load_config(train.DEFAULTS, [str(path)])["learning_rate"] == pytest.approx(2e-3)
+    assert configurator.load_config(train.DEFAULTS, [str(path)])["learning_rate"] == pytest.approx(2e-3)
 
 
 def test_a_config_file_is_python_that_sees_the_settings_so_far(tmp_path):
@@ -487,12 +492,12 @@ def test_a_config_file_is_python_that_sees_the_settings_so_far(tmp_path):
                     "tokens_per_update = seq_len * 64\n"  # seq_len from the file before
                     "epochs = sum(1 for _ in range(tokens_per_update // 4096))\n"  # an earlier name, in a generator
                     "learning_rate = sqrt(4e-6) * (warmup_updates / 100)\n")  # a default this file does not set
-    config = env.load_config(train.DEFAULTS, [str(first), str(path)])
+    config = configurator.load_config(train.DEFAULTS, [str(first), str(path)])
     assert config["tokens_per_update"] == 256 * 64 and config["epochs"] == 4
     assert config["learning_rate"] == pytest.approx(2e-3)
     path.write_text("def twice(x):\n    return 2 * x\nbatch = twice(8)\n")
-    with pytest.raises(env.ConfigError, match="unknown config key 'batch'"):  # helpers are fine; settings are keys
-        env.load_config(train.DEFAULTS, [str(path)])
+    with pytest.raises(configurator.ConfigError, match="unknown config key 'batch'"):  # helpers are fine; settings are keys
+        configurator.load_config(train.DEFAULTS, [str(path)])
 
 
 def test_gpu_scripts_refuse_a_broken_results_file_before_any_work(tmp_path, monkeypatch, capsys):
@@ -502,13 +507,13 @@ def test_gpu_scripts_refuse_a_broken_results_file_before_any_work(tmp_path, monk
     broken = tmp_path / "r.json"
     broken.write_text("{not json")
     with pytest.raises(SystemExit) as exit_info:
-        env.check_gpu_script(argparse.ArgumentParser(prog="x"), broken, "attention")
+        common.check_gpu_script(argparse.ArgumentParser(prog="x"), broken, "attention")
     assert exit_info.value.code == 2 and str(broken) in capsys.readouterr().err
-    env.check_gpu_script(argparse.ArgumentParser(prog="x"), tmp_path / "new.json", "attention")  # a new file is fine
+    common.check_gpu_script(argparse.ArgumentParser(prog="x"), tmp_path / "new.json", "attention")  # a new file is fine
 
 
 def test_the_gpu_scripts_table_has_a_row_per_variant_and_errors_in_theirs(capsys):
-    env.print_variants("backend", {"cudnn": {"ms": 0.07112, "err": 2.41e-3}, "fa4": {"error": "ValueError: gone"}},
+    common.print_variants("backend", {"cudnn": {"ms": 0.07112, "err": 2.41e-3}, "fa4": {"error": "ValueError: gone"}},
                        [("kernel ms", "ms", ".3f"), ("grad err", "err", ".2e")])
     header, cudnn, fa4 = capsys.readouterr().out.splitlines()
     assert header.split() == ["backend", "kernel", "ms", "grad", "err"]
@@ -553,3 +558,13 @@ def test_gpu_scripts_say_in_one_line_that_they_need_a_gpu(tmp_path, script):
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1].endswith("PyTorch sees no CUDA GPU here")
     assert not (tmp_path / "r.json").exists()
+
+
+def test_a_renamed_key_is_refused_with_its_new_name(tmp_path):
+    """sdpa_backend became attention_backend: an old config or override says so instead of a near match."""
+    with pytest.raises(configurator.ConfigError, match="'sdpa_backend' is now called 'attention_backend'"):
+        configurator.load_config(train.DEFAULTS, ["--sdpa_backend=cudnn"])
+    old = tmp_path / "old.py"
+    old.write_text("sdpa_backend = 'cudnn'\n")
+    with pytest.raises(configurator.ConfigError, match=f"config file {old}: config key 'sdpa_backend' is now called"):
+        configurator.load_config(train.DEFAULTS, [str(old)])

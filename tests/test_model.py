@@ -10,6 +10,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels import attention
+from kernels import cross_entropy
+from kernels import swiglu
+import hf
+import kernels
 import model
 from tests.conftest import flash_attn_4_installed
 
@@ -68,20 +73,20 @@ def test_embeddings_are_tied_and_counted_once():
 def test_loss_and_gradients_match_transformers_llama(name, overrides):
     config = model.get_preset(name, **overrides)
     ours = seeded_model(config)
-    hf = model.to_hf(ours)
+    reference = hf.to_hf(ours)
     x, y = random_batch(config, 2, 1024)
     assert (y == -100).any() and (y != -100).sum() > 1000
 
     loss = ours(x, y)
     loss.backward()
-    logits = hf(input_ids=x).logits
+    logits = reference(input_ids=x).logits
     # Not labels=: transformers shifts labels itself; our targets are already the next tokens.
     ref = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100)
     ref.backward()
 
     assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
-    grads = model.hf_named_tensors(ours, of=lambda p: p.grad)
-    ref_grads = {n: p.grad for n, p in hf.named_parameters()}
+    grads = hf.hf_named_tensors(ours, of=lambda p: p.grad)
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
     assert set(grads) == set(ref_grads)  # every HF parameter is one of ours (lm_head is tied to embed_tokens)
     for n, g_ref in ref_grads.items():
         assert g_ref is not None and g_ref.norm() > 0, n
@@ -96,25 +101,25 @@ def test_from_hf_round_trip_and_save_pretrained(tmp_path):
     with torch.no_grad():
         logits = ours(x)
 
-        back = model.from_hf(model.to_hf(ours)).eval()
+        back = hf.from_hf(hf.to_hf(ours)).eval()
         assert back.config == config
         assert torch.allclose(back(x), logits, rtol=0, atol=1e-6)
 
-        model.to_hf(ours).save_pretrained(tmp_path / "hf")
+        hf.to_hf(ours).save_pretrained(tmp_path / "hf")
         loaded = LlamaForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
         assert torch.allclose(loaded(input_ids=x).logits, logits, rtol=0, atol=1e-5)
         # and the saved checkpoint comes back into our model
-        assert torch.allclose(model.from_hf(loaded).eval()(x), logits, rtol=0, atol=1e-5)
+        assert torch.allclose(hf.from_hf(loaded).eval()(x), logits, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("field, value, words", [("num_key_value_heads", 1, "grouped-query"),
                                                  # it loaded, and its logits differed from transformers' by 1e-2
                                                  ("hidden_act", "gelu", "activation 'gelu' (SwiGLU needs silu)")])
 def test_from_hf_refuses_checkpoints_outside_the_family(field, value, words):
-    hf = model.to_hf(model.Transformer(tiny_config()))
-    setattr(hf.config, field, value)
+    reference = hf.to_hf(model.Transformer(tiny_config()))
+    setattr(reference.config, field, value)
     with pytest.raises(ValueError, match=re.escape(words)):
-        model.from_hf(hf)
+        hf.from_hf(reference)
 
 
 # ---------------------------------------------------------------- loss variants
@@ -160,7 +165,7 @@ def test_fused_loss_holds_one_slice_of_logits_at_a_time():
     h = torch.randn(y.numel(), config.dim)
     weight = torch.randn(config.vocab_size, config.dim)
     with LiveLogits() as live:  # the op's body: a mode sees the custom op itself only as one call
-        model._linear_cross_entropy_impl(h, weight, y.flatten(), chunk)
+        cross_entropy._linear_cross_entropy_impl(h, weight, y.flatten(), chunk)
     assert live.most == 1
 
 
@@ -185,8 +190,8 @@ def test_custom_ops_pass_torch_library_opcheck():
     targets = torch.randint(0, config.vocab_size, (50,), generator=g)
     targets[3] = -100
     for args in ((h.requires_grad_(), weight, targets, 16), (h.detach(), weight.detach(), targets, 64)):
-        torch.library.opcheck(model._linear_cross_entropy_op, args)
-        torch.library.opcheck(model._linear_cross_entropy_losses_op, tuple(a.detach() if torch.is_tensor(a) else a
+        torch.library.opcheck(cross_entropy._linear_cross_entropy_op, args)
+        torch.library.opcheck(cross_entropy._linear_cross_entropy_losses_op, tuple(a.detach() if torch.is_tensor(a) else a
                                                                            for a in args))
 
 
@@ -222,18 +227,18 @@ def test_out_of_range_targets_are_one_clear_error():
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--parity=20m", "--tokens=30"], "less than one sequence"),
-    (["--checkpoint=ckpt.pt"], "add --parity"),
-    (["--parity=20m", "--checkpoint=missing.pt"], "no checkpoint at missing.pt"),
-    (["--parity=20m", "--checkpoint=garbage.pt"], "is it a train.py checkpoint"),
-    (["--parity=20m", "--results_file=garbage.json"], "garbage.json"),
-    (["--parity=nope"], "unknown model preset 'nope'"),
+    (["--preset=20m", "--tokens=30"], "less than one sequence"),
+    (["--checkpoint=missing.pt"], "no checkpoint at missing.pt"),
+    (["--checkpoint=garbage.pt"], "is it a train.py checkpoint"),
+    (["--preset=20m", "--results_file=garbage.json"], "garbage.json"),
+    (["--preset=nope"], "unknown model preset 'nope'"),
 ])
-def test_model_cli_mistakes_are_one_line_errors(tmp_path, monkeypatch, capsys, args, words):
+def test_parity_cli_mistakes_are_one_line_errors(tmp_path, monkeypatch, capsys, args, words):
+    from scripts import parity
     monkeypatch.chdir(tmp_path)
     (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
     (tmp_path / "garbage.json").write_text("{not json")
-    assert model._main(args + ["--device=cpu", "--seq_len=64"]) == 2
+    assert parity.main(args + ["--device=cpu", "--seq_len=64"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and words in err and err.count("\n") == 1, err
 
@@ -252,6 +257,7 @@ def test_fused_loss_traces_under_torch_compile():
 
 TRITON_ROWS_CHECK = """
 import torch, torch.nn.functional as F, model
+from kernels import cross_entropy, swiglu
 torch.manual_seed(0)
 for dtype in (torch.float32, torch.bfloat16):
     # one block per row, and several (online log-sum-exp), each at the default launch and another
@@ -262,7 +268,7 @@ for dtype in (torch.float32, torch.bfloat16):
         reference = logits.float().requires_grad_()
         F.cross_entropy(reference, targets, reduction="sum").backward()
         expected_losses = F.cross_entropy(reference.detach(), targets, reduction="none")
-        losses = model._cross_entropy_rows_triton(logits, targets, block=block)  # the gradient goes into logits
+        losses = cross_entropy._cross_entropy_rows_triton(logits, targets, block=block)  # the gradient goes into logits
         assert torch.allclose(losses, expected_losses, rtol=1e-5, atol=1e-5), (dtype, vocab, block)
         tolerance = 1e-5 if dtype == torch.float32 else 4e-3  # bf16 keeps 8 bits of the gradient
         assert (logits.float() - reference.grad).abs().max() < tolerance, (dtype, vocab, block)
@@ -270,11 +276,11 @@ for dtype in (torch.float32, torch.bfloat16):
         untouched = (torch.randn(rows, vocab) * 4).to(dtype)
         copy = untouched.clone()
         expected = F.cross_entropy(untouched.float(), targets, reduction="none")
-        assert torch.allclose(model._cross_entropy_rows_triton(untouched, targets, write_grad=False, block=block),
+        assert torch.allclose(cross_entropy._cross_entropy_rows_triton(untouched, targets, write_grad=False, block=block),
                               expected, rtol=1e-5, atol=1e-5)
         assert torch.equal(untouched, copy)  # evaluation's variant leaves the logits alone
 # the whole op with the kernel in it, as on the GPU: loss and both gradients against F.cross_entropy
-model._cross_entropy_rows = lambda device: model._cross_entropy_rows_triton
+cross_entropy._cross_entropy_rows = lambda device: cross_entropy._cross_entropy_rows_triton
 h = torch.randn(70, 16, requires_grad=True)
 w = (torch.randn(300, 16) * 0.3).requires_grad_()
 targets = torch.randint(0, 300, (70,))
@@ -284,11 +290,11 @@ def run(loss_fn):
     loss = loss_fn()
     (loss * 0.25).backward()
     return loss.detach(), h.grad.clone(), w.grad.clone()
-got = run(lambda: model.linear_cross_entropy(h, w, targets, 32))  # 70 tokens: slices of 32, 32 and 6
+got = run(lambda: cross_entropy.linear_cross_entropy(h, w, targets, 32))  # 70 tokens: slices of 32, 32 and 6
 expected = run(lambda: F.cross_entropy(h @ w.t(), targets, reduction="sum"))
 for a, b in zip(got, expected):
     assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
-assert torch.allclose(model.linear_cross_entropy_losses(h.detach(), w.detach(), targets, 32),
+assert torch.allclose(cross_entropy.linear_cross_entropy_losses(h.detach(), w.detach(), targets, 32),
                       F.cross_entropy(h @ w.t(), targets, reduction="none"), rtol=1e-5, atol=1e-6)
 print("ok")
 """
@@ -306,6 +312,7 @@ def test_triton_cross_entropy_kernel_in_the_interpreter():
 
 SWIGLU_CHECK = """
 import torch, torch.nn.functional as F, model
+from kernels import cross_entropy, swiglu
 torch.manual_seed(0)
 def run(fn, x, weight, grad_out):
     x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
@@ -328,13 +335,13 @@ def check(fn):
             assert a.shape == b.shape and ((a - b).norm() / b.norm()).item() < tolerance, (name, dtype, hidden, fn)
     # backward's recomputed product is forward's, bit for bit
     x = torch.randn(4, 2 * 1500).to(torch.bfloat16)
-    _, product = model._swiglu_backward_op(torch.randn(4, 1500).to(torch.bfloat16), x)
-    assert torch.equal(product, model._swiglu_down_op(x, torch.eye(1500, dtype=torch.bfloat16)))
+    _, product = swiglu._swiglu_backward_op(torch.randn(4, 1500).to(torch.bfloat16), x)
+    assert torch.equal(product, swiglu._swiglu_down_op(x, torch.eye(1500, dtype=torch.bfloat16)))
 # the op's autograd and shapes under torch.compile (on the CPU its body is the torch reference)
-check(torch.compile(model._swiglu_down_op, backend="aot_eager", fullgraph=True))
+check(torch.compile(swiglu._swiglu_down_op, backend="aot_eager", fullgraph=True))
 # the CUDA path's Triton kernel, here in the interpreter (which torch.compile cannot trace into)
-model._uses_triton = lambda device: True
-check(model._swiglu_down_op)
+swiglu.uses_triton = lambda device: True
+check(swiglu._swiglu_down_op)
 print("ok")
 """
 
@@ -356,10 +363,10 @@ def test_swiglu_takes_the_fused_op_only_in_compiled_code_on_the_triton_path(monk
 
     def spy(x, weight):
         calls.append((x.shape, weight.shape))
-        return F.linear(model._swiglu_torch(x), weight)
+        return F.linear(swiglu._swiglu_torch(x), weight)
 
-    monkeypatch.setattr(model, "_uses_triton", lambda device: True)
-    monkeypatch.setattr(model, "_swiglu_down_op", spy)
+    monkeypatch.setattr(swiglu, "uses_triton", lambda device: True)
+    monkeypatch.setattr(swiglu, "_swiglu_down_op", spy)
     config = tiny_config()
     ffn = model.FeedForward(config)
     x = torch.randn(2, 3, config.dim)
@@ -375,12 +382,12 @@ def test_swiglu_takes_the_fused_op_only_in_compiled_code_on_the_triton_path(monk
 # the compiler, so that it cannot merge backward's recomputed product with forward's as it would plain torch.
 @torch.library.custom_op("tiny_llm_test::swiglu", mutates_args=())
 def _swiglu_forward_stand_in(x: torch.Tensor) -> torch.Tensor:
-    return model._swiglu_torch(x)
+    return swiglu._swiglu_torch(x)
 
 
 @torch.library.custom_op("tiny_llm_test::swiglu_backward", mutates_args=())
 def _swiglu_backward_stand_in(grad_out: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return model._swiglu_backward_torch(grad_out, x)
+    return swiglu._swiglu_backward_torch(grad_out, x)
 
 
 _swiglu_forward_stand_in.register_fake(lambda x: x.new_empty(x.shape[:-1] + (x.shape[-1] // 2,)))
@@ -394,8 +401,8 @@ def _swiglu_kernel_stand_in(x, grad_out=None):
 def test_compiled_feed_forward_keeps_no_swiglu_product_for_backward(monkeypatch):
     """The fused op saves w13's output and the weights, not silu(gate) * up (hidden_dim values per token that
     w2's weight gradient needs): backward recomputes it. Same output and gradients as eager."""
-    monkeypatch.setattr(model, "_uses_triton", lambda device: True)
-    monkeypatch.setattr(model, "_swiglu_launch", _swiglu_kernel_stand_in)
+    monkeypatch.setattr(swiglu, "uses_triton", lambda device: True)
+    monkeypatch.setattr(swiglu, "_swiglu_launch", _swiglu_kernel_stand_in)
     config = tiny_config()
     torch.manual_seed(0)
     ffn = model.FeedForward(config)
@@ -420,7 +427,7 @@ def test_swiglu_is_plain_torch_off_cuda():
     """On the CPU the feed-forward keeps F.linear(F.silu(gate) * up, w2), exactly (the CPU tests' reference)."""
     x, weight = torch.randn(2, 3, 16, requires_grad=True), torch.randn(5, 8)
     gate, up = x.chunk(2, dim=-1)
-    assert torch.equal(model.swiglu_down(x, weight), F.linear(F.silu(gate) * up, weight))
+    assert torch.equal(swiglu.swiglu_down(x, weight), F.linear(F.silu(gate) * up, weight))
 
 
 def test_reductions_agree_and_ignore_minus_100():
@@ -571,8 +578,8 @@ def test_fa4_op_gives_sdpa_loss_and_gradients(flash_attn_4_stand_in, compiled):
 def test_fa4_leaves_forward_only_passes_to_sdpa(flash_attn_4_stand_in, monkeypatch):
     """Evaluation and sampling want no gradients: they take SDPA's choice, and save no log-sum-exp."""
     calls = []
-    forward = model.cudnn_attention_forward
-    monkeypatch.setattr(model, "cudnn_attention_forward", lambda *a: calls.append(1) or forward(*a))
+    forward = attention.cudnn_attention_forward
+    monkeypatch.setattr(attention, "cudnn_attention_forward", lambda *a: calls.append(1) or forward(*a))
     config = tiny_config()
     x, y = random_batch(config, 2, 32)
     m = seeded_model(config)

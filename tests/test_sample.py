@@ -6,6 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint
+import configurator
+import hf
 import env
 import model as model_lib
 import sample
@@ -46,7 +49,7 @@ def trained(tmp_path_factory):
 
 
 def config(trained, *args):
-    return train.Config(env.load_config(sample.DEFAULTS, [f"--out_dir={trained['out']}", "--device=cpu",
+    return train.Config(configurator.load_config(sample.DEFAULTS, [f"--out_dir={trained['out']}", "--device=cpu",
                                                                  "--max_new_tokens=12", *args]))
 
 
@@ -126,7 +129,7 @@ def test_a_failed_export_leaves_the_folder_as_it_was(trained, tmp_path, monkeypa
     def disk_full(self, *args, **kwargs):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", disk_full)
-    monkeypatch.setattr(model_lib, "to_hf", lambda m, _to_hf=model_lib.to_hf: _perturbed(_to_hf(m)))
+    monkeypatch.setattr(sample, "to_hf", lambda m, _to_hf=hf.to_hf: _perturbed(_to_hf(m)))
     with pytest.raises(OSError, match="No space left"):
         sample.main([f"--out_dir={trained['out']}", "--device=cpu", f"--export_hf={folder}"])
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
@@ -185,14 +188,15 @@ def test_a_corrupt_checkpoint_is_one_line_error(tmp_path, capsys):
 
 def test_the_run_data_dir_is_found_from_another_folder(trained, tmp_path, monkeypatch):
     """A checkpoint records data_dir as train.py was given it (relative to where it ran, the repository):
-    sampling and model.py's parity check both find it from another folder."""
+    sampling and scripts/parity.py both find it from another folder."""
     import os
     ckpt = torch.load(trained["out"] / "ckpt.pt", weights_only=False)
     ckpt["config"]["data_dir"] = os.path.relpath(trained["cache"], env.REPO)
     torch.save(ckpt, tmp_path / "ckpt.pt")
     monkeypatch.chdir(tmp_path)
-    assert model_lib.run_data_dir(ckpt).resolve() == trained["cache"].resolve()
+    assert checkpoint.run_data_dir(ckpt).resolve() == trained["cache"].resolve()
     assert sample.main([f"--out_dir={tmp_path}", "--device=cpu", "--max_new_tokens=4", "--prompt=The"]) == 0
-    assert model_lib._main(["--parity=20m", f"--checkpoint={tmp_path / 'ckpt.pt'}", "--device=cpu",
-                            "--tokens=128", "--seq_len=64", f"--results_file={tmp_path / 'r.json'}"]) == 0
+    from scripts import parity
+    assert parity.main([f"--checkpoint={tmp_path / 'ckpt.pt'}", "--device=cpu", "--tokens=128", "--seq_len=64",
+                        f"--results_file={tmp_path / 'r.json'}"]) == 0
     assert json.loads((tmp_path / "r.json").read_text())["trained-parity"][0]["trained"] is True

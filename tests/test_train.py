@@ -14,6 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+import configurator
+from results import lookup, read_results
+import trainer as trainer_lib
 import env
 import model as model_lib
 import train
@@ -53,7 +56,7 @@ def cli_args(cfg):
 def make_trainer(cfg, total_updates=10, world_size=1):
     cache = TokenCache(cfg.data_dir)
     mcfg = train.model_config(cfg, cache.vocab_size)
-    return train.Trainer(cfg, mcfg, "cpu", total_updates, world_size=world_size)
+    return trainer_lib.Trainer(cfg, mcfg, "cpu", total_updates, world_size=world_size)
 
 
 def train_data(cfg, seed=None):
@@ -180,7 +183,7 @@ def test_grad_clip_0_turns_clipping_off_and_still_reports_the_norm(text_cache, t
     trainers = []
     for max_norm in (0.0, 1e9):  # off, and a limit no norm reaches: the same update
         torch.manual_seed(0)
-        trainers.append(train.Trainer(train.Config(cfg, grad_clip=max_norm), mcfg, "cpu", total_updates=10))
+        trainers.append(trainer_lib.Trainer(train.Config(cfg, grad_clip=max_norm), mcfg, "cpu", total_updates=10))
     before = [p.detach().clone() for p in trainers[0].raw_model.parameters()]
     batches, n_tokens = data.micro_batches(0, 0, cfg.micro_batch_size)
     (_, norm_off), (_, norm_far) = (t.update(batches, n_tokens) for t in trainers)
@@ -319,13 +322,13 @@ def test_stop_and_resume_is_bitwise_identical(text_cache, tmp_path):
     first = train.train(train.Config(cfg, stop_after_updates=2))
     assert first["status"] == "interrupted" and first["step"] == 2 and first["tokens"] == 16 * SEQ_LEN
     assert (tmp_path / "resumed" / "ckpt.pt").exists()
-    assert env.lookup(cfg.results_file, ["resumed", "status"]) == "interrupted"
+    assert lookup(cfg.results_file, ["resumed", "status"]) == "interrupted"
     second = train.train(train.Config(cfg, resume=True, stop_after_updates=2))
     assert second["status"] == "interrupted" and second["step"] == 4 and second["epochs"] == 1
     last = train.train(train.Config(cfg, resume=True))
     assert last["status"] == "complete" and last["sessions"] == 3
     assert last["run_id"] == first["run_id"]
-    assert "history" not in env.read_results(cfg.results_file)  # one run, updating its own entry
+    assert "history" not in read_results(cfg.results_file)  # one run, updating its own entry
 
     assert last["final_validation"]["loss"] == full["final_validation"]["loss"]
     assert [p["loss"] for p in last["validation_curve"]] == [p["loss"] for p in full["validation_curve"]]
@@ -364,7 +367,7 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(text_cache,
     finally:
         if proc.poll() is None:
             proc.kill()
-    entry = env.lookup(cfg.results_file, ["killed"])
+    entry = lookup(cfg.results_file, ["killed"])
     assert entry["status"] == "interrupted", log.read_text()
     assert 0 < entry["step"] < entry["total_updates"]
     assert "signal SIGTERM: checkpointed" in log.read_text()
@@ -373,7 +376,7 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(text_cache,
     resumed = run_train(cli_args(cfg) + ["--resume=True"], tmp_path / "resumed.log")
     assert resumed.wait(timeout=300) == 0, (tmp_path / "resumed.log").read_text()
     assert reference.wait(timeout=300) == 0, (tmp_path / "straight.log").read_text()
-    results = env.read_results(cfg.results_file)
+    results = read_results(cfg.results_file)
     done, ref = results["killed"], results["straight"]
     assert done["status"] == ref["status"] == "complete" and done["sessions"] == 2
     assert done["tokens"] == ref["tokens"] == 2 * 40 * 8 * SEQ_LEN
@@ -385,14 +388,14 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(text_cache,
 def test_resume_refuses_another_recipe_but_accepts_other_execution(text_cache, tmp_path, capsys):
     cfg = small_config(text_cache, tmp_path)
     train.train(train.Config(cfg, stop_after_updates=1))
-    with pytest.raises(env.ConfigError) as info:
+    with pytest.raises(configurator.ConfigError) as info:
         train.train(train.Config(cfg, resume=True, learning_rate=1e-3))
     assert "learning_rate" in str(info.value)
     assert "micro_batch_size" not in str(info.value)
     capsys.readouterr()
     assert train.main(cli_args(cfg) + ["--resume=True", "--epochs=3"]) == 2
     assert "epochs" in capsys.readouterr().err
-    assert env.lookup(cfg.results_file, ["t", "status"]) == "interrupted"  # the refused sessions wrote nothing
+    assert lookup(cfg.results_file, ["t", "status"]) == "interrupted"  # the refused sessions wrote nothing
     entry = train.train(train.Config(cfg, resume=True, micro_batch_size=2, eval_batch_size=8))
     assert entry["status"] == "complete" and entry["sessions"] == 2
     assert entry["tokens"] == 2 * N_SEQUENCES * SEQ_LEN
@@ -425,7 +428,7 @@ def test_the_recipe_identity_follows_the_math(text_cache, tmp_path, change):
     assert recipe_id(train.Config(cfg, **change)) != recipe_id(cfg)
 
 
-@pytest.mark.parametrize("change", [dict(micro_batch_size=2), dict(compile=True), dict(sdpa_backend="math"),
+@pytest.mark.parametrize("change", [dict(micro_batch_size=2), dict(compile=True), dict(attention_backend="math"),
                                     dict(cpu_threads=2), dict(device="cuda"), dict(name="other"),
                                     dict(out_dir="elsewhere"), dict(loss_impl="chunked"), dict(log_interval=7)])
 def test_the_recipe_identity_ignores_execution(text_cache, tmp_path, change):
@@ -446,7 +449,7 @@ SHIPPED_RECIPES = {
 @pytest.mark.parametrize("path", sorted(SHIPPED_RECIPES))
 def test_the_shipped_configs_keep_their_recipe_identity(path):
     identity, vocab = SHIPPED_RECIPES[path]
-    cfg = train.Config(env.load_config(train.DEFAULTS, [str(REPO / path)]))
+    cfg = train.Config(configurator.load_config(train.DEFAULTS, [str(REPO / path)]))
     mcfg = train.model_config(cfg, vocab)
     assert env.hash_json(train.recipe(cfg, mcfg, "pinned-cache-identity")) == identity
 
@@ -468,7 +471,7 @@ def test_the_recipe_identity_follows_the_data(text_cache, tmp_path):
 def test_results_entry(text_cache, tmp_path):
     cfg = small_config(text_cache, tmp_path)
     entry = train.train(cfg)
-    assert env.read_results(cfg.results_file)["t"] == json.loads(json.dumps(entry, default=str))
+    assert read_results(cfg.results_file)["t"] == json.loads(json.dumps(entry, default=str))
     val_tokens = len(TokenCache(text_cache).val)
     assert entry["status"] == "complete"
     assert entry["parameters"] == sum(p.numel() for p in model_lib.Transformer(train.model_config(cfg, 256)).parameters())
@@ -500,17 +503,17 @@ def test_every_shipped_config_loads_and_passes_the_execution_checks(path):
     """A config file is read only when somebody runs it, maybe on a GPU machine: a key the defaults lack, a
     value of the wrong type, an unknown compile mode or a model shape that does not divide would fail there
     first."""
-    cfg = train.Config(env.load_config(train.DEFAULTS, [str(path)]))
+    cfg = train.Config(configurator.load_config(train.DEFAULTS, [str(path)]))
     train.check_execution(cfg)
     train.model_config(cfg, 32000)
 
 
 def test_bad_micro_batch_size_lists_the_valid_ones(text_cache, tmp_path, capsys):
     cfg = small_config(text_cache, tmp_path, micro_batch_size=3)
-    with pytest.raises(env.ConfigError) as info:
+    with pytest.raises(configurator.ConfigError) as info:
         train.train(cfg)
     assert "micro_batch_size 3" in str(info.value) and "[1, 2, 4, 8]" in str(info.value)
-    with pytest.raises(env.ConfigError, match=r"\[1, 2, 4\]"):
+    with pytest.raises(configurator.ConfigError, match=r"\[1, 2, 4\]"):
         train.check_execution(cfg, world_size=2)
     assert train.main(cli_args(cfg)) == 2
     assert "valid sizes" in capsys.readouterr().err
@@ -538,7 +541,7 @@ def test_bad_micro_batch_size_lists_the_valid_ones(text_cache, tmp_path, capsys)
                                           (dict(val_subset_tokens=1), "val_subset_tokens 1 holds no target")])
 def test_bad_execution_keys_are_refused_before_any_work(text_cache, tmp_path, capsys, change, word):
     cfg = small_config(text_cache, tmp_path, **change)
-    with pytest.raises(env.ConfigError, match=word):
+    with pytest.raises(configurator.ConfigError, match=word):
         train.check_execution(cfg)
     assert train.main(cli_args(cfg)) == 2
     assert word in capsys.readouterr().err
@@ -547,18 +550,18 @@ def test_bad_execution_keys_are_refused_before_any_work(text_cache, tmp_path, ca
 
 @pytest.mark.skipif(flash_attn_4_installed(), reason="flash-attn-4 is installed here")
 def test_fa4_without_flash_attn_4_is_refused_before_any_work(text_cache, tmp_path, capsys):
-    cfg = small_config(text_cache, tmp_path, sdpa_backend="fa4")
-    with pytest.raises(env.ConfigError, match="needs the flash-attn-4 package"):
+    cfg = small_config(text_cache, tmp_path, attention_backend="fa4")
+    with pytest.raises(configurator.ConfigError, match="needs the flash-attn-4 package"):
         train.check_execution(cfg)
     assert train.main(cli_args(cfg)) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: sdpa_backend: ") and "Traceback" not in err
+    assert err.startswith("error: attention_backend: ") and "Traceback" not in err
     assert not Path(cfg.results_file).exists()
 
 
 def test_fa4_on_the_cpu_is_refused_rather_than_run_as_another_kernel(text_cache, tmp_path, capsys,
                                                                       flash_attn_4_stand_in):
-    cfg = small_config(text_cache, tmp_path, sdpa_backend="fa4")
+    cfg = small_config(text_cache, tmp_path, attention_backend="fa4")
     train.check_execution(cfg)  # the package imports
     assert train.main(cli_args(cfg)) == 2
     err = capsys.readouterr().err
@@ -628,17 +631,18 @@ DDP_WORKER = """
 import json, os, sys
 import torch
 import train
+import trainer as trainer_lib
 from data.loader import TokenCache, TrainData
 cfg = train.Config(json.loads(sys.argv[1]))
-rank, _, world_size = train.distributed()
+rank, _, world_size = trainer_lib.distributed()
 cache = TokenCache(cfg.data_dir)
 data = TrainData(cache.train, cfg.seq_len, cfg.tokens_per_update // cfg.seq_len, cfg.seed, cfg.train_subset_tokens)
-trainer = train.Trainer(cfg, train.model_config(cfg, cache.vocab_size), "cpu", 10, world_size=world_size)
+trainer = trainer_lib.Trainer(cfg, train.model_config(cfg, cache.vocab_size), "cpu", 10, world_size=world_size)
 losses = []
 for u in (0, data.updates_per_epoch - 1):  # a full update and the partial last one
     batches, n_tokens = data.micro_batches(0, u, cfg.micro_batch_size, rank, world_size)
     loss_sum, grad_norm = trainer.update(batches, n_tokens)
-    losses.append(train.all_reduce_sum(loss_sum, world_size).item() / n_tokens)
+    losses.append(trainer_lib.all_reduce_sum(loss_sum, world_size).item() / n_tokens)
 if rank == 0:
     torch.save({"losses": losses, "params": dict(trainer.raw_model.named_parameters())}, sys.argv[2])
 del trainer  # free the DDP wrapper before the process group, as train.main does
@@ -691,7 +695,7 @@ def test_torchrun_training_on_two_processes(text_cache, tmp_path):
                            *cli_args(cfg)], cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                           env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
     assert proc.returncode == 0, log.read_text()
-    results = env.read_results(cfg.results_file)
+    results = read_results(cfg.results_file)
     assert set(results) == {"ddp"}  # no "history": the rank-1 process, a different run id, never wrote
     entry = results["ddp"]
     assert entry["status"] == "complete" and entry["world_size"] == 2

@@ -3,6 +3,8 @@ from pathlib import Path
 
 import pytest
 
+import configurator
+from results import read_results
 import env
 import train
 import tune
@@ -25,7 +27,7 @@ def fake_measure(clock, rates, seconds=60.0, oom_from=None, tried=None):
             tried.append(candidate)
         if oom_from is not None and candidate["micro_batch_size"] >= oom_from:
             return {"status": "error", "error": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate"}
-        bonus = {"cudnn": 1.05, "flash": 0.97}.get(candidate["sdpa_backend"], 1.0)
+        bonus = {"cudnn": 1.05, "flash": 0.97}.get(candidate["attention_backend"], 1.0)
         bonus *= {"reduce-overhead": 1.02, "eager": 0.3}.get(candidate["compile_mode"] if candidate["compile"]
                                                              else "eager", 1.0)
         return {"status": "ok", "tokens_per_second": rates[candidate["micro_batch_size"]] * bonus}
@@ -56,7 +58,7 @@ def test_out_of_memory_in_one_backend_does_not_skip_the_others_at_that_size():
 
     def math_runs_out_at_32(candidate, seconds_left):
         result = measure(candidate, seconds_left)
-        if candidate["sdpa_backend"] == "math" and candidate["micro_batch_size"] >= 32:
+        if candidate["attention_backend"] == "math" and candidate["micro_batch_size"] >= 32:
             return {"status": "error", "error": "torch.OutOfMemoryError: CUDA out of memory."}
         return result
     sweep = tune.Sweep([8, 16, 32], ["default"], ["auto", "math", "cudnn"], [0], math_runs_out_at_32,
@@ -111,10 +113,10 @@ def test_cpu_sweep_selects_records_errors_and_reuses(tmp_path, text_cache, capsy
     assert tune.main(argv) == 0
     out = capsys.readouterr().out
     assert "skipping micro-batch 3" in out  # 3 does not divide the 8 sequences of an update
-    tuning = env.read_results(results)["tuning"]
+    tuning = read_results(results)["tuning"]
     names = [c["name"] for c in tuning["candidates"]]
     assert names[:2] == ["micro-2-compile-0-auto-eager-threads-1", "micro-4-compile-0-auto-eager-threads-1"]
-    cudnn = [c for c in tuning["candidates"] if c["sdpa_backend"] == "cudnn"]
+    cudnn = [c for c in tuning["candidates"] if c["attention_backend"] == "cudnn"]
     assert len(cudnn) == 1 and cudnn[0]["status"] == "error" and "backend" in cudnn[0]["error"]
     ok = [c for c in tuning["candidates"] if c["status"] == "ok"]
     best = max(ok, key=lambda c: c["tokens_per_second"])
@@ -127,8 +129,8 @@ def test_cpu_sweep_selects_records_errors_and_reuses(tmp_path, text_cache, capsy
             assert "min" in line and "best:" in line  # n of m, elapsed / budget, result, best so far
 
     # the written config reproduces the candidate with the base recipe
-    cfg = env.load_config(train.DEFAULTS, [best["config_path"]])
-    assert cfg["micro_batch_size"] == best["micro_batch_size"] and cfg["sdpa_backend"] == best["sdpa_backend"]
+    cfg = configurator.load_config(train.DEFAULTS, [best["config_path"]])
+    assert cfg["micro_batch_size"] == best["micro_batch_size"] and cfg["attention_backend"] == best["attention_backend"]
     assert cfg["compile"] is False and cfg["n_layers"] == 2 and cfg["data_dir"] == str(text_cache)
     assert "results_file" not in Path(best["config_path"]).read_text()  # the sweep's own file is no setting
     run = train.train(train.Config(cfg, epochs=1, results_file=str(results), out_dir=str(tmp_path / "run"),
@@ -138,7 +140,7 @@ def test_cpu_sweep_selects_records_errors_and_reuses(tmp_path, text_cache, capsy
     # a rerun with the same code, config and machine measures again only what failed (an error may have been
     # the budget's cut or a passing fault): here the cuDNN candidate, which fails the same way on a CPU
     assert tune.main(argv) == 0
-    again = env.read_results(results)["tuning"]
+    again = read_results(results)["tuning"]
     assert [c["name"] for c in again["candidates"]] == names
     assert all(c["reused"] == (c["status"] == "ok") for c in again["candidates"])
     assert [c["name"] for c in again["candidates"] if not c["reused"]] == [cudnn[0]["name"]]
@@ -151,7 +153,7 @@ def test_cpu_sweep_runs_out_of_budget(tmp_path, text_cache):
                    "--budget=0.2", "--name=cpu-tune", "--tune_micro_batch_sizes=1,2,4,8",
                    "--tune_backends=auto,math,efficient,cudnn"]  # 12 s: room for a few of about 8 candidates
     tune.main(argv)
-    tuning = env.read_results(results)["tuning"]
+    tuning = read_results(results)["tuning"]
     assert tuning["budget_exhausted"] is True
     assert 1 <= len(tuning["candidates"]) < 7
     # the sweep ends within its budget: a candidate the rest cannot finish is not started, and a running one
@@ -160,7 +162,7 @@ def test_cpu_sweep_runs_out_of_budget(tmp_path, text_cache):
     ok = [c for c in tuning["candidates"] if c["status"] == "ok"]
     assert ok, "no candidate finished within 12 s"
     assert tuning["selected"]["tokens_per_second"] == max(c["tokens_per_second"] for c in ok)
-    selected = env.load_config(train.DEFAULTS, [tuning["selected_config_path"]])
+    selected = configurator.load_config(train.DEFAULTS, [tuning["selected_config_path"]])
     assert selected["micro_batch_size"] == tuning["selected"]["micro_batch_size"]
 
 

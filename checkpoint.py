@@ -1,0 +1,69 @@
+"""train.py's checkpoints: what one holds, writing it atomically, reading it back for resuming, sampling and
+export, and the RNG states that make a resumed run continue exactly as an uninterrupted one."""
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import env
+from model import ModelConfig, Transformer
+from results import atomic_write
+
+
+def save(path, model, optimizer, step, state):
+    """Write model, optimizer, update count, RNG states and `state` (the run's counters, recipe and config)."""
+    payload = dict(state, model=model.state_dict(), optimizer=optimizer.state_dict(), step=step, rng=rng_state())
+    atomic_write(path, lambda f: torch.save(payload, f))
+
+
+def read(path, device="cpu"):
+    """The checkpoint dict at path; ValueError, in one sentence, when the file cannot be read as one."""
+    try:
+        # weights_only=False: the checkpoint also holds numpy RNG state; it is our own file.
+        return torch.load(path, map_location=device, weights_only=False)
+    except Exception as exc:  # a truncated or foreign file: say which, not a traceback
+        raise ValueError(f"checkpoint {path} could not be loaded ({type(exc).__name__}: {exc}); "
+                         f"is it a train.py checkpoint?") from None
+
+
+def load_model(path):
+    """(Transformer with the weights of a train.py checkpoint, the checkpoint dict), on the CPU.
+
+    ValueError, in one sentence, when the file is missing or is not such a checkpoint."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"no checkpoint at {path}; train.py saves one at out/NAME/ckpt.pt")
+    ckpt = read(path)
+    try:
+        model = Transformer(ModelConfig(**ckpt["model_config"]))
+        model.load_state_dict(ckpt["model"])
+        ckpt["config"]["data_dir"]  # what sampling and parity read the run's tokens and tokenizer from
+    except Exception as exc:
+        raise ValueError(f"checkpoint {path} could not be loaded ({type(exc).__name__}: {exc}); "
+                         f"is it a train.py checkpoint?") from None
+    return model, ckpt
+
+
+def run_data_dir(ckpt):
+    """The run's token cache folder: as recorded, or, when that relative path is not found from here, under
+    the repository (train.py runs from the repository; sampling and parity may not)."""
+    recorded = Path(ckpt["config"]["data_dir"])
+    if recorded.is_absolute() or recorded.exists() or not (env.REPO / recorded).exists():
+        return recorded
+    return env.REPO / recorded
+
+
+def rng_state():
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state):
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,133 @@
+"""nanoGPT-style configuration: a script's defaults, then config files (plain Python assignments), then
+--key=value overrides, each checked against the default's type."""
+import ast
+import difflib
+import os
+import sys
+import types
+from pathlib import Path
+
+from results import atomic_write_text
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or a --key=value override."""
+
+
+# Keys that were renamed: the old name is refused with the new one, never silently ignored.
+RENAMED_KEYS = {"sdpa_backend": "attention_backend"}
+
+
+def _parse_value(key, text, default):
+    kind = type(default)
+    if kind is bool:
+        low = text.strip().lower()
+        if low in ("true", "1", "yes", "on"):
+            return True
+        if low in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"--{key}={text}: expected a boolean (True or False)")
+    if kind is str:
+        return text
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise ConfigError(f"--{key}={text}: expected {kind.__name__}, like the default {default!r}") from None
+    return _check_type(key, value, default, f"--{key}={text}")
+
+
+def _check_type(key, value, default, where):
+    kind = type(default)
+    if kind is float and type(value) is int:
+        return float(value)
+    if type(value) is not kind:
+        raise ConfigError(f"{where}: {key} must be {kind.__name__} (like the default {default!r}), "
+                          f"got {type(value).__name__} {value!r}")
+    return value
+
+
+def _unknown_key(key, defaults, where):
+    if RENAMED_KEYS.get(key) in defaults:
+        return ConfigError(f"{where}: config key {key!r} is now called {RENAMED_KEYS[key]!r}; use "
+                           f"{RENAMED_KEYS[key]} = ... (or --{RENAMED_KEYS[key]}=...) with the same values")
+    close = difflib.get_close_matches(key, list(defaults), n=3, cutoff=0.5)
+    hint = f"closest valid keys: {', '.join(close)}" if close else "see the defaults at the top of train.py"
+    return ConfigError(f"{where}: unknown config key {key!r}; {hint}")
+
+
+def print_usage(defaults):
+    """--help: the running script's docstring, then every config key with its default."""
+    import __main__
+    print((__main__.__doc__ or "").strip() + "\n\nconfig keys and their defaults (what each means: the comments at the "
+          "top of train.py and of the script):")
+    for key, value in defaults.items():
+        print(f"  --{key}={value!r}" if isinstance(value, str) else f"  --{key}={value}")
+
+
+def load_config(defaults, argv):
+    """nanoGPT-style configuration: defaults <- config files (plain assignments) <- --key=value overrides.
+
+    argv holds config file paths and overrides in order; overrides are `--key=value` or `--key value`.
+    Every key must exist in `defaults` and keep its type. Returns a new dict; defaults is not changed.
+    """
+    config = dict(defaults)
+    args = list(argv)
+    if "-h" in args or "--help" in args:
+        try:
+            print_usage(defaults)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            # the reader stopped early (`--help | head`): no traceback, and none at exit when Python flushes again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(0)
+    while args:
+        arg = args.pop(0)
+        if arg.startswith("--"):
+            key, eq, text = arg[2:].partition("=")
+            key = key.replace("-", "_")
+            if key not in defaults:
+                raise _unknown_key(key, defaults, f"--{key}")
+            if not eq:  # --key value, or a bare --flag for a boolean
+                takes_next = args and not args[0].startswith("--")
+                if takes_next and type(defaults[key]) is bool:
+                    takes_next = args[0].strip().lower() in ("true", "false", "1", "0", "yes", "no", "on", "off")
+                if takes_next:
+                    text = args.pop(0)
+                elif type(defaults[key]) is bool:
+                    text = "True"
+                else:
+                    raise ConfigError(f"--{key} needs a value: --{key}=VALUE")
+            config[key] = _parse_value(key, text, defaults[key])
+        else:
+            path = Path(arg)
+            if not path.is_file():
+                raise ConfigError(f"config file {arg!r} does not exist; pass a file such as config/tiny_cpu.py "
+                                  f"or overrides as --key=value")
+            # One namespace holding the settings so far, as nanoGPT's configurator runs a file in the script's
+            # globals: `tokens_per_update = seq_len * 32` sees the default seq_len, and a comprehension or
+            # function in the file sees the names assigned above it (with separate locals it did not).
+            namespace = dict(config)
+            try:
+                exec(compile(path.read_text(), str(path), "exec"), namespace)
+            except Exception as exc:  # a config file is user input: report, don't trace back
+                raise ConfigError(f"config file {arg} could not be run: {type(exc).__name__}: {exc}") from None
+            for key, value in namespace.items():
+                if key.startswith("_") or isinstance(value, (types.ModuleType, types.FunctionType, type,
+                                                             types.BuiltinFunctionType)):
+                    continue  # `import math`, `from math import sqrt`, a helper function: not settings
+                if key not in defaults:
+                    raise _unknown_key(key, defaults, f"config file {arg}")
+                config[key] = _check_type(key, value, defaults[key], f"config file {arg}")
+    return config
+
+
+def defaults_of(namespace):
+    """A script's config keys: its public globals of type bool, int, float or str (the settings at its top)."""
+    return {k: v for k, v in namespace.items() if not k.startswith("_") and type(v) in (bool, int, float, str)}
+
+
+def write_config_file(path, config, defaults, header=""):
+    """Write the keys of `config` that differ from `defaults` as a config file that reproduces it."""
+    lines = [f"# {line}" for line in header.splitlines()]
+    lines += [f"{k} = {v!r}" for k, v in config.items() if k in defaults and v != defaults[k]]
+    atomic_write_text(path, "\n".join(lines) + "\n")

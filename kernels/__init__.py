@@ -1,0 +1,20 @@
+"""The GPU kernels and custom ops the model calls, one file per concern (as modded-nanogpt keeps its kernels
+apart from the model): the LM head with its cross-entropy, SwiGLU with its down projection, and the attention
+backends. Each has a plain-torch path with the same math for CPUs and GPUs without Triton.
+"""
+import importlib.util
+
+import torch
+
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None  # without importing it (the CPU build has none)
+
+
+def uses_triton(device):
+    """Whether our Triton kernels run on this device: CUDA, with Triton installed."""
+    return device.type == "cuda" and TRITON_INSTALLED
+
+
+def in_autocast_dtype(x):
+    """x as F.linear would see it: in the autocast dtype when autocast is on."""
+    device_type = x.device.type
+    return x.to(torch.get_autocast_dtype(device_type)) if torch.is_autocast_enabled(device_type) else x

@@ -1,0 +1,114 @@
+"""Causal attention for training and evaluation: SDPA's kernels, or "fa4", our op pair of cuDNN's forward and
+flash-attn-4's backward (flash-attn-4 is installed apart: requirements-gpu.txt)."""
+import contextlib
+import importlib
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# Pinning one SDPA kernel makes a benchmark measure the kernel it names; "auto" lets PyTorch choose. "fa4" is
+# not an SDPA kernel: when gradients are wanted, our own op with cuDNN's forward and flash-attn-4's backward
+# (see causal_attention).
+ATTENTION_BACKENDS = {
+    "auto": None,
+    "flash": [SDPBackend.FLASH_ATTENTION],
+    "efficient": [SDPBackend.EFFICIENT_ATTENTION],
+    "cudnn": [SDPBackend.CUDNN_ATTENTION],
+    "math": [SDPBackend.MATH],
+    "fa4": "fa4",
+}
+
+def flash_attn_4():
+    """flash-attn-4's interface module (the `flash_attn.cute` package: FlashAttention for Hopper and Blackwell,
+    written in NVIDIA's CUTLASS DSL), installed apart; a missing package is a ValueError naming it."""
+    try:
+        interface = importlib.import_module("flash_attn.cute.interface")
+    except ImportError as error:
+        raise ValueError(f"attention backend 'fa4' needs the flash-attn-4 package (pip install flash-attn-4), "
+                         f"which did not import: {error}") from None
+    if not hasattr(interface, "_flash_attn_bwd"):
+        raise ValueError("attention backend 'fa4': this flash-attn-4 has no _flash_attn_bwd; "
+                         "4.0.0b36 is the version measured (pip install flash-attn-4==4.0.0b36)")
+    return interface
+
+
+# Our own op pair: training's attention with cuDNN's forward and flash-attn-4's backward, the faster of each on
+# the H200 (cuDNN's forward 0.60 against flash-attn-4's 0.75 ms per 20m update; flash-attn-4's backward 1.18
+# against cuDNN's 1.56). The backward is the function that PyTorch's FA4 registry calls too
+# (torch.nn.attention.activate_flash_attention_impl); that registry would put FA4 behind SDPA's flash kernel, but
+# in PyTorch 2.11 it expects flash-attn-4's forward to return two tensors, and 4.0.0b20 and later return more.
+# torch.compile sees each op as one opaque call, and CUDA graphs capture its kernels.
+@torch.library.custom_op("tiny_llm::flash_attention_4", mutates_args=())
+def _flash_attention_4_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return cudnn_attention_forward(q, k, v)
+
+
+# SDPA's cuDNN kernel as an op of its own, which returns the log-sum-exp that F.scaled_dot_product_attention
+# keeps to itself. Named here so that the CPU tests can stand in for it: cuDNN has no CPU kernel.
+_cudnn_sdpa = torch.ops.aten._scaled_dot_product_cudnn_attention
+
+
+def cudnn_attention_forward(q, k, v):
+    """cuDNN's causal forward with the log-sum-exp that flash-attn-4's backward takes, in its layouts: the
+    output (B, T, H, D) and the log-sum-exp (B, H, T) in float32, both contiguous, as the fake says."""
+    B, T, H, D = q.shape
+    out, lse = _cudnn_sdpa(*(t.transpose(1, 2) for t in (q, k, v)), None, True, 0.0, True, False)[:2]
+    return out.transpose(1, 2).contiguous(), lse.reshape(B, H, T).contiguous()
+
+
+@_flash_attention_4_op.register_fake
+def _(q, k, v):
+    B, T, H, D = q.shape
+    return q.new_empty(B, T, H, D), q.new_empty(B, H, T, dtype=torch.float32)
+
+
+def _flash_attention_4_gradients(q, k, v):
+    """dq, dk, dv, contiguous: allocated here so that the real op and its fake agree on strides whatever
+    layout flash-attn-4 would choose."""
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+
+
+@torch.library.custom_op("tiny_llm::flash_attention_4_backward", mutates_args=())
+def _flash_attention_4_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                                   lse: torch.Tensor, grad_out: torch.Tensor
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = _flash_attention_4_gradients(q, k, v)
+    flash_attn_4()._flash_attn_bwd(q, k, v, out, grad_out, lse, causal=True, dq=dq, dk=dk, dv=dv)
+    return dq, dk, dv
+
+
+@_flash_attention_4_backward_op.register_fake
+def _(q, k, v, out, lse, grad_out):
+    return _flash_attention_4_gradients(q, k, v)
+
+
+def _flash_attention_4_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs, *output)
+
+
+def _flash_attention_4_backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    return _flash_attention_4_backward_op(q, k, v, out, lse, grad_out)
+
+
+_flash_attention_4_op.register_autograd(_flash_attention_4_backward, setup_context=_flash_attention_4_setup)
+
+
+def flash_attention_4(q, k, v):
+    """Causal softmax attention, forward by cuDNN and backward by flash-attn-4: q, k, v (B, T, H, D) in bf16 or
+    fp16 (views with any strides but the last), the output the same shape, contiguous."""
+    return _flash_attention_4_op(q, k, v)[0]
+
+
+def causal_attention(q, k, v, backends):
+    """q, k, v: (B, T, H, D); backends: a value of ATTENTION_BACKENDS. Returns (B, T, H, D)."""
+    if backends == "fa4":
+        if torch.is_grad_enabled() and q.requires_grad:
+            return flash_attention_4(q, k, v)
+        # Forward only (evaluation, sampling): SDPA's choice, which on the H200 is the same cuDNN forward
+        # without the log-sum-exp that only a backward needs, and runs on any GPU and the CPU.
+        backends = None
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D), as SDPA wants them
+    with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)

@@ -1,0 +1,153 @@
+"""The one results file every script appends to, and the atomic writes everything this project saves goes
+through (checkpoints, configs, plots, exports).
+
+A record is made under a file lock and the file is replaced atomically; nothing already in it is dropped or
+reordered (a replaced value moves to the top-level "history"), and a file that does not parse is refused.
+"""
+import contextlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+
+class ResultsFileError(RuntimeError):
+    """The results file cannot be safely read or written."""
+
+
+_UMASK = os.umask(0o022)  # read once, at import (single-threaded): os.umask can only be read by setting it
+os.umask(_UMASK)
+
+
+def atomic_write(path, write):
+    """Call write(f) on a temporary file in the same folder, fsync, then rename over `path`.
+
+    Readers see the old file or the new one, never half of one, even if this process is killed.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        # mkstemp makes the file owner-only; keep the replaced file's mode, or what open() would have given
+        os.fchmod(fd, path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_UMASK)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path, text):
+    atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def read_results(path):
+    """The results file as a dict ({} when it does not exist yet); a file that does not parse is an error."""
+    path = Path(path)
+    if not path.exists():
+        return {}
+    try:
+        text = path.read_text()
+    except OSError as exc:  # a folder, or no permission
+        raise ResultsFileError(f"results file {path} cannot be read ({exc.strerror}); pass another --results_file") from None
+    try:
+        data = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise ResultsFileError(f"results file {path} is not valid JSON ({exc}); it was left as it is: "
+                               f"fix or move it, or pass another --results_file") from None
+    if not isinstance(data, dict):
+        raise ResultsFileError(f"results file {path} holds a {type(data).__name__}, not a JSON object; "
+                               f"it was left as it is: pass another --results_file")
+    return data
+
+
+def _lock(path):
+    from filelock import FileLock
+    return FileLock(str(path) + ".lock", timeout=600)
+
+
+def _key_list(keys):
+    return [keys] if isinstance(keys, str) else list(keys)
+
+
+def _parent(data, keys, path):
+    """The object holding results[keys...]'s last key, created along the way."""
+    node = data
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ResultsFileError(f"results file {path}: {'.'.join(keys)} runs through a non-object")
+    return node
+
+
+def _update(path, change):
+    """Under the file's lock: read, call change(data), write back atomically."""
+    from filelock import Timeout
+    try:  # the lock file goes beside the results file, so its folder must exist first
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _lock(path):
+            data = read_results(path)
+            change(data)
+            atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
+    except (OSError, Timeout) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
+        raise ResultsFileError(f"results file {path} cannot be written ({why}); pass another --results_file") from None
+
+
+def _put(data, keys, value, path):
+    if keys == ["history"]:
+        raise ResultsFileError(f"results file {path}: 'history' holds the file's replaced values; record under "
+                               f"another name")
+    node, last = _parent(data, keys, path), keys[-1]
+    old = node.get(last)
+    same_run = isinstance(old, dict) and isinstance(value, dict) and old.get("run_id") is not None \
+        and old.get("run_id") == value.get("run_id")
+    if last in node and old != value and not same_run:
+        data.setdefault("history", []).append({"path": keys, "replaced_at": time.time(), "value": old})
+    node[last] = value
+
+
+def record(path, keys, value):
+    """Put `value` at results[keys[0]][keys[1]]... under a lock, replacing the file atomically.
+
+    Nothing already in the file is lost or reordered: a value replaced by a different one, unless it is
+    the same run updating its own entry (same "run_id"), is first appended to the top-level "history"
+    list with its path and the time it was replaced.
+    """
+    record_many(path, [(keys, value)])
+
+
+def record_many(path, items):
+    """record() for each (keys, value) of items, under one lock and one write of the file."""
+    items = [(_key_list(keys), value) for keys, value in items]
+
+    def change(data):
+        for keys, value in items:
+            _put(data, keys, value, path)
+    _update(Path(path), change)
+
+
+def append(path, keys, item):
+    """Append `item` to the list at results[keys...] (created when missing), under the lock."""
+    keys = _key_list(keys)
+
+    def change(data):
+        items = _parent(data, keys, path).setdefault(keys[-1], [])
+        if not isinstance(items, list):
+            raise ResultsFileError(f"results file {path}: {'.'.join(keys)} is not a list")
+        items.append(item)
+    _update(Path(path), change)
+
+
+def lookup(path, keys, default=None):
+    node = read_results(path)
+    for key in _key_list(keys):
+        if not isinstance(node, dict) or key not in node:
+            return default
+        node = node[key]
+    return node

@@ -1,0 +1,168 @@
+"""The model, its optimizer and schedule, and the one update step that train.py runs and bench.py times.
+
+Also the process group (one process per GPU under torchrun) and the evaluation pass.
+"""
+import contextlib
+import inspect
+import math
+import os
+import resource
+
+import torch
+import torch._functorch.config  # activation_memory_budget
+
+import model as model_lib
+from configurator import ConfigError
+
+
+# ---------------------------------------------------------------- distributed
+
+def distributed():
+    """(rank, local_rank, world_size); initializes the process group under torchrun."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return 0, 0, 1
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0")), world_size
+
+
+def all_reduce_sum(tensor, world_size):
+    if world_size > 1:
+        import torch.distributed as dist
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def peak_memory_bytes(device):
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # process peak RSS on the CPU
+
+
+# ---------------------------------------------------------------- the update step
+
+class Trainer:
+    """Model, optimizer and schedule, with the one update step that train.py runs and bench.py times."""
+
+    def __init__(self, cfg, mcfg, device, total_updates, world_size=1, local_rank=0):
+        self.cfg, self.device, self.world_size = cfg, torch.device(device), world_size
+        self.total_updates = total_updates
+        if cfg.cpu_threads:
+            torch.set_num_threads(cfg.cpu_threads)
+        self.check_attention_device()
+        torch.manual_seed(cfg.seed)
+        self.raw_model = model_lib.Transformer(mcfg, attention_backend=cfg.attention_backend, loss_impl=cfg.loss_impl,
+                                               loss_chunk_tokens=cfg.loss_chunk_tokens).to(self.device)
+        self.cudagraphs = cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune")
+        self.model = self.compiled(self.raw_model) if cfg.compile else self.raw_model
+        self.eval_model = self.model  # evaluation needs no gradient sync, so never the DDP wrapper
+        if world_size > 1:
+            self.model = self.data_parallel(self.model, local_rank)
+        decay = [p for p in self.raw_model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.raw_model.parameters() if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
+            fused=self.device.type == "cuda")
+        self.step = 0
+        # bf16 autocast on the GPU; None (float32) on the CPU. A test turns it on there too.
+        self.autocast_dtype = torch.bfloat16 if self.device.type == "cuda" else None
+
+    def check_attention_device(self):
+        if self.cfg.attention_backend == "fa4" and not (
+                self.device.type == "cuda" and torch.cuda.get_device_capability(self.device)[0] in (9, 10)):
+            # flash-attn-4's backward runs on these; on the CPU its import may work, its kernels do not
+            raise ConfigError("attention_backend 'fa4' runs on Hopper and Blackwell GPUs only (compute capability "
+                              "9.x or 10.x); choose auto, flash, efficient, cudnn or math")
+
+    def compiled(self, model):
+        """The model under torch.compile: whole, or (compile_scope=blocks) each block and the loss head apart."""
+        cfg = self.cfg
+        # Read by the partitioner when the first call compiles; process-wide, as torch.compile's settings are.
+        torch._functorch.config.activation_memory_budget = cfg.activation_memory_budget
+        mode = None if cfg.compile_mode == "default" else cfg.compile_mode
+        if cfg.compile_scope == "model":
+            return torch.compile(model, dynamic=False, mode=mode)
+        # Compiled in place, so the module (and its state_dict names) stay as they are.
+        for layer in model.layers:
+            layer.compile(dynamic=False, mode=mode)
+        model.loss = torch.compile(model.loss, dynamic=False, mode=mode)
+        return model
+
+    def data_parallel(self, model, local_rank):
+        from torch.nn.parallel import DistributedDataParallel
+        # No buffer broadcast: the rotary tables are identical on every rank, and a broadcast per forward
+        # would make evaluation (ranks see different batch counts) a collective.
+        no_buffer_sync = ({"forward_sync_buffers": False}
+                          if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                          else {"broadcast_buffers": False})  # the name in PyTorch 2.11 and before
+        return DistributedDataParallel(model, **no_buffer_sync, gradient_as_bucket_view=True,
+                                       bucket_cap_mb=self.cfg.ddp_bucket_mb,
+                                       device_ids=[local_rank] if self.device.type == "cuda" else None)
+
+    def autocast(self, enabled=True):
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16,
+                              enabled=enabled and self.autocast_dtype is not None)
+
+    def lr_at(self, step):
+        """Linear warmup to learning_rate, then cosine decay to min_lr at the last update."""
+        cfg = self.cfg
+        if step < cfg.warmup_updates:
+            return cfg.learning_rate * (step + 1) / cfg.warmup_updates
+        progress = (step - cfg.warmup_updates) / max(1, self.total_updates - cfg.warmup_updates)
+        progress = min(progress, 1.0)
+        return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
+
+    def update(self, micro_batches, n_tokens):
+        """One optimizer update over this rank's micro-batches; n_tokens counts the update's targets on all
+        ranks. Returns (sum of this rank's token losses, gradient norm before clipping) as device tensors:
+        no host sync here, the caller reads them when it logs."""
+        lr = self.lr_at(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        # Each micro-step adds sum(token losses) / n_tokens, so the update's gradient is the mean over its
+        # tokens whatever the micro-batch size; DDP averages over ranks, hence the world_size factor.
+        scale = self.world_size / n_tokens
+        loss_sum = torch.zeros((), device=self.device)
+        last = len(micro_batches) - 1
+        # One autocast region for all micro-steps: autocast keeps its bf16 copy of each weight until the
+        # region ends, so eager casts the weights once per update instead of once per micro-step (the
+        # weights change only in the optimizer step, so the copies are the same). Backward runs outside it.
+        with self.autocast():
+            for i, (x, y) in enumerate(micro_batches):
+                sync = contextlib.nullcontext()
+                if self.world_size > 1 and i < last:
+                    sync = self.model.no_sync()  # all-reduce gradients once, on the last micro-step
+                if self.cudagraphs:
+                    torch.compiler.cudagraph_mark_step_begin()
+                with sync:
+                    loss = self.model(x, y, reduction="sum")
+                    with self.autocast(enabled=False):
+                        (loss * scale).backward()
+                loss_sum += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.cfg.grad_clip or math.inf)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return loss_sum, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self, batches):
+        """Mean token loss over batches, with the per-token standard deviation and the token count."""
+        self.eval_model.eval()
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
+        for x, y in batches:
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            if self.cudagraphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            with self.autocast():
+                losses = self.eval_model(x, y, reduction="none").double()
+            totals += torch.stack([losses.sum(), (losses * losses).sum(), (y != -100).sum().double()])
+        self.eval_model.train()
+        totals = all_reduce_sum(totals, self.world_size)
+        loss_sum, square_sum, count = totals.tolist()
+        mean = loss_sum / max(count, 1)
+        std = math.sqrt(max(square_sum / max(count, 1) - mean * mean, 0.0))
+        return {"loss": mean, "loss_std": std, "tokens": int(count)}
