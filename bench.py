@@ -183,9 +183,62 @@ def cache_and_model(cfg):
     return None, train.model_config(cfg, vocab)
 
 
-def run_protocol(cfg):
-    """One protocol-v2 run; returns its entry (status "error" with the error text if it failed)."""
-    rank, local_rank, world_size = distributed()
+def protocol_data(cfg, sequences_per_update, rank, world_size):
+    """(data, make_batches(u), model config, cache identity): the recipe's full updates from the token cache,
+    cycled over its epochs, or synthetic tokens of the same shapes."""
+    cache, mcfg = cache_and_model(cfg)
+    if not cache:
+        return (*synthetic_batches(cfg, mcfg.vocab_size, sequences_per_update, rank, world_size), mcfg, None)
+    data = train.training_data(cfg, cache, sequences_per_update)
+    full_updates = data.n_sequences // sequences_per_update  # the timed updates are all full ones
+    if full_updates == 0:
+        raise ConfigError("the training subset holds less than one full update")
+    make = lambda u: data.micro_batches(u // full_updates, u % full_updates, cfg.micro_batch_size, rank, world_size)
+    return data, make, mcfg, cache.identity
+
+
+def say(cfg, text):
+    """A progress line on the main process: a compile or a window can take minutes."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{cfg.name}: {text}", flush=True)
+
+
+def timed_windows(cfg, trainer, batches, entry, world_size):
+    """The protocol proper: warmup (its first update, which compiles, timed alone), then the windows.
+    Returns the windows' summaries and the device memory in use at each window's end."""
+    dev = trainer.device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    say(cfg, "first update" + (" (compiles the model)" if cfg.compile else "") + " ...")
+    sync()
+    start = time.perf_counter()
+    trainer.update(*next(batches))
+    sync()
+    entry["first_update_seconds"] = time.perf_counter() - start
+    say(cfg, f"first update {entry['first_update_seconds']:.1f} s; {cfg.warmup - 1} more warmup updates")
+    for _ in range(cfg.warmup - 1):
+        trainer.update(*next(batches))
+    sync()
+    entry["warmup_seconds"] = time.perf_counter() - start
+    device_peaks, measurements = [device_used_bytes(dev)], []
+    for w in range(cfg.windows):
+        loss_total = torch.zeros((), device=dev)
+        sync()
+        start = time.perf_counter()
+        for _ in range(cfg.steps):
+            loss_sum, grad_norm = trainer.update(*next(batches))
+            loss_total += loss_sum
+        sync()
+        seconds = time.perf_counter() - start
+        loss_total = all_reduce_sum(loss_total, world_size)
+        measurements.append(window_summary(w, seconds, cfg.steps, cfg.tokens_per_update, loss_total.item(),
+                                           grad_norm.item()))
+        device_peaks.append(device_used_bytes(dev))
+        say(cfg, f"window {w + 1}/{cfg.windows}: {measurements[-1]['tokens_per_second']:,.0f} tokens/s")
+    return measurements, device_peaks
+
+
+def new_entry(cfg, world_size):
+    """The entry's fields known before anything runs: what is measured, how, and with which code."""
     entry = {"name": cfg.name, "run_id": env.new_run_id(), "status": "running", "preset": cfg.preset,
              "micro_batch_size": cfg.micro_batch_size, "compile": cfg.compile, "compile_mode": cfg.compile_mode,
              "attention_backend": cfg.attention_backend, "loss_impl": cfg.loss_impl, "cpu_threads": cfg.cpu_threads,
@@ -193,9 +246,15 @@ def run_protocol(cfg):
              "source_hash": env.source_hash(), "config": dict(cfg)}
     folders, was_cold = cache_state(cfg.cold)
     entry.update(compiler_cache=folders, cache_was_cold=was_cold if cfg.compile else None)
-    protocol = {"version": 2, "warmup": cfg.warmup, "steps": cfg.steps, "windows": cfg.windows,
-                "data_mode": cfg.data_mode, "profile": cfg.profile, "cache_identity": None}
-    entry["protocol"] = protocol
+    entry["protocol"] = {"version": 2, "warmup": cfg.warmup, "steps": cfg.steps, "windows": cfg.windows,
+                         "data_mode": cfg.data_mode, "profile": cfg.profile, "cache_identity": None}
+    return entry
+
+
+def run_protocol(cfg):
+    """One protocol-v2 run; returns its entry (status "error" with the error text if it failed)."""
+    rank, local_rank, world_size = distributed()
+    entry = new_entry(cfg, world_size)
     trainer = None
     try:
         check_protocol(cfg)
@@ -203,82 +262,57 @@ def run_protocol(cfg):
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
         sequences_per_update = train.check_execution(cfg, world_size)
-        cache, mcfg = cache_and_model(cfg)
-        if cache:
-            protocol["cache_identity"] = cache.identity
-            data = train.training_data(cfg, cache, sequences_per_update)
-            full_updates = data.n_sequences // sequences_per_update  # the timed updates are all full ones
-            if full_updates == 0:
-                raise ConfigError("the training subset holds less than one full update")
-            make = lambda u: data.micro_batches(u // full_updates, u % full_updates, cfg.micro_batch_size,
-                                                rank, world_size)
-        else:
-            data, make = synthetic_batches(cfg, mcfg.vocab_size, sequences_per_update, rank, world_size)
+        data, make, mcfg, entry["protocol"]["cache_identity"] = protocol_data(cfg, sequences_per_update, rank,
+                                                                              world_size)
         total = cfg.warmup + cfg.windows * cfg.steps + (cfg.profile_updates if cfg.profile else 1)
+        say(cfg, f"building the {cfg.preset} model on {device}")
+        used_before = device_used_bytes(torch.device(device))
         trainer = Trainer(cfg, mcfg, device, total_updates=total, world_size=world_size, local_rank=local_rank)
-        dev = trainer.device
-        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
         entry["parameters"] = sum(p.numel() for p in trainer.raw_model.parameters())
-        used_before = device_used_bytes(dev)
+        entry["attention"] = trainer.attention  # what "auto" ran as here
+        say(cfg, f"attention {trainer.attention} ({trainer.attention_reason})")
         batches = batch_stream(make, device, total)
-        # Warmup: the first update carries the compile; it is timed alone.
-        sync()
-        start = time.perf_counter()
-        trainer.update(*next(batches))
-        sync()
-        entry["first_update_seconds"] = time.perf_counter() - start
-        for _ in range(cfg.warmup - 1):
-            trainer.update(*next(batches))
-        sync()
-        entry["warmup_seconds"] = time.perf_counter() - start
-        device_peaks = [device_used_bytes(dev)]
-        measurements = []
-        for w in range(cfg.windows):
-            loss_total = torch.zeros((), device=dev)
-            sync()
-            start = time.perf_counter()
-            for _ in range(cfg.steps):
-                loss_sum, grad_norm = trainer.update(*next(batches))
-                loss_total += loss_sum
-            sync()
-            seconds = time.perf_counter() - start
-            loss_total = all_reduce_sum(loss_total, world_size)
-            measurements.append(window_summary(w, seconds, cfg.steps, cfg.tokens_per_update, loss_total.item(),
-                                               grad_norm.item()))
-            device_peaks.append(device_used_bytes(dev))
-        tokens_per_second = median_window(measurements)
-        flops = model_lib.flops_per_token(mcfg, cfg.seq_len)
-        gpu_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
+        measurements, device_peaks = timed_windows(cfg, trainer, batches, entry, world_size)
         kernels, attention = profiled_kernels(trainer, batches, cfg.profile_updates if cfg.profile else 1)
-        entry.update(
-            status="ok", vocab_size=mcfg.vocab_size, tokens_per_second=tokens_per_second, tokens_per_second_per_gpu=tokens_per_second / world_size,
-            flops_per_token=flops, mfu=env.mfu(flops, tokens_per_second / world_size, gpu_name),
-            measurements=measurements, attention_kernels=attention,
-            peak_memory_bytes=peak_memory_bytes(dev),
-            peak_reserved_bytes=torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else None,
-            # What the device had in use at the window ends (CUDA graph pools, the context, everything),
-            # and before the model existed, so the difference is ours.
-            device_peak_used_bytes=max(device_peaks) if dev.type == "cuda" else None,
-            device_used_before_bytes=used_before)
+        entry.update(status="ok", vocab_size=mcfg.vocab_size, measurements=measurements, attention_kernels=attention,
+                     **throughput(cfg, mcfg, median_window(measurements), world_size, trainer.device),
+                     **memory(trainer.device, device_peaks, used_before))
         if cfg.profile:
             entry["profile"] = dict(kernel_breakdown(kernels), profiled_updates=cfg.profile_updates,
-                                    device=dev.type)
+                                    device=trainer.device.type)
         if cfg.partial_probe:
+            sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
             entry["partial_probe"] = probe_partial_updates(trainer, data, cfg, sync, rank, world_size)
         if world_size > 1 and cfg.scaling_reference:
             reference = lookup(cfg.results_file, ["benchmarks", cfg.scaling_reference, "tokens_per_second"])
-            entry["scaling_efficiency"] = tokens_per_second / world_size / reference if reference else None
+            entry["scaling_efficiency"] = entry["tokens_per_second"] / world_size / reference if reference else None
     except train.USER_ERRORS:
         raise  # a user mistake, not a measurement
     except Exception as exc:  # an out-of-memory or a compile failure is a result too
-        entry.update(status="error", error=f"{type(exc).__name__}: {exc}",
-                     traceback=env.portable_traceback())
+        entry.update(status="error", error=f"{type(exc).__name__}: {exc}", traceback=env.portable_traceback())
     finally:
         del trainer
         torch._dynamo.reset()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return entry
+
+
+def throughput(cfg, mcfg, tokens_per_second, world_size, device):
+    """tokens/s in all and per GPU, FLOPs per token and MFU (model.flops_per_token, env.mfu)."""
+    flops = model_lib.flops_per_token(mcfg, cfg.seq_len)
+    gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return {"tokens_per_second": tokens_per_second, "tokens_per_second_per_gpu": tokens_per_second / world_size,
+            "flops_per_token": flops, "mfu": env.mfu(flops, tokens_per_second / world_size, gpu_name)}
+
+
+def memory(device, device_peaks, used_before):
+    """The allocator's peaks, and what the device had in use at the window ends (CUDA graph pools, the
+    context, everything) and before the model existed, so that the difference is ours."""
+    cuda = device.type == "cuda"
+    return {"peak_memory_bytes": peak_memory_bytes(device),
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if cuda else None,
+            "device_peak_used_bytes": max(device_peaks) if cuda else None, "device_used_before_bytes": used_before}
 
 
 def probe_partial_updates(trainer, data, cfg, sync, rank, world_size):

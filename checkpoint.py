@@ -1,5 +1,7 @@
 """train.py's checkpoints: what one holds, writing it atomically, reading it back for resuming, sampling and
 export, and the RNG states that make a resumed run continue exactly as an uninterrupted one."""
+import dataclasses
+import hashlib
 import random
 from pathlib import Path
 
@@ -67,3 +69,58 @@ def set_rng_state(state):
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclasses.dataclass
+class InitialWeights:
+    """Weights to start a run from (init_from): the model shape they fix, our state dict, and its hash."""
+    config: ModelConfig
+    state: dict
+    sha256: str
+    source: str
+
+
+def initial_weights(path):
+    """The weights at `path`: a transformers Llama folder (config.json beside the weights), a train.py
+    checkpoint file, or a run folder holding ckpt.pt. ValueError, in one sentence, for anything else or for a
+    Llama outside the tiny-llm family (hf.config_from_hf says what is outside it)."""
+    path = Path(path)
+    if path.is_dir() and (path / "ckpt.pt").is_file():
+        path = path / "ckpt.pt"
+    if path.is_file():
+        model, _ = load_model(path)
+        source = "checkpoint"
+    elif path.is_dir() and (path / "config.json").is_file():
+        model, source = _from_transformers(path), "transformers"
+    else:
+        raise ValueError(f"init_from {str(path)!r} is neither a transformers Llama folder (with config.json) nor a "
+                         f"train.py checkpoint (out/NAME/ckpt.pt or its folder)")
+    state = {k: v.detach().float().contiguous() for k, v in model.state_dict().items()}
+    return InitialWeights(model.config, state, weights_sha256(state), source)
+
+
+def _from_transformers(folder):
+    import hf
+    from transformers import AutoConfig, LlamaForCausalLM
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except Exception as exc:
+        raise ValueError(f"init_from {str(folder)!r}: its config.json could not be read ({exc})") from None
+    if getattr(config, "model_type", None) != "llama":
+        raise ValueError(f"init_from {str(folder)!r} holds a {config.model_type!r} model; the tiny-llm family is "
+                         f"transformers' Llama (model_type 'llama')")
+    try:  # outside the family: refused before the weights are read
+        hf.config_from_hf(config)
+    except ValueError as exc:
+        raise ValueError(f"init_from {str(folder)!r}: {exc}") from None
+    return hf.from_hf(LlamaForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32))
+
+
+def weights_sha256(state):
+    """Hash of a state dict's names, shapes, dtypes and bytes: the initial weights' part of a recipe identity."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].detach().cpu().contiguous()
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}\0".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()

@@ -58,6 +58,11 @@ PRESETS = {
     "90m": ModelConfig(dim=768, n_layers=9, n_heads=12, hidden_dim=2048),
 }
 
+# The residual stream's dtype under autocast: float32 (the embedding's, so each block's bf16 output is added in
+# float32) or, declared as a change of math, bfloat16 (the weights and the optimizer stay float32).
+RESIDUAL_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
+
+
 def get_preset(name, **overrides):
     """The preset called `name`, with any field replaced by `overrides` (e.g. vocab_size from the data)."""
     if name not in PRESETS:
@@ -148,7 +153,8 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, config, attention_backend="auto", loss_impl="full", loss_chunk_tokens=8192):
+    def __init__(self, config, attention_backend="auto", loss_impl="full", loss_chunk_tokens=8192,
+                 residual_dtype="float32"):
         super().__init__()
         if isinstance(config, str):
             config = get_preset(config)
@@ -157,6 +163,9 @@ class Transformer(nn.Module):
         if loss_impl not in LOSS_IMPLEMENTATIONS:
             raise ValueError(f"unknown loss_impl {loss_impl!r}; valid: {', '.join(LOSS_IMPLEMENTATIONS)}")
         self.loss_impl, self.loss_chunk_tokens = loss_impl, loss_chunk_tokens
+        if residual_dtype not in RESIDUAL_DTYPES:
+            raise ValueError(f"unknown residual_dtype {residual_dtype!r}; valid: {', '.join(RESIDUAL_DTYPES)}")
+        self.residual_dtype = RESIDUAL_DTYPES[residual_dtype]
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
@@ -220,6 +229,8 @@ class Transformer(nn.Module):
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else self.rope_cos.dtype
         cos, sin = self.rope_cos[:T].to(dtype), self.rope_sin_signed[:T].to(dtype)
         x = self.tok_embeddings(idx)
+        if self.residual_dtype is not None and torch.is_autocast_enabled(device_type):
+            x = x.to(self.residual_dtype)  # the declared bf16 stream: every add and norm then reads half the bytes
         for layer in self.layers:
             x = layer(x, cos, sin, self._sdpa_backends)
         return self.norm(x)

@@ -17,6 +17,7 @@ import checkpoint
 import env
 import model as model_lib
 from configurator import ConfigError, defaults_of, load_config
+from dashboard import Dashboards
 from data.loader import CacheError, Prefetcher, TokenCache, TrainData, eval_batch_count, eval_batches
 from results import ResultsFileError, record
 from trainer import Trainer, all_reduce_sum, distributed, peak_memory_bytes
@@ -27,6 +28,9 @@ name = "run"                     # entry name in the results file; checkpoints g
 out_dir = ""                     # "" means out/<name>
 results_file = "results.json"
 resume = False                   # continue from out_dir/ckpt.pt (refused if the recipe differs)
+overwrite = False                # start afresh over an existing out_dir/ckpt.pt (else a rerun of a name is refused)
+init_from = ""                   # start from these weights: a transformers Llama folder, or a train.py checkpoint
+                                 # (ckpt.pt or its run folder); the model's shape is taken from them
 # model: a preset, any field overridable (0 keeps the preset's value)
 preset = "20m"
 vocab_size = 0                   # 0: the tokenizer's vocabulary, from the data cache
@@ -52,15 +56,17 @@ beta1 = 0.9
 beta2 = 0.95
 adam_eps = 1e-8
 grad_clip = 1.0                  # clip the gradient's global norm to this (0: no clipping; the norm is still logged)
+residual_dtype = "float32"       # float32, or bfloat16: a declared change of math (compare.py --allow_recipe_change)
 # execution: how the math is run, never what it is
-device = "auto"                  # auto, cpu, cuda
+device = "cuda"                  # cuda, cpu, or auto (a GPU if there is one); the CPU only when asked for
 micro_batch_size = 8
 compile = False
 compile_mode = "default"         # default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs
 compile_scope = "model"          # model: one graph; blocks: each block and the loss head apart (compiles once
                                  # for all the identical blocks, so a much shorter cold start)
-attention_backend = "auto"       # auto, flash, efficient, cudnn, math (SDPA's kernels), or fa4 (cuDNN's forward,
-                                 # flash-attn-4's backward; flash-attn-4 is installed apart)
+attention_backend = "auto"       # auto: fa4 where it can run, else sdpa; sdpa (SDPA's choice), flash, efficient,
+                                 # cudnn, math (one SDPA kernel), or fa4 (cuDNN's forward, flash-attn-4's backward;
+                                 # pip install -r requirements-gpu.txt, Hopper or Blackwell)
 loss_impl = "full"               # full, chunked, fused (see model.py)
 loss_chunk_tokens = 8192         # tokens per slice of the chunked and fused losses
 activation_memory_budget = 1.0   # compiled only: the share of the compiler's activation memory to keep; below 1 it
@@ -70,17 +76,23 @@ ddp_bucket_mb = 100              # DistributedDataParallel gradient bucket, MB: 
 eval_batch_size = 32
 log_interval = 50
 checkpoint_minutes = 0.0         # also checkpoint every N minutes (0: only at epoch ends and on signals)
+tensorboard_dir = ""             # also log the curves to TensorBoard in this folder (pip install tensorboard)
+wandb_log = False                # also log them to Weights & Biases, offline (pip install wandb; `wandb sync` later)
+wandb_project = "tiny-llm"
 stop_after_updates = 0           # stop (checkpointed) after N updates of this process, as a scheduler's time limit would
 
 
 DEFAULTS = defaults_of(globals())
 
 # Keys that only change how the math is executed; every other key is part of the recipe identity.
-EXECUTION_KEYS = {"name", "out_dir", "results_file", "resume", "data_dir", "device", "micro_batch_size",
+EXECUTION_KEYS = {"name", "out_dir", "results_file", "resume", "overwrite", "data_dir", "device", "micro_batch_size",
                   "compile", "compile_mode", "compile_scope", "attention_backend", "loss_impl", "loss_chunk_tokens",
                   "activation_memory_budget", "cpu_threads", "ddp_bucket_mb", "eval_batch_size", "log_interval",
-                  "checkpoint_minutes", "stop_after_updates"}
+                  "checkpoint_minutes", "stop_after_updates", "tensorboard_dir", "wandb_log", "wandb_project"}
 MODEL_KEYS = {"preset", "vocab_size", "dim", "n_layers", "n_heads", "hidden_dim", "seq_len"}
+# Recipe keys added after runs were recorded: each enters the recipe only off its default, so that those runs
+# keep their identities (and stay resumable and comparable).
+LATER_RECIPE_KEYS = {"residual_dtype": "float32"}
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILE_SCOPES = ("model", "blocks")
 RESERVED_NAMES = {"environment", "benchmarks", "tuning", "profiles", "history", "matched-comparison",
@@ -107,12 +119,16 @@ def model_config(cfg, vocab):
         raise ConfigError(str(exc)) from None
 
 
-def recipe(cfg, mcfg, cache_identity):
+def recipe(cfg, mcfg, cache_identity, init_weights=None):
     """Everything that changes the math of a run, and nothing that only changes its execution."""
     # The model's own fields are taken from the resolved config, so "dim=0" (the preset's) and "dim=320"
-    # are one recipe.
-    fields = {k: v for k, v in cfg.items() if k not in EXECUTION_KEYS and k not in MODEL_KEYS}
+    # are one recipe. Initial weights enter as their hash, not their path, and only when given, so that
+    # every run without them keeps the identity it has always had.
+    fields = {k: v for k, v in cfg.items() if k not in EXECUTION_KEYS and k not in MODEL_KEYS and k != "init_from"
+              and not (k in LATER_RECIPE_KEYS and v == LATER_RECIPE_KEYS[k])}
     fields.update(model=mcfg.to_dict(), cache_identity=cache_identity)
+    if init_weights:
+        fields["init_weights"] = init_weights
     return fields
 
 
@@ -131,12 +147,28 @@ def resolve_device(cfg, local_rank=None):
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device {cfg.device!r} is not one of auto, cpu, cuda")
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device 'cuda' was asked for but PyTorch sees no GPU; use --device=cpu")
+        raise ConfigError("this config trains on a GPU (device 'cuda') and PyTorch sees none; pass --device=cpu to "
+                          "run it on the CPU anyway (config/tiny_cpu.py is the model sized for one)")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     if device == "cuda" and local_rank is not None:
         torch.cuda.set_device(local_rank)
         return f"cuda:{local_rank}"
     return device
+
+
+def prepare_out_dir(cfg):
+    """The run's checkpoint path, its folder made now (not after an epoch of training). A checkpoint already
+    there is a run of this name: continued with resume, replaced with overwrite, else refused."""
+    out = run_dir(cfg)
+    ckpt = out / "ckpt.pt"
+    if ckpt.exists() and not cfg.resume and not cfg.overwrite:
+        raise ConfigError(f"{ckpt} exists: a run named {cfg.name!r} trained there; continue it with --resume=True, "
+                          f"start it afresh with --overwrite=True, or choose another --name")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"out_dir {str(out)!r} cannot be made ({exc.strerror}); give a writable folder") from None
+    return ckpt
 
 
 def training_data(cfg, cache, sequences_per_update):
@@ -148,7 +180,8 @@ def check_choices(cfg):
     """The settings that name one of a few choices."""
     for key, choices in (("compile_mode", COMPILE_MODES), ("compile_scope", COMPILE_SCOPES),
                          ("attention_backend", tuple(model_lib.ATTENTION_BACKENDS)),
-                         ("loss_impl", model_lib.LOSS_IMPLEMENTATIONS)):
+                         ("loss_impl", model_lib.LOSS_IMPLEMENTATIONS),
+                         ("residual_dtype", tuple(model_lib.RESIDUAL_DTYPES))):
         if cfg[key] not in choices:
             raise ConfigError(f"{key} {cfg[key]!r} is not one of {', '.join(choices)}")
     if cfg.attention_backend == "fa4":
@@ -200,18 +233,38 @@ def check_execution(cfg, world_size=1):
     return sequences
 
 
-def setup(cfg):
-    """Shared by train and bench: the verified data cache, the model config and the recipe."""
+def load_initial_weights(cfg):
+    """init_from's weights (None without it); a path that holds none, or a model outside the family, is a
+    ConfigError."""
+    if not cfg.init_from:
+        return None
+    try:
+        return checkpoint.initial_weights(cfg.init_from)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def setup(cfg, initial=None):
+    """Shared by train and bench: the verified data cache, the model config and the recipe. With init_from, the
+    model's shape is that of the initial weights (`initial`, loaded here when not given)."""
     try:
         cache = TokenCache(cfg.data_dir, vocab_size=cfg.vocab_size)
     except CacheError as exc:
         raise ConfigError(str(exc)) from None
-    mcfg = model_config(cfg, cache.vocab_size)
+    initial = initial or load_initial_weights(cfg)
+    if initial:
+        mcfg = dataclasses.replace(initial.config, max_seq_len=cfg.seq_len)  # rotary tables are not weights
+    else:
+        mcfg = model_config(cfg, cache.vocab_size)
     if cache.vocab_size > mcfg.vocab_size:
         raise ConfigError(f"the data's tokenizer has {cache.vocab_size} tokens but the model's vocabulary "
                           f"holds {mcfg.vocab_size}; set vocab_size=0 (follow the data) or at least "
-                          f"{cache.vocab_size}")
-    rec = recipe(cfg, mcfg, cache.identity)
+                          f"{cache.vocab_size}" + (" (or start from a model of this tokenizer)" if initial else ""))
+    if cfg.vocab_size > cache.vocab_size and not initial:
+        raise ConfigError(f"vocab_size {cfg.vocab_size} is larger than the {cache.vocab_size} tokens of the cache "
+                          f"{cfg.data_dir}: the LM head would hold rows no token uses; set vocab_size=0 (follow the "
+                          f"data) or {cache.vocab_size}, or prepare a cache of that vocabulary")
+    rec = recipe(cfg, mcfg, cache.identity, initial.sha256 if initial else None)
     return cache, mcfg, rec
 
 
@@ -258,10 +311,13 @@ class RunState:
     sessions: int = 0  # how many processes have trained this run (1 + the resumes)
     first_update_seconds: float = None
     final_validation: dict = None
+    # the logged training loss, learning rate and gradient norm, one point per log interval
+    training_curve: list = dataclasses.field(default_factory=list)
 
 
-# A checkpoint must hold these to be resumed (final_validation exists only once the run is complete).
-RESUME_FIELDS = [f.name for f in dataclasses.fields(RunState) if f.name != "final_validation"]
+# A checkpoint must hold these to be resumed (a final validation exists only once the run is complete, and
+# checkpoints written before the training curve was recorded lack it: it starts empty for them).
+RESUME_FIELDS = [f.name for f in dataclasses.fields(RunState) if f.name not in ("final_validation", "training_curve")]
 
 
 class Run:
@@ -273,17 +329,16 @@ class Run:
         self.main_process = self.rank == 0
         self.device = resolve_device(cfg, local_rank)
         self.sequences_per_update = check_execution(cfg, self.world_size)
-        self.cache, self.mcfg, self.recipe = setup(cfg)
+        self.ckpt_path = prepare_out_dir(cfg)
+        initial = load_initial_weights(cfg)
+        self.cache, self.mcfg, self.recipe = setup(cfg, initial)
         self.recipe_id = env.hash_json(self.recipe)
         self.data = training_data(cfg, self.cache, self.sequences_per_update)
         self.total_updates = self.data.updates_per_epoch * cfg.epochs
-        self.trainer = Trainer(cfg, self.mcfg, self.device, self.total_updates, self.world_size, local_rank)
-        out = run_dir(cfg)
-        try:  # now, not at the first checkpoint after an epoch of training
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"out_dir {str(out)!r} cannot be made ({exc.strerror}); give a writable folder") from None
-        self.ckpt_path = out / "ckpt.pt"
+        self.trainer = Trainer(cfg, self.mcfg, self.device, self.total_updates, self.world_size, local_rank,
+                               initial_state=initial.state if initial else None)
+        if initial and self.main_process:
+            print(f"initial weights from {cfg.init_from} ({initial.source}, {initial.sha256[:12]})")
         self.flops = model_lib.flops_per_token(self.mcfg, cfg.seq_len)
         self.gpu_name = torch.cuda.get_device_name(self.device) if self.device.startswith("cuda") else None
         self.parameters = sum(p.numel() for p in self.trainer.raw_model.parameters())
@@ -321,6 +376,7 @@ class Run:
         elif cfg.resume:
             print(f"no checkpoint at {path}: starting from scratch")
         self.state.sessions += 1
+        self.dashboards = Dashboards(cfg, self.state.run_id, path.parent) if self.main_process else None
 
     def announce(self):
         if not self.main_process:
@@ -331,7 +387,8 @@ class Run:
         print(f"{cfg.name}: {self.parameters:,} parameters, {data.n_sequences:,} sequences of {cfg.seq_len} per "
               f"epoch, {data.updates_per_epoch} updates per epoch x {cfg.epochs} epochs, micro-batch "
               f"{cfg.micro_batch_size} x {accumulation} accumulation x {self.world_size} process(es), "
-              f"{self.device}, recipe {self.recipe_id[:12]}"
+              f"{self.device}, attention {self.trainer.attention} ({self.trainer.attention_reason}), "
+              f"recipe {self.recipe_id[:12]}"
               + ("; the first update compiles the model" if compiles else ""), flush=True)
 
     # -- one update and its log
@@ -375,18 +432,26 @@ class Run:
         return u + 1 == self.data.updates_per_epoch
 
     def log(self, grad_norm):
-        cfg, trainer = self.cfg, self.trainer
+        """The interval's mean training loss, learning rate and gradient norm: printed, recorded in the
+        training curve, and sent to the dashboards."""
+        cfg, trainer, state = self.cfg, self.trainer, self.state
         loss = all_reduce_sum(self.loss_total.detach().clone(), self.world_size).item() / self.interval_tokens
         now = time.time()
         rate = self.interval_tokens / (now - self.interval_start)
-        self.state.interval_tokens_per_second.append(rate)
+        lr, norm = trainer.lr_at(trainer.step - 1), grad_norm.item()
+        state.interval_tokens_per_second.append(rate)
+        state.training_curve.append({"update": trainer.step, "tokens": state.tokens, "loss": loss, "lr": lr,
+                                     "grad_norm": norm,
+                                     "training_seconds": state.training_seconds + now - self.segment_start})
         if self.main_process:
+            self.dashboards.log(trainer.step, {"train/loss": loss, "train/lr": lr, "train/grad_norm": norm,
+                                               "train/tokens_per_second": rate})
             mfu = env.mfu(self.flops, rate / self.world_size, self.gpu_name)
             mfu = f"{100 * mfu:.1f}%" if mfu else "n/a"
             eta = (self.total_updates - trainer.step) * cfg.tokens_per_update / rate
-            print(f"update {trainer.step}/{self.total_updates} | epoch {self.state.epoch + 1} | loss {loss:.4f} | "
-                  f"grad norm {grad_norm.item():.3f} | lr {trainer.lr_at(trainer.step - 1):.2e} | "
-                  f"{rate / 1e3:,.1f}K tok/s | MFU {mfu} | ETA {format_seconds(eta)}", flush=True)
+            print(f"update {trainer.step}/{self.total_updates} | epoch {state.epoch + 1} | loss {loss:.4f} | "
+                  f"grad norm {norm:.3f} | lr {lr:.2e} | {rate / 1e3:,.1f}K tok/s | MFU {mfu} | "
+                  f"ETA {format_seconds(eta)}", flush=True)
         self.interval_start, self.interval_tokens, self.loss_total = now, 0, None
 
     def stop_requested(self, stop, u):
@@ -438,6 +503,7 @@ class Run:
         if state.best_subset_loss is None or result["loss"] < state.best_subset_loss:
             state.best_subset_loss, state.best_epoch = result["loss"], state.epoch
         if self.main_process:
+            self.dashboards.log(self.trainer.step, {"val/subset_loss": result["loss"]})
             print(f"epoch {state.epoch}: validation-subset loss {result['loss']:.4f} over {result['tokens']:,} tokens")
 
     def say_stopped(self, stop):
@@ -480,6 +546,7 @@ class Run:
                           validation_complete=True, tokens_per_second=result["tokens"] / seconds)
             self.state.final_validation = result
             if self.main_process:
+                self.dashboards.log(self.trainer.step, {"val/loss": result["loss"], "val/perplexity": result["perplexity"]})
                 print(f"full validation: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}, "
                       f"{result['tokens']:,} tokens in {result['seconds']:.1f} s")
         self.status = "complete"
@@ -491,11 +558,14 @@ class Run:
         error = None if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
         if self.main_process:
             record(self.cfg.results_file, [self.cfg.name], dict(self.entry(), error=error))
+            if getattr(self, "dashboards", None):
+                self.dashboards.close()
 
     def close(self):
         """The final entry, recorded (with SLURM's accounting when under SLURM) and summarized."""
         result = self.entry()
         if self.main_process:
+            self.dashboards.close()
             record(self.cfg.results_file, [self.cfg.name], result)
             usage = env.allocation_usage()
             if usage:
@@ -525,10 +595,11 @@ class Run:
             "first_update_seconds": s.first_update_seconds,
             "mfu": env.mfu(self.flops, tokens_per_second / self.world_size if seconds else None, self.gpu_name),
             "flops_per_token": self.flops, "peak_memory_bytes": peak_memory_bytes(self.device),
-            "world_size": self.world_size, "sessions": s.sessions,
+            "world_size": self.world_size, "sessions": s.sessions, "attention": self.trainer.attention,
             "recipe_identity": self.recipe_id, "recipe": self.recipe, "config": dict(cfg),
             "config_identity": env.config_identity(dict(cfg)), "validation_curve": s.validation_curve,
-            "interval_tokens_per_second": s.interval_tokens_per_second, "environment": self.fingerprint,
+            "interval_tokens_per_second": s.interval_tokens_per_second, "training_curve": s.training_curve,
+            "environment": self.fingerprint,
         }
 
 

@@ -13,6 +13,7 @@ import torch._functorch.config  # activation_memory_budget
 
 import model as model_lib
 from configurator import ConfigError
+from kernels.attention import fa4_problem, resolve_backend
 
 
 # ---------------------------------------------------------------- distributed
@@ -43,10 +44,20 @@ def peak_memory_bytes(device):
 
 # ---------------------------------------------------------------- the update step
 
+def uses_cudagraphs(cfg):
+    """Whether the compiled model runs as CUDA graphs (the compile modes that capture them)."""
+    return cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune")
+
+
+def micro_steps(cfg, world_size=1):
+    """Micro-batches per update on each process: the gradient accumulation count."""
+    return max(1, cfg.tokens_per_update // cfg.seq_len // (cfg.micro_batch_size * world_size))
+
+
 class Trainer:
     """Model, optimizer and schedule, with the one update step that train.py runs and bench.py times."""
 
-    def __init__(self, cfg, mcfg, device, total_updates, world_size=1, local_rank=0):
+    def __init__(self, cfg, mcfg, device, total_updates, world_size=1, local_rank=0, initial_state=None):
         self.cfg, self.device, self.world_size = cfg, torch.device(device), world_size
         self.total_updates = total_updates
         if cfg.cpu_threads:
@@ -54,8 +65,14 @@ class Trainer:
         self.check_attention_device()
         torch.manual_seed(cfg.seed)
         self.raw_model = model_lib.Transformer(mcfg, attention_backend=cfg.attention_backend, loss_impl=cfg.loss_impl,
-                                               loss_chunk_tokens=cfg.loss_chunk_tokens).to(self.device)
-        self.cudagraphs = cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune")
+                                               loss_chunk_tokens=cfg.loss_chunk_tokens,
+                                               residual_dtype=cfg.residual_dtype).to(self.device)
+        if initial_state is not None:  # init_from: the weights a run starts from, in place of the seed's
+            self.raw_model.load_state_dict(initial_state)
+        self.cudagraphs = uses_cudagraphs(cfg)
+        self.stable_grads = self.cudagraphs and micro_steps(cfg, world_size) > 1
+        if self.stable_grads:
+            self.allocate_gradients()
         self.model = self.compiled(self.raw_model) if cfg.compile else self.raw_model
         self.eval_model = self.model  # evaluation needs no gradient sync, so never the DDP wrapper
         if world_size > 1:
@@ -70,12 +87,22 @@ class Trainer:
         # bf16 autocast on the GPU; None (float32) on the CPU. A test turns it on there too.
         self.autocast_dtype = torch.bfloat16 if self.device.type == "cuda" else None
 
+    def allocate_gradients(self):
+        """Give every parameter a zeroed .grad that the optimizer step keeps (zero_grad without set_to_none).
+
+        With CUDA graphs, a .grad first created by a graph's backward lives in the graph's memory pool, and the
+        next micro-step's replay overwrites it ("accessing tensor output of CUDAGraphs that has been overwritten
+        by a subsequent run"). Gradients allocated here, outside any pool, are added into in place instead:
+        PyTorch's own advice for gradient accumulation under CUDA graphs. The sum is the same."""
+        for p in self.raw_model.parameters():
+            p.grad = torch.zeros_like(p)
+
     def check_attention_device(self):
-        if self.cfg.attention_backend == "fa4" and not (
-                self.device.type == "cuda" and torch.cuda.get_device_capability(self.device)[0] in (9, 10)):
-            # flash-attn-4's backward runs on these; on the CPU its import may work, its kernels do not
-            raise ConfigError("attention_backend 'fa4' runs on Hopper and Blackwell GPUs only (compute capability "
-                              "9.x or 10.x); choose auto, flash, efficient, cudnn or math")
+        """fa4 asked for where it cannot run is refused (auto falls back to SDPA and says so instead)."""
+        self.attention, self.attention_reason = resolve_backend(self.cfg.attention_backend, self.device)
+        problem = fa4_problem(self.device) if self.attention == "fa4" else None
+        if problem:
+            raise ConfigError(f"attention_backend 'fa4': {problem}; choose auto, sdpa, flash, efficient, cudnn or math")
 
     def compiled(self, model):
         """The model under torch.compile: whole, or (compile_scope=blocks) each block and the loss head apart."""
@@ -144,7 +171,7 @@ class Trainer:
                 loss_sum += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.cfg.grad_clip or math.inf)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.stable_grads)
         self.step += 1
         return loss_sum, grad_norm
 

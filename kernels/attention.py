@@ -1,23 +1,54 @@
 """Causal attention for training and evaluation: SDPA's kernels, or "fa4", our op pair of cuDNN's forward and
 flash-attn-4's backward (flash-attn-4 is installed apart: requirements-gpu.txt)."""
 import contextlib
+import functools
 import importlib
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-# Pinning one SDPA kernel makes a benchmark measure the kernel it names; "auto" lets PyTorch choose. "fa4" is
-# not an SDPA kernel: when gradients are wanted, our own op with cuDNN's forward and flash-attn-4's backward
-# (see causal_attention).
+# "sdpa" lets PyTorch's scaled_dot_product_attention choose its kernel (cuDNN's flash attention on Hopper);
+# pinning one SDPA kernel makes a benchmark measure the kernel it names. "fa4" is not an SDPA kernel: when
+# gradients are wanted, our own op with cuDNN's forward and flash-attn-4's backward (see causal_attention).
+# "auto", the default, is fa4 wherever it can run and sdpa elsewhere (resolve_backend).
 ATTENTION_BACKENDS = {
-    "auto": None,
+    "auto": "auto",
+    "sdpa": None,
     "flash": [SDPBackend.FLASH_ATTENTION],
     "efficient": [SDPBackend.EFFICIENT_ATTENTION],
     "cudnn": [SDPBackend.CUDNN_ATTENTION],
     "math": [SDPBackend.MATH],
     "fa4": "fa4",
 }
+
+def fa4_problem(device):
+    """Why fa4 cannot run on `device` (a torch.device), or None when it can: flash-attn-4's backward needs
+    the package and a Hopper or Blackwell GPU (compute capability 9.x or 10.x)."""
+    if device.type != "cuda":
+        return f"fa4 runs on Hopper and Blackwell GPUs only, not on the {device.type}"
+    if torch.cuda.get_device_capability(device)[0] not in (9, 10):
+        return f"fa4 runs on Hopper and Blackwell GPUs only, not on {torch.cuda.get_device_name(device)}"
+    try:
+        flash_attn_4()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _fa4_runs_on(device):
+    return fa4_problem(device) is None
+
+
+def resolve_backend(name, device):
+    """(the backend a setting runs on `device`, why): "auto" is fa4 where it can run, else SDPA's choice."""
+    device = torch.device(device)
+    if name != "auto":
+        return name, "as set"
+    problem = fa4_problem(device)
+    return ("sdpa", f"the default; {problem}") if problem else ("fa4", "the default where flash-attn-4 can run")
+
 
 def flash_attn_4():
     """flash-attn-4's interface module (the `flash_attn.cute` package: FlashAttention for Hopper and Blackwell,
@@ -103,6 +134,8 @@ def flash_attention_4(q, k, v):
 
 def causal_attention(q, k, v, backends):
     """q, k, v: (B, T, H, D); backends: a value of ATTENTION_BACKENDS. Returns (B, T, H, D)."""
+    if backends == "auto":
+        backends = "fa4" if _fa4_runs_on(q.device) else None
     if backends == "fa4":
         if torch.is_grad_enabled() and q.requires_grad:
             return flash_attention_4(q, k, v)

@@ -126,6 +126,35 @@ def test_micro_batch_size_does_not_change_an_update(text_cache, tmp_path):
     assert any(not torch.equal(start[n], results[8][n]) for n in start)  # the updates did change the weights
 
 
+@pytest.mark.parametrize("compile_mode, micro, world_size, stable", [
+    ("reduce-overhead", 2, 1, True), ("max-autotune", 4, 1, True), ("reduce-overhead", 8, 1, False),
+    ("reduce-overhead", 4, 2, False), ("default", 2, 1, False), ("max-autotune-no-cudagraphs", 2, 1, False)])
+def test_cuda_graphs_with_accumulation_keep_gradients_outside_the_graphs(compile_mode, micro, world_size, stable):
+    """Under CUDA graphs a .grad made by a graph's backward is overwritten by the next micro-step's replay:
+    exactly the combinations that accumulate (more than one micro-step per process) keep stable gradients."""
+    cfg = train.Config(train.DEFAULTS, compile=True, compile_mode=compile_mode, micro_batch_size=micro,
+                       seq_len=64, tokens_per_update=8 * 64)
+    assert (trainer_lib.uses_cudagraphs(cfg) and trainer_lib.micro_steps(cfg, world_size) > 1) is stable
+
+
+def test_stable_gradients_give_the_same_updates_bitwise(text_cache, tmp_path):
+    """The accumulation that CUDA graphs need (zeroed gradients added into in place) is the same arithmetic as
+    the default (the first micro-step's gradient taken as it comes, later ones added)."""
+    cfg = small_config(text_cache, tmp_path, micro_batch_size=2)
+    data = train_data(cfg)
+    plain, stable = make_trainer(cfg), make_trainer(cfg)
+    stable.stable_grads = True
+    stable.allocate_gradients()
+    grads = [p.grad for p in stable.raw_model.parameters()]
+    for u in range(3):
+        batches, n_tokens = data.micro_batches(0, u, 2)
+        assert [t.item() for t in plain.update(batches, n_tokens)] == [t.item() for t in stable.update(batches, n_tokens)]
+    assert all(p.grad is g and not g.any() for p, g in zip(stable.raw_model.parameters(), grads))  # kept, zeroed
+    assert all(p.grad is None for p in plain.raw_model.parameters())
+    for n, p in parameters(plain.raw_model).items():
+        assert torch.equal(p, parameters(stable.raw_model)[n]), n
+
+
 def test_one_autocast_region_per_update_casts_each_weight_once_with_the_same_math(text_cache, tmp_path):
     """Trainer.update keeps one autocast region over all micro-steps, so eager (launch-bound) casts each
     weight to bf16 once per update, not once per micro-step; the update must equal one with an autocast
@@ -332,6 +361,9 @@ def test_stop_and_resume_is_bitwise_identical(text_cache, tmp_path):
 
     assert last["final_validation"]["loss"] == full["final_validation"]["loss"]
     assert [p["loss"] for p in last["validation_curve"]] == [p["loss"] for p in full["validation_curve"]]
+    # the training curve of the three processes is the uninterrupted run's, point for point
+    curve = lambda entry: [(p["update"], p["tokens"], p["loss"], p["lr"], p["grad_norm"]) for p in entry["training_curve"]]
+    assert curve(last) == curve(full) and len(curve(full)) == full["step"]  # log_interval 1
     assert last["tokens"] == full["tokens"] and last["step"] == full["step"]
     a, b = checkpoint_parameters(tmp_path / "straight"), checkpoint_parameters(tmp_path / "resumed")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -406,7 +438,9 @@ def test_resume_refuses_another_recipe_but_accepts_other_execution(text_cache, t
 # Every default is either part of the recipe (what is computed) or execution (how it is run).
 RECIPE_KEYS = {"preset", "vocab_size", "dim", "n_layers", "n_heads", "hidden_dim", "seq_len", "train_subset_tokens",
                "val_subset_tokens", "full_validation", "seed", "epochs", "tokens_per_update", "learning_rate",
-               "min_lr", "warmup_updates", "weight_decay", "beta1", "beta2", "adam_eps", "grad_clip"}
+               "min_lr", "warmup_updates", "weight_decay", "beta1", "beta2", "adam_eps", "grad_clip",
+               "init_from",  # as the hash of the weights it names
+               "residual_dtype"}  # only off its default, float32
 
 
 def test_every_default_is_classified():
@@ -421,6 +455,7 @@ def recipe_id(cfg, cache_identity="cache"):
 
 
 @pytest.mark.parametrize("change", [dict(learning_rate=1e-3), dict(seed=1), dict(epochs=3), dict(dim=128),
+                                    dict(residual_dtype="bfloat16"),
                                     dict(n_layers=3), dict(hidden_dim=256), dict(seq_len=32),
                                     dict(tokens_per_update=1024), dict(train_subset_tokens=999)])
 def test_the_recipe_identity_follows_the_math(text_cache, tmp_path, change):
@@ -704,6 +739,30 @@ def test_torchrun_training_on_two_processes(text_cache, tmp_path):
     single = train.train(train.Config(cfg, name="single", out_dir=str(tmp_path / "single")))
     assert entry["final_validation"]["loss"] == pytest.approx(single["final_validation"]["loss"], rel=1e-5)
     assert_close_parameters(checkpoint_parameters(tmp_path / "out"), checkpoint_parameters(tmp_path / "single"), 1e-4)
+
+
+def test_two_nodes_through_torchruns_rendezvous_train_as_one_process(text_cache, tmp_path):
+    """Multi-node is torchrun's: two torchrun launchers (--nnodes=2, the c10d rendezvous), one process each, as two
+    machines would start them, meet on one endpoint and train the recipe to the one-process result."""
+    cfg = small_config(text_cache, tmp_path, micro_batch_size=2, name="nodes")
+    endpoint = f"127.0.0.1:{free_port()}"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+              f"--rdzv_endpoint={endpoint}", "--rdzv_id=tiny-llm-test", str(REPO / "train.py"), *cli_args(cfg)]
+    logs = [tmp_path / f"node{n}.log" for n in range(2)]
+    nodes = [subprocess.Popen(launch, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                              env=dict(os.environ, OMP_NUM_THREADS="1")) for log in logs]
+    try:
+        codes = [node.wait(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    assert codes == [0, 0], [log.read_text()[-2000:] for log in logs]
+    entry = read_results(cfg.results_file)["nodes"]
+    assert entry["status"] == "complete" and entry["world_size"] == 2
+    assert entry["tokens"] == 2 * N_SEQUENCES * SEQ_LEN
+    single = train.train(train.Config(cfg, name="single", out_dir=str(tmp_path / "single")))
+    assert entry["final_validation"]["loss"] == pytest.approx(single["final_validation"]["loss"], rel=1e-5)
 
 
 def test_the_recipe_identity_is_of_the_resolved_model(text_cache, tmp_path):

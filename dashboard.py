@@ -1,0 +1,48 @@
+"""Optional dashboards for a training run, as nanoGPT's wandb_log and torchtitan's metrics loggers: TensorBoard
+(torch.utils.tensorboard; pip install tensorboard) and Weights & Biases in offline mode (pip install wandb; sync
+later with `wandb sync`). Both are off by default; the results entry records the same curves either way.
+"""
+from configurator import ConfigError
+
+
+class Dashboards:
+    """The dashboards a config turns on; each gets the same scalars at the same update number."""
+
+    def __init__(self, cfg, run_id, out_dir):
+        self.writers = []
+        if cfg.tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ConfigError("tensorboard_dir is set but the tensorboard package is not installed; "
+                                  "pip install tensorboard, or leave tensorboard_dir empty") from None
+            self.tensorboard = SummaryWriter(log_dir=cfg.tensorboard_dir)
+            self.writers.append(self._tensorboard)
+        if cfg.wandb_log:
+            try:
+                import wandb
+            except ImportError:
+                raise ConfigError("wandb_log=True but the wandb package is not installed; pip install wandb, "
+                                  "or set wandb_log=False") from None
+            # offline: no account or network needed; the run id makes a resumed run continue the same curves
+            self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.name, id=run_id, resume="allow",
+                                    mode="offline", dir=str(out_dir), config=dict(cfg))
+            self.writers.append(self._wandb)
+
+    def _tensorboard(self, step, scalars):
+        for key, value in scalars.items():
+            self.tensorboard.add_scalar(key, value, step)
+
+    def _wandb(self, step, scalars):
+        self.wandb.log(scalars, step=step)
+
+    def log(self, step, scalars):
+        """scalars: {"train/loss": 3.1, ...} at update `step`."""
+        for write in self.writers:
+            write(step, scalars)
+
+    def close(self):
+        if hasattr(self, "tensorboard"):
+            self.tensorboard.close()
+        if hasattr(self, "wandb"):
+            self.wandb.finish()

@@ -1,0 +1,82 @@
+"""Gradient accumulation on the GPU: micro-batch 8, 16 and 32 of a recipe give the same losses, eager, compiled
+and compiled with CUDA graphs (the CPU suite proves the same for eager; CUDA graphs exist only on the GPU).
+
+    python scripts/accumulation_check.py config/20m_gh200.py [--updates=20] [--results_file=results.json]
+
+Each variant trains the first `updates` updates of the recipe from the same seed on the same tokens and reports
+the mean token loss of the last five. The noise floor is the difference between the two eager variants
+(micro-batch 8 and 32: the same math summed in another order in bf16); a variant passes when it lies within
+max(3 x that floor, 0.01) of eager micro-batch 32. Exit status 1 if any variant fails or errors.
+"""
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import env  # noqa: E402
+import train  # noqa: E402
+from configurator import load_config  # noqa: E402
+from results import record  # noqa: E402
+from trainer import Trainer  # noqa: E402
+
+VARIANTS = [("eager", 32), ("eager", 8), ("default", 32), ("default", 16), ("default", 8),
+            ("reduce-overhead", 32), ("reduce-overhead", 16), ("reduce-overhead", 8)]
+DEFAULTS = dict(train.DEFAULTS, updates=20)
+
+
+def losses_of(cfg, mode, micro, updates):
+    """The token-mean loss of each of the first `updates` updates of cfg run as (mode, micro)."""
+    run_cfg = train.Config(cfg, compile=mode != "eager", compile_mode="default" if mode == "eager" else mode,
+                           micro_batch_size=micro)
+    sequences = train.check_execution(run_cfg)
+    cache, mcfg, _ = train.setup(run_cfg)
+    data = train.training_data(run_cfg, cache, sequences)
+    trainer = Trainer(run_cfg, mcfg, train.resolve_device(run_cfg), total_updates=data.updates_per_epoch)
+    losses = []
+    for u in range(updates):
+        batches, n_tokens = data.micro_batches(0, u, micro)
+        batches = [(x.to(trainer.device), y.to(trainer.device)) for x, y in batches]
+        loss_sum, _ = trainer.update(batches, n_tokens)
+        losses.append(loss_sum.item() / n_tokens)
+    del trainer
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    return losses
+
+
+def main(argv):
+    cfg = train.Config(load_config(DEFAULTS, argv))
+    results = {}
+    for mode, micro in VARIANTS:
+        start = time.time()
+        try:
+            losses = losses_of(cfg, mode, micro, cfg.updates)
+            results[f"{mode}-mb{micro}"] = {"losses": losses, "last5": sum(losses[-5:]) / 5,
+                                            "seconds": time.time() - start}
+        except Exception as exc:  # a failure of one variant is the finding; the others still run
+            results[f"{mode}-mb{micro}"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        print(f"{mode}-mb{micro}: {results[f'{mode}-mb{micro}'].get('last5', 'error')}", flush=True)
+    reference = results["eager-mb32"].get("last5")
+    floor = abs(results["eager-mb8"].get("last5", reference) - reference) if reference is not None else None
+    tolerance = max(3 * floor, 0.01) if floor is not None else None
+    print(f"{'variant':<22}{'loss (updates -5..)':>20}{'vs eager mb32':>15}  verdict  (tolerance {tolerance})")
+    ok = reference is not None
+    for name, r in results.items():
+        if "error" in r:
+            ok = False
+            print(f"{name:<22} error: {r['error']}")
+            continue
+        diff = r["last5"] - reference
+        r["passed"] = abs(diff) <= tolerance
+        ok = ok and r["passed"]
+        print(f"{name:<22}{r['last5']:>20.5f}{diff:>+15.5f}  {'ok' if r['passed'] else 'DIFFERS'}")
+    record(cfg.results_file, ["accumulation-check"], {
+        "run_id": env.new_run_id(), "updates": cfg.updates, "tolerance": tolerance, "noise_floor": floor,
+        "variants": results, "environment": env.fingerprint()})
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

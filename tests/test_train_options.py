@@ -1,0 +1,134 @@
+"""What a practitioner expects of train.py beyond training: a GPU config refused on a CPU, starting from weights
+(init_from), no silent overwrite of a run, the training-loss curve in the entry and the optional dashboards."""
+import json
+import sys
+import time
+import types
+
+import pytest
+import torch
+
+import checkpoint
+import hf
+import train
+from results import lookup, read_results
+from tests.test_train import REPO, checkpoint_parameters, cli_args, small_config
+
+
+def one_line_error(capsys, *words):
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    for word in words:
+        assert word in err, err
+    return err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+@pytest.mark.parametrize("argv", [["config/20m_gh200.py"], []])
+def test_a_gpu_recipe_without_a_gpu_is_refused_in_one_line_naming_device_cpu(tmp_path, capsys, argv):
+    """The 20m recipe on a CPU needed 216 s for its first update, silently; bench.py with no config too."""
+    start = time.time()
+    code = train.main([str(REPO / a) for a in argv] + [f"--results_file={tmp_path / 'r.json'}",
+                                                       f"--out_dir={tmp_path / 'out'}"])
+    assert code == 2 and time.time() - start < 10
+    one_line_error(capsys, "--device=cpu")
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_a_rerun_of_a_name_is_refused_unless_resumed_or_overwritten(text_cache, tmp_path, capsys):
+    cfg = small_config(text_cache, tmp_path, epochs=1)
+    train.train(cfg)
+    ckpt = tmp_path / "out" / "ckpt.pt"
+    before = ckpt.read_bytes()
+    capsys.readouterr()
+    assert train.main(cli_args(cfg)) == 2
+    one_line_error(capsys, "--resume=True", "--overwrite=True", str(ckpt))
+    assert ckpt.read_bytes() == before  # nothing trained, nothing written
+    again = train.train(train.Config(cfg, overwrite=True, seed=7))
+    assert again["status"] == "complete" and ckpt.read_bytes() != before
+
+
+def test_init_from_a_checkpoint_takes_its_shape_and_weights_and_names_them_in_the_recipe(text_cache, tmp_path):
+    source = train.train(small_config(text_cache, tmp_path, name="src", out_dir=str(tmp_path / "src"), epochs=1))
+    # another shape in the config: the initial weights' shape wins, and 0 epochs keeps them as they are
+    cfg = small_config(text_cache, tmp_path, name="from", out_dir=str(tmp_path / "from"), epochs=0,
+                       dim=32, n_layers=1, init_from=str(tmp_path / "src"))
+    entry = train.train(cfg)
+    assert entry["recipe"]["model"] == source["recipe"]["model"]
+    a, b = checkpoint_parameters(tmp_path / "src"), checkpoint_parameters(tmp_path / "from")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert entry["recipe"]["init_weights"] == checkpoint.weights_sha256(a)
+    assert "init_from" not in entry["recipe"]  # the weights count, not the path they were read from
+    plain = small_config(text_cache, tmp_path, name="plain", out_dir=str(tmp_path / "plain"), epochs=0)
+    assert "init_weights" not in train.setup(plain)[2]
+    assert train.setup(plain)[2] != entry["recipe"]
+
+
+def test_init_from_a_transformers_folder_starts_from_its_weights(text_cache, tmp_path):
+    train.train(small_config(text_cache, tmp_path, name="src", out_dir=str(tmp_path / "src"), epochs=1))
+    model, _ = checkpoint.load_model(tmp_path / "src" / "ckpt.pt")
+    hf.to_hf(model).save_pretrained(tmp_path / "hf")
+    cfg = small_config(text_cache, tmp_path, name="from-hf", out_dir=str(tmp_path / "from-hf"), epochs=0,
+                       init_from=str(tmp_path / "hf"))
+    entry = train.train(cfg)
+    a, b = model.state_dict(), checkpoint_parameters(tmp_path / "from-hf")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert entry["recipe"]["init_weights"] == checkpoint.weights_sha256({k: v.float() for k, v in a.items()})
+
+
+def test_init_from_outside_the_family_or_nowhere_is_one_line(text_cache, tmp_path, capsys):
+    train.train(small_config(text_cache, tmp_path, name="src", out_dir=str(tmp_path / "src"), epochs=1))
+    model, _ = checkpoint.load_model(tmp_path / "src" / "ckpt.pt")
+    grouped = hf.to_hf(model)
+    grouped.config.num_key_value_heads = 1  # grouped-query attention: not a tiny-llm shape
+    grouped.save_pretrained(tmp_path / "gqa")
+    capsys.readouterr()
+    for path, words in ((tmp_path / "gqa", "outside the tiny-llm family: grouped-query attention"),
+                        (tmp_path / "nowhere", "neither a transformers Llama folder")):
+        cfg = small_config(text_cache, tmp_path, name="x", out_dir=str(tmp_path / "x"), init_from=str(path))
+        assert train.main(cli_args(cfg)) == 2
+        one_line_error(capsys, words)
+
+
+def test_a_vocab_size_above_the_caches_is_refused(text_cache, tmp_path, capsys):
+    """A 32,000-row LM head on a 256-token cache trained without a word."""
+    cfg = small_config(text_cache, tmp_path, vocab_size=32000)
+    assert train.main(cli_args(cfg)) == 2
+    one_line_error(capsys, "vocab_size 32000 is larger than the 256 tokens")
+
+
+def test_the_entry_holds_the_training_curve_and_the_dashboards_get_it(text_cache, tmp_path, monkeypatch):
+    logged = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kwargs: logged.append(("init", kwargs)) or types.SimpleNamespace(
+        log=lambda scalars, step: logged.append(("log", step, scalars)), finish=lambda: logged.append(("finish",)))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = small_config(text_cache, tmp_path, epochs=1, log_interval=2, tensorboard_dir=str(tmp_path / "tb"),
+                       wandb_log=True)
+    entry = train.train(cfg)
+    curve = entry["training_curve"]
+    assert [p["update"] for p in curve] == [2, 3]  # every log_interval, and the epoch's last update
+    assert [p["tokens"] for p in curve] == [16 * 64, 21 * 64]
+    assert all(p["loss"] > 0 and p["grad_norm"] > 0 and p["lr"] > 0 for p in curve)
+    assert lookup(cfg.results_file, ["t", "training_curve"]) == curve
+
+    assert logged[0][0] == "init" and logged[0][1]["mode"] == "offline" and logged[0][1]["id"] == entry["run_id"]
+    train_points = [(step, s["train/loss"]) for kind, *rest in logged if kind == "log"
+                    for step, s in [rest] if "train/loss" in s]
+    assert train_points == [(p["update"], p["loss"]) for p in curve]
+    assert logged[-1] == ("finish",)
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    scalars = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert scalars == [(p["update"], pytest.approx(p["loss"], rel=1e-6)) for p in curve]
+    assert [e.value for e in events.Scalars("val/subset_loss")] == [pytest.approx(entry["validation_curve"][0]["loss"])]
+
+
+def test_dashboards_that_are_not_installed_are_one_line_before_training(text_cache, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    cfg = small_config(text_cache, tmp_path, wandb_log=True)
+    assert train.main(cli_args(cfg)) == 2
+    one_line_error(capsys, "pip install wandb")
+    assert lookup(cfg.results_file, ["t"]) is None
