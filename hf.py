@@ -8,7 +8,9 @@ import torch
 from model import ModelConfig, Transformer
 
 
-def hf_config(config):
+def hf_config(config, bos_token_id=None, eos_token_id=None, pad_token_id=None):
+    """transformers' LlamaConfig of our ModelConfig; the special token ids come from the token cache the model
+    was trained on (None where the caller has none)."""
     from transformers import LlamaConfig
     return LlamaConfig(
         vocab_size=config.vocab_size, hidden_size=config.dim, intermediate_size=config.hidden_dim,
@@ -17,7 +19,7 @@ def hf_config(config):
         max_position_embeddings=config.max_seq_len, rms_norm_eps=config.norm_eps,
         rope_theta=config.rope_theta, rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
         tie_word_embeddings=True, attention_bias=False, mlp_bias=False,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
 
 
 def hf_named_tensors(model, of=lambda p: p):
@@ -42,10 +44,11 @@ def hf_named_tensors(model, of=lambda p: p):
     return out
 
 
-def to_hf(model):
-    """A transformers LlamaForCausalLM with this model's weights (float32, on the CPU)."""
+def to_hf(model, bos_token_id=None, eos_token_id=None, pad_token_id=None):
+    """A transformers LlamaForCausalLM with this model's weights (float32, on the CPU); the token ids go into its
+    config and generation config (eos_token_id is where generate() stops)."""
     from transformers import LlamaForCausalLM
-    hf = LlamaForCausalLM(hf_config(model.config))
+    hf = LlamaForCausalLM(hf_config(model.config, bos_token_id, eos_token_id, pad_token_id))
     state = {k: v.detach().float().cpu().clone() for k, v in hf_named_tensors(model).items()}
     missing, unexpected = hf.load_state_dict(state, strict=False)
     missing = [k for k in missing if k != "lm_head.weight"]  # tied to embed_tokens

@@ -20,6 +20,11 @@ _UMASK = os.umask(0o022)  # read once, at import (single-threaded): os.umask can
 os.umask(_UMASK)
 
 
+def new_file_mode():
+    """The mode open() gives a new file here (0o666 less the umask): what every file this project writes gets."""
+    return 0o666 & ~_UMASK
+
+
 def atomic_write(path, write):
     """Call write(f) on a temporary file in the same folder, fsync, then rename over `path`.
 
@@ -30,7 +35,7 @@ def atomic_write(path, write):
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         # mkstemp makes the file owner-only; keep the replaced file's mode, or what open() would have given
-        os.fchmod(fd, path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_UMASK)
+        os.fchmod(fd, path.stat().st_mode & 0o777 if path.exists() else new_file_mode())
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

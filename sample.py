@@ -5,7 +5,9 @@
     python sample.py --out_dir=out/tiny-cpu --export_hf=hf/tiny-cpu   # LlamaForCausalLM folder + tokenizer
 
 The checkpoint is out_dir/ckpt.pt as train.py writes it; the tokenizer is the one data/prepare.py saved in
-the run's data_dir. Samples go to stdout, one after another, each followed by a line of dashes.
+the run's data_dir. Samples go to stdout, one after another, each followed by a line of dashes. An export
+names the cache's end-of-text token as its eos and bos (config.json and generation_config.json), so
+transformers' generate() stops where a document ends.
 """
 import os
 import sys
@@ -15,6 +17,7 @@ from pathlib import Path
 import torch
 
 import checkpoint
+import results
 import train
 from configurator import ConfigError, defaults_of, load_config
 from data.loader import CacheError, TokenCache, prepare_command
@@ -62,13 +65,18 @@ def load_tokenizer(data_dir, vocab_size=0):
         raise SampleError(f"the tokenizer in {folder} could not be loaded ({exc}); prepare the cache again") from None
 
 
-def start_token(tokenizer, data_dir):
-    """What an empty prompt starts from: the end-of-text token that ends every training document."""
+def eot_token(tokenizer, data_dir):
+    """The end-of-text id that ends every training document: the cache's, else the tokenizer's eos (or None)."""
     try:
         eot = TokenCache(data_dir, verify=False).meta.get("eot_token_id")
     except CacheError:  # no or a damaged cache beside the tokenizer: the tokenizer's own end-of-text
         eot = None
-    eot = eot if eot is not None else tokenizer.eos_token_id
+    return eot if eot is not None else tokenizer.eos_token_id
+
+
+def start_token(tokenizer, data_dir):
+    """What an empty prompt starts from: the end-of-text token that ends every training document."""
+    eot = eot_token(tokenizer, data_dir)
     if eot is None:
         raise SampleError("the prompt is empty and the tokenizer has no end-of-text token to start from; "
                           "give a --prompt")
@@ -120,12 +128,17 @@ def check_settings(cfg):
         raise SampleError(f"--export_hf {cfg.export_hf} is a file; give a folder (new or existing)")
 
 
-def export(model, tokenizer, folder):
-    """Save transformers' LlamaForCausalLM of this model and the tokenizer into folder.
+def export(model, tokenizer, folder, eot_token_id=None):
+    """Save transformers' LlamaForCausalLM of this model and the tokenizer into folder; generate() stops at
+    eot_token_id.
 
     Both are written into a temporary folder inside it, and each file is then renamed into place: a crash
     leaves the folder's files whole, old or new, never half a weights file."""
-    hf = to_hf(model)
+    # Documents are joined by end-of-text, so that token is also what precedes each one: bos as well as eos, and
+    # generate() without a prompt starts from it as an empty --prompt does. No pad id: Llama makes pad_token_id
+    # its embedding's padding_idx, whose lookups pass no gradient, and this id is a real token of every document;
+    # generate() pads with eos when it has no pad id.
+    hf = to_hf(model, bos_token_id=eot_token_id, eos_token_id=eot_token_id)
     folder = Path(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -135,6 +148,7 @@ def export(model, tokenizer, folder):
         hf.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         for written in Path(staging).iterdir():
+            os.chmod(written, results.new_file_mode())  # safetensors writes its file owner-only; the rest get this
             os.replace(written, folder / written.name)
     print(f"exported {folder}: load it with transformers.AutoModelForCausalLM.from_pretrained({str(folder)!r}) "
           f"and AutoTokenizer.from_pretrained({str(folder)!r})", file=sys.stderr)
@@ -149,7 +163,7 @@ def sample(cfg):
     data_dir = checkpoint.run_data_dir(ckpt)
     tokenizer = load_tokenizer(data_dir, model.config.vocab_size)
     if cfg.export_hf:
-        export(model, tokenizer, cfg.export_hf)
+        export(model, tokenizer, cfg.export_hf, eot_token(tokenizer, data_dir))
         return []
     print(f"{out_dir}/ckpt.pt: update {ckpt.get('step')}, epoch {ckpt.get('epoch')}, "
           f"{sum(p.numel() for p in model.parameters()):,} parameters, {device}", file=sys.stderr)

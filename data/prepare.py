@@ -15,10 +15,14 @@ Test hook: TINY_LLM_PREPARE_CRASH_AFTER=train.bin|val.bin|meta.json|rename makes
 (os._exit(1)) right after that step, to test that a killed run never leaves a half-written cache.
 """
 import argparse
+import codecs
+import contextlib
 import datetime
 import glob
 import hashlib
 import importlib.util
+import io
+import itertools
 import json
 import os
 import shutil
@@ -26,6 +30,7 @@ import socket
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -208,6 +213,9 @@ def train_bpe(train_ds, vocab_size):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     batches = (b["text"] for b in train_ds.iter(batch_size=16))
     tok.train_from_iterator(batches, trainer, length=len(train_ds))
+    if tok.get_vocab_size() < vocab_size:  # every word of the documents is one token: nothing is left to merge
+        print(f"note: the BPE stopped at {tok.get_vocab_size():,} tokens, short of --vocab_size {vocab_size:,}, as "
+              f"the training documents have no more pairs to merge; the cache's vocab_size is {tok.get_vocab_size():,}")
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOT, clean_up_tokenization_spaces=False)
 
 
@@ -377,21 +385,153 @@ def need_text(columns, what):
                            f"documents are read from a column named 'text'")
 
 
+@contextlib.contextmanager
+def quiet_datasets():
+    """datasets' progress bars off for a while: reading local files, it labels them "Downloading data"."""
+    import datasets
+    was_disabled = datasets.are_progress_bars_disabled()
+    with warnings.catch_warnings():  # HF_DATASETS_DISABLE_PROGRESS_BARS=0 wins, with a warning we don't need
+        warnings.simplefilter("ignore")
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            datasets.enable_progress_bars()
+
+
 def local_to_datasets(source, split_files, builder, max_documents, tmp):
     """{"train", "val"} or {"corpus"} -> datasets.Dataset with one "text" column, one row per document."""
     import datasets
+    files = [f for fs in split_files.values() for f in fs]
+    size = sum(f.stat().st_size for f in files)
+    print(f"reading {len(files)} files ({f'{size / 1e6:,.1f} MB' if size >= 10**5 else f'{size:,} bytes'}) "
+          f"of --source {source}")
     kwargs = {"sample_by": "document"} if builder == "text" else {}
     try:  # datasets' cache (decompressed files, arrow) goes into the tmp folder and leaves with it
-        dd = datasets.load_dataset(builder, data_files={k: [str(f) for f in v] for k, v in split_files.items()},
-                                   cache_dir=str(tmp / "hf_cache"), **kwargs)
+        with quiet_datasets():
+            dd = datasets.load_dataset(builder, data_files={k: [str(f) for f in v] for k, v in split_files.items()},
+                                       cache_dir=str(tmp / "hf_cache"), **kwargs)
     except Exception as e:
+        check_local_text(builder, files)  # names the file and place where it can find them
         raise PrepareError(f"could not read --source {source!r} as {builder} files: {str(e).splitlines()[0][:300]}") from None
     splits = {}
     for k in split_files:
         need_text(dd[k].column_names, f"--source {source!r}")
+        if not holds_strings(dd[k].features["text"]):
+            check_local_text(builder, split_files[k])
+            raise PrepareError(f"the 'text' column of --source {source!r} holds {dd[k].features['text']}, not "
+                               f"strings; each document's 'text' must be a string")
         ds = dd[k].select_columns(["text"])
         splits[k] = ds.select(range(min(max_documents, len(ds)))) if max_documents else ds
     return splits
+
+
+# ----------------------------------------------------------------------------- what the text is (error path only)
+
+JSON_TYPES = {bool: "a boolean", int: "a number", float: "a number", list: "an array", dict: "an object"}
+
+
+def holds_strings(feature):
+    """A "text" feature of strings; "null" is a column of nulls only, read as empty documents."""
+    import datasets
+    return isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string", "null")
+
+
+def open_local(path):
+    """A corpus file as a binary stream, decompressed as datasets decompresses it."""
+    import bz2
+    import gzip
+    import lzma
+    suffix = path.suffix.lower()
+    if suffix == ".zst":
+        import zstandard
+        return zstandard.open(path, "rb")
+    return {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(suffix, open)(path, "rb")
+
+
+def check_local_text(builder, files):
+    """Raise the PrepareError naming the first file, and place in it, whose text datasets cannot take as
+    documents: a byte that is not UTF-8 in a .txt, a 'text' that is not a string in a jsonl/json/parquet row.
+    Returns when it finds none (the caller then reports datasets' own error)."""
+    for path in files:
+        if builder == "text":
+            bad = first_non_utf8(path)
+            if bad is not None:
+                where = " of its decompressed text" if path.suffix.lower() in (".gz", ".bz2", ".xz", ".zst") else ""
+                raise PrepareError(f"--source file {str(path)!r} is not UTF-8: byte offset {bad[0]:,}{where} "
+                                   f"(0x{bad[1]:02x}) is not valid UTF-8; .txt files must be UTF-8 text "
+                                   f"(iconv -f LATIN1 -t UTF-8 converts Latin-1)")
+            continue
+        found = first_non_string_parquet(path) if builder == "parquet" else first_non_string_json(path)
+        if found is not None:
+            where, what = found
+            raise PrepareError(f"--source file {str(path)!r} {where} has a 'text' that is {what}, not a string; "
+                               f"each document's 'text' must be a string (or null, read as an empty document)")
+
+
+def first_non_utf8(path):
+    """(offset, value) of the first byte that is not UTF-8 (counted in the decompressed bytes), or None."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    done = 0  # bytes fed to the decoder so far; it holds back the start of a character cut by a chunk
+    with open_local(path) as f:
+        while True:
+            chunk = f.read(1 << 20)
+            held = len(decoder.getstate()[0])
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as e:
+                return done - held + e.start, e.object[e.start]
+            if not chunk:
+                return None
+            done += len(chunk)
+
+
+def first_non_string_json(path):
+    """("line N" or "row N", what it holds) of the first row whose "text" is neither a string nor null, or None."""
+    with io.TextIOWrapper(open_local(path), encoding="utf-8", errors="replace") as f:
+        head = f.read(1 << 16)
+        if head.lstrip().startswith("["):  # one JSON array of rows, which datasets too reads whole
+            try:
+                rows = enumerate(json.loads(head + f.read()))
+            except ValueError:
+                return None
+            return next(((f"row {i + 1:,}", what) for i, row in rows if (what := non_string_text(row))), None)
+        # split at "\n" alone: a JSON string may hold U+2028 and the like, which splitlines() would cut at
+        first = (head + f.readline()).removesuffix("\n").split("\n")
+        lines = itertools.chain(first, (line.removesuffix("\n") for line in f))
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                return None  # not JSON lines after all: datasets' own error says more
+            if what := non_string_text(row):
+                return f"line {n:,}", what
+    return None
+
+
+def non_string_text(row):
+    """What a row's "text" is when it is neither a string nor null (JSON's name for it), else None."""
+    text = row.get("text") if isinstance(row, dict) else None
+    if text is None or isinstance(text, str):
+        return None
+    return JSON_TYPES.get(type(text), type(text).__name__)
+
+
+def first_non_string_parquet(path):
+    """("row N", its arrow type) of the first non-null "text" of a column that is not strings, or None."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    try:
+        column = pq.read_table(path, columns=["text"]).column("text")
+    except (OSError, KeyError, pa.ArrowException):
+        return None
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type) or pa.types.is_null(column.type):
+        return None
+    valid = np.flatnonzero(column.is_valid().to_numpy(zero_copy_only=False))
+    return (f"row {int(valid[0]) + 1:,}", f"of type {column.type}") if len(valid) else None
 
 
 def hub_to_datasets(hub_splits, streaming, max_documents, tmp):
@@ -406,14 +546,26 @@ def hub_to_datasets(hub_splits, streaming, max_documents, tmp):
         if streaming:  # stream to a local jsonl (bounded memory), then read it back as a regular dataset
             path = tmp / f"stream-{k}.jsonl"
             with open(path, "w") as f:
-                for row in (ds.take(max_documents) if max_documents else ds):
+                for n, row in enumerate(ds.take(max_documents) if max_documents else ds, 1):
                     need_text(list(row), "the Hugging Face dataset")
+                    if what := non_string_text(row):
+                        raise hub_text_error(k, f"row {n:,} of", f"has a 'text' that is {what}, not a string")
                     f.write(json.dumps({"text": row["text"]}) + "\n")
-            ds = datasets.load_dataset("json", data_files=str(path), cache_dir=str(tmp / "hf_cache"))["train"]
-        elif max_documents:
-            ds = ds.select(range(min(max_documents, len(ds))))
+            with quiet_datasets():  # a local file: no "Downloading data"
+                ds = datasets.load_dataset("json", data_files=str(path), cache_dir=str(tmp / "hf_cache"))["train"]
+        else:
+            if not holds_strings(ds.features["text"]):
+                raise hub_text_error(k, "the 'text' column of", f"holds {ds.features['text']}, not strings")
+            if max_documents:
+                ds = ds.select(range(min(max_documents, len(ds))))
         splits[k] = ds
     return splits
+
+
+def hub_text_error(split, where, found):
+    split = "train" if split == "corpus" else split  # held out by hash: the corpus is the train split
+    return PrepareError(f"{where} the Hugging Face dataset's {split} split {found}; each document's 'text' must "
+                        f"be a string")
 
 
 def build(source, splits, tok, tok_name, vocab_size, val_fraction, num_proc, seed, rule, tmp):
@@ -450,6 +602,7 @@ def build(source, splits, tok, tok_name, vocab_size, val_fraction, num_proc, see
                     if rule.startswith("held-out") else f"put documents with text in its {k} split")
             raise PrepareError(f"the {k} split of --source {source!r} is empty under the rule '{rule}'; {hint}")
 
+    requested = vocab_size if tok is None else None  # a given tokenizer's size is its own, not asked for
     if tok is None:
         tok = train_bpe(splits["train"], vocab_size)
     tok_files = save_tokenizer(tok, tmp)
@@ -460,8 +613,8 @@ def build(source, splits, tok, tok_name, vocab_size, val_fraction, num_proc, see
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     features = datasets.Features({"ids": datasets.Sequence(datasets.Value(dtype))})
     meta = {"format": FORMAT, "tokenizer": tok_name, "tokenizer_files_sha256": tok_files, "vocab_size": len(tok),
-            "eot_token_id": int(eot), "dtype": dtype, "source": source, "split_rule": rule,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            "vocab_size_requested": requested, "eot_token_id": int(eot), "dtype": dtype, "source": source,
+            "split_rule": rule, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     for k in ("train", "val"):
         ids = run_map(splits[k], encode_batch, f"tokenize-{k}", fn_kwargs={"tok": tok, "eot": eot}, features=features)
         meta[f"{k}_tokens"], meta[f"{k}_sha256"] = write_bin(ids, tmp / f"{k}.bin", dtype)

@@ -17,9 +17,9 @@ from data.prepare import main as prepare_main
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "gutenberg"
-META_KEYS = {"format", "tokenizer", "tokenizer_files_sha256", "vocab_size", "eot_token_id", "dtype", "train_tokens",
-             "val_tokens", "train_documents", "val_documents", "source", "source_sha256", "split_rule", "train_sha256",
-             "val_sha256", "inputs_identity", "cache_identity", "seconds", "created"}
+META_KEYS = {"format", "tokenizer", "tokenizer_files_sha256", "vocab_size", "vocab_size_requested", "eot_token_id",
+             "dtype", "train_tokens", "val_tokens", "train_documents", "val_documents", "source", "source_sha256",
+             "split_rule", "train_sha256", "val_sha256", "inputs_identity", "cache_identity", "seconds", "created"}
 VOCAB = 512  # small, so the BPE trains in well under a second
 
 
@@ -76,7 +76,8 @@ def test_end_to_end(books, built):
     out, meta = built
     assert set(meta) == META_KEYS
     assert json.loads((out / "meta.json").read_text()) == meta
-    assert meta["dtype"] == "uint16" and meta["vocab_size"] == VOCAB and meta["eot_token_id"] == 0
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == meta["vocab_size_requested"] == VOCAB
+    assert meta["eot_token_id"] == 0
     assert meta["tokenizer"] == f"bpe-{VOCAB}-trained" and meta["split_rule"] == "folders train/ and val/"
     assert meta["train_documents"] == 3 and meta["val_documents"] == 1
     for split in ("train", "val"):
@@ -336,3 +337,128 @@ def test_the_loader_reads_what_prepare_wrote(built):
     assert cache.identity == meta["cache_identity"] and cache.vocab_size == meta["vocab_size"]
     assert len(cache.train) == meta["train_tokens"] and len(cache.val) == meta["val_tokens"]
     assert np.array_equal(np.asarray(cache.train), load_bin(out, "train", meta))
+
+
+def cli_error(capsys, *args):
+    """The CLI's stderr for a run that must fail: one line, exit status 2, no traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        prepare_main([str(a) for a in args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("name", ["notes.txt", "notes.txt.gz"])
+def test_a_txt_that_is_not_utf8_names_the_file_and_the_byte_offset(tmp_path, capsys, name):
+    """datasets' own error names neither: "An error occurred while generating the dataset"."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "good.txt").write_text("A first document, in plain UTF-8: caf\u00e9.")
+    data = "Caf\u00e9 au lait, na\u00efve. ".encode() + b"r\xe9sum\xe9 in Latin-1"  # 0xe9 alone is not UTF-8
+    with (gzip.open if name.endswith(".gz") else open)(src / name, "wb") as f:
+        f.write(data)
+    err = cli_error(capsys, "--source", src, "--out", tmp_path / "cache", "--vocab_size", 300, "--num_proc", 1)
+    offset = data.index(b"\xe9")
+    assert f"{src / name}" in err and f"offset {offset}" in err and "0xe9" in err and "must be UTF-8" in err, err
+    assert not (tmp_path / "cache").exists()
+
+
+def write_parquet(path, texts):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"text": texts}), path)
+
+
+@pytest.mark.parametrize("files, bad, where, found", [
+    ({"rows.jsonl": ['{"text": "one"}', '', '{"text": "two"}', '{"text": 42}']}, "rows.jsonl", "line 4", "a number"),
+    ({"rows.jsonl": ['{"text": 1}', '{"text": 2}']}, "rows.jsonl", "line 1", "a number"),  # a column of numbers
+    ({"a.jsonl": ['{"text": "one"}'], "b.jsonl": ['{"text": ["x", "y"]}']}, "b.jsonl", "line 1", "an array"),
+    ({"rows.json": ['[{"text": "one"}, {"text": {"p": 1}}]']}, "rows.json", "row 2", "an object"),
+    ({"rows.parquet": [None, 7]}, "rows.parquet", "row 2", "of type int64"),
+])
+def test_a_text_that_is_not_a_string_names_the_file_the_row_and_the_type(tmp_path, capsys, files, bad, where, found):
+    """Such a row would otherwise reach the document scan, which takes strings only, as a traceback."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, rows in files.items():
+        if name.endswith(".parquet"):
+            write_parquet(src / name, rows)
+        else:
+            (src / name).write_text("\n".join(rows) + "\n")
+    err = cli_error(capsys, "--source", src, "--out", tmp_path / "cache", "--vocab_size", 300, "--num_proc", 1)
+    assert f"{src / bad}' {where} has a 'text' that is {found}, not a string" in err, err
+
+
+def test_a_null_text_is_an_empty_document(tmp_path):
+    rows = [{"text": "the fox jumps over the dog."}, {"text": None}, {"text": "a dog sleeps."}, {"text": "cats."}]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    meta = prepare(tmp_path / "rows.jsonl", tmp_path / "cache", vocab_size=300, num_proc=1)
+    assert meta["train_documents"] + meta["val_documents"] == 3
+
+
+def test_a_hub_text_that_is_not_a_string_is_one_clear_error(tmp_path, monkeypatch):
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    (hub / "train.jsonl").write_text("".join(json.dumps({"text": i}) + "\n" for i in range(5)))
+    import datasets
+    monkeypatch.setattr(prep, "hub_reachable", lambda: True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")  # not the user's cache
+    with pytest.raises(PrepareError, match=r"'text' column of the Hugging Face dataset's train split holds "
+                                           r"Value\('int64'\), not strings"):
+        prepare(f"hf:{hub}", tmp_path / "c1", vocab_size=300, num_proc=1)
+    with pytest.raises(PrepareError, match="row 1 of the Hugging Face dataset's train split has a 'text' that is "
+                                           "a number, not a string"):
+        prepare(f"hf:{hub}", tmp_path / "c2", vocab_size=300, num_proc=1, streaming=True)
+
+
+def test_a_bpe_that_stops_short_of_vocab_size_says_so_and_meta_records_both(tmp_path, capsys):
+    """A BPE asked for 70,000 tokens of a small corpus runs out of pairs to merge long before."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        (src / f"d{i}.txt").write_text(f"Document {i}: the quick brown fox jumps over the lazy dog. " * 5)
+    prepare_main(["--source", str(src), "--out", str(tmp_path / "cache"), "--vocab_size", "70000", "--num_proc", "1"])
+    meta = json.loads((tmp_path / "cache" / "meta.json").read_text())
+    from transformers import AutoTokenizer
+    reached = len(AutoTokenizer.from_pretrained(tmp_path / "cache"))
+    assert meta["vocab_size"] == reached < 70000 and meta["vocab_size_requested"] == 70000
+    assert meta["dtype"] == "uint16"  # what the BPE reached decides, not what was asked
+    notes = [line for line in capsys.readouterr().out.splitlines() if "70,000" in line]
+    assert len(notes) == 1 and f"stopped at {reached:,} tokens" in notes[0], notes
+
+
+def test_a_vocabulary_over_65536_tokens_is_stored_as_uint32_and_read_back(tmp_path):
+    """Token ids above 65,535 do not fit uint16: prepare writes uint32 and the loader reads the same ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from data.loader import TokenCache, TrainData
+    vocab = {prep.EOT: 0, **{f"w{i}": i for i in range(1, 70_000)}}
+    word_level = Tokenizer(models.WordLevel(vocab, unk_token=prep.EOT))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=word_level, eos_token=prep.EOT).save_pretrained(tmp_path / "tok")
+    src = tmp_path / "src"
+    src.mkdir()
+    docs = {f"d{d}.txt": [65_530 + 100 * d + i for i in range(20)] for d in range(4)}  # ids across 65,535
+    for name, ids in docs.items():
+        (src / name).write_text(" ".join(f"w{i}" for i in ids))
+    meta = prepare(src, tmp_path / "cache", tokenizer=str(tmp_path / "tok"), num_proc=1)
+    assert meta["dtype"] == "uint32" and meta["vocab_size"] == 70_000 and meta["vocab_size_requested"] is None
+    cache = TokenCache(tmp_path / "cache")  # verifies sizes, hashes and the id range
+    assert (tmp_path / "cache" / "train.bin").stat().st_size == 4 * meta["train_tokens"]
+    tokens = np.asarray(cache.train).tolist() + np.asarray(cache.val).tolist()
+    assert sorted(tokens) == sorted([i for ids in docs.values() for i in ids] + [0] * len(docs))
+    (x, y), = TrainData(cache.train, seq_len=8, sequences_per_update=1, seed=0).batches_of(np.array([0]), 1)[0]
+    assert x[0].tolist() == np.asarray(cache.train[:8]).tolist() and max(cache.train[:9]) > 65_535
+
+
+def test_a_local_source_shows_its_own_progress_and_no_download(tmp_path, capfd):
+    """datasets labels its reading of 16 or more local files "Downloading data"."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(20):
+        (src / f"d{i:02d}.txt").write_text(f"Document {i}: the quick brown fox jumps over the lazy dog. " * 5)
+    prepare(src, tmp_path / "cache", vocab_size=300, num_proc=1)
+    out, err = capfd.readouterr()
+    assert "Downloading" not in out + err and "Generating" not in out + err, out + err
+    assert "reading 20 files" in out and "tokenize-train" in err  # our line, and our bars

@@ -129,7 +129,7 @@ def test_a_failed_export_leaves_the_folder_as_it_was(trained, tmp_path, monkeypa
     def disk_full(self, *args, **kwargs):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", disk_full)
-    monkeypatch.setattr(sample, "to_hf", lambda m, _to_hf=hf.to_hf: _perturbed(_to_hf(m)))
+    monkeypatch.setattr(sample, "to_hf", lambda m, _to_hf=hf.to_hf, **ids: _perturbed(_to_hf(m, **ids)))
     with pytest.raises(OSError, match="No space left"):
         sample.main([f"--out_dir={trained['out']}", "--device=cpu", f"--export_hf={folder}"])
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
@@ -200,3 +200,47 @@ def test_the_run_data_dir_is_found_from_another_folder(trained, tmp_path, monkey
     assert parity.main([f"--checkpoint={tmp_path / 'ckpt.pt'}", "--device=cpu", "--tokens=128", "--seq_len=64",
                         f"--results_file={tmp_path / 'r.json'}"]) == 0
     assert json.loads((tmp_path / "r.json").read_text())["trained-parity"][0]["trained"] is True
+
+
+class EndOfTextAt:
+    """A logits processor that makes end-of-text the only choice once the sequence has `length` tokens."""
+
+    def __init__(self, eot, length):
+        self.eot, self.length = eot, length
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[1] == self.length:
+            scores = torch.full_like(scores, float("-inf"))
+            scores[:, self.eot] = 0.0
+        return scores
+
+
+def test_the_export_ends_text_at_the_caches_end_of_text_token(trained, tmp_path):
+    """With eos_token_id null in config.json, transformers' generate() would never stop by itself."""
+    from transformers import LlamaForCausalLM, LogitsProcessorList
+    folder = tmp_path / "hf"
+    assert sample.main([f"--out_dir={trained['out']}", "--device=cpu", f"--export_hf={folder}"]) == 0
+    eot = TokenCache(trained["cache"], verify=False).meta["eot_token_id"]
+    for name in ("config.json", "generation_config.json"):
+        saved = json.loads((folder / name).read_text())
+        assert (saved["eos_token_id"], saved["bos_token_id"]) == (eot, eot), name
+    hf_model = LlamaForCausalLM.from_pretrained(folder).eval()
+    ids = torch.tensor([trained["tokenizer"].encode(PROMPT)])
+    with torch.no_grad():  # the model is made to pick end-of-text as its third token: generation ends there
+        out = hf_model.generate(ids, max_new_tokens=20, do_sample=False,
+                                logits_processor=LogitsProcessorList([EndOfTextAt(eot, ids.shape[1] + 2)]))
+    assert out.shape[1] == ids.shape[1] + 3 and out[0, -1].item() == eot and eot not in out[0, :-1].tolist()
+    model, _ = sample.load_checkpoint(trained["out"], "cpu")
+    assert hf.to_hf(model).config.eos_token_id is None  # a caller without a cache names no end-of-text
+
+
+def test_exported_files_all_have_the_mode_the_umask_gives(trained, tmp_path):
+    """safetensors writes its file owner-only (0600); every exported file gets what open() gives (0644 under
+    umask 022)."""
+    import os
+    folder = tmp_path / "hf"
+    assert sample.main([f"--out_dir={trained['out']}", "--device=cpu", f"--export_hf={folder}"]) == 0
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in folder.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {oct(0o666 & ~umask)}, modes
