@@ -271,11 +271,8 @@ def write_bin(ds, path, dtype):
 
 # ----------------------------------------------------------------------------- prepare
 
-def prepare(source, out, tokenizer=None, vocab_size=32000, val_fraction=0.01, num_proc=None, seed=0,
-            streaming=False, max_documents=None, max_vocab=None):
-    """Build (or find up to date) the token cache `out` from `source`; returns its meta dict."""
-    t0 = time.time()
-    source, out = str(source), Path(out)
+def check_arguments(out, val_fraction, max_documents, num_proc):
+    """The arguments that would fail or mean nothing, refused before any work; returns the process count."""
     if not 0 < val_fraction < 1:
         raise PrepareError(f"--val_fraction {val_fraction} must lie strictly between 0 and 1")
     if max_documents is not None and max_documents < 1:
@@ -292,20 +289,11 @@ def prepare(source, out, tokenizer=None, vocab_size=32000, val_fraction=0.01, nu
     except OSError as exc:
         raise PrepareError(f"--out {str(out)!r}: its folder {str(out.parent)!r} cannot be made ({exc.strerror}); "
                            f"give a path in a writable folder") from None
+    return num_proc
 
-    # 1. what the inputs are, hashed before any work, so an up-to-date cache is found without tokenizing
-    hub = source.startswith("hf:")
-    if hub:
-        hub_splits, rule = open_hub(source, streaming)
-        source_sha = env.hash_json({"hf": source, "max_documents": max_documents})
-    else:
-        split_files, base, rule, builder = find_local(source)
-        listing = sorted([str(f.relative_to(base)), f.stat().st_size, sha256_file(f)]
-                         for fs in split_files.values() for f in fs)
-        source_sha = env.hash_json(listing if max_documents is None else [listing, max_documents])
-    if rule is None:
-        rule = f"held-out fraction {val_fraction} by document sha256" + (f" seed {seed}" if seed else "")
 
+def tokenizer_identity(tokenizer, vocab_size, max_vocab):
+    """(loaded tokenizer or None for a BPE to train, its name, its size, its files' hash or None)."""
     tok = load_tokenizer(tokenizer, vocab_size)
     if tok is None:
         if vocab_size < 257:
@@ -319,25 +307,38 @@ def prepare(source, out, tokenizer=None, vocab_size=32000, val_fraction=0.01, nu
     if max_vocab is not None and tok_vocab > max_vocab:
         raise PrepareError(f"tokenizer {tok_name!r} has {tok_vocab} tokens but the model's vocabulary holds "
                            f"{max_vocab}; pick a smaller --vocab_size or tokenizer, or a model with a larger vocabulary")
+    return tok, tok_name, tok_vocab, tok_files
+
+
+def prepare(source, out, tokenizer=None, vocab_size=32000, val_fraction=0.01, num_proc=None, seed=0,
+            streaming=False, max_documents=None, max_vocab=None):
+    """Build (or find up to date) the token cache `out` from `source`; returns its meta dict."""
+    t0 = time.time()
+    source, out = str(source), Path(out)
+    num_proc = check_arguments(out, val_fraction, max_documents, num_proc)
+    # 1. what the inputs are, hashed before any work, so an up-to-date cache is found without tokenizing
+    hub = source.startswith("hf:")
+    if hub:
+        hub_splits, rule = open_hub(source, streaming)
+        source_sha = env.hash_json({"hf": source, "max_documents": max_documents})
+    else:
+        split_files, base, rule, builder = find_local(source)
+        listing = sorted([str(f.relative_to(base)), f.stat().st_size, sha256_file(f)]
+                         for fs in split_files.values() for f in fs)
+        source_sha = env.hash_json(listing if max_documents is None else [listing, max_documents])
+    if rule is None:
+        rule = f"held-out fraction {val_fraction} by document sha256" + (f" seed {seed}" if seed else "")
+    tok, tok_name, tok_vocab, tok_files = tokenizer_identity(tokenizer, vocab_size, max_vocab)
     identity = env.hash_json([FORMAT, {"tokenizer": tok_name, "files_sha256": tok_files}, tok_vocab, source_sha, rule,
                             val_fraction if rule.startswith("held-out") else None])
 
     # 2. under a lock, so two prepares of one DIR don't interleave: recover, check the cache, build, swap
     from filelock import FileLock
     with FileLock(str(out) + ".lock"):
-        for p in out.parent.glob(glob.escape(out.name) + ".tmp-*"):  # left by a killed run
-            shutil.rmtree(p, ignore_errors=True)
-        olds = sorted(out.parent.glob(glob.escape(out.name) + ".old-*"))
-        if not out.exists() and olds and (olds[-1] / "meta.json").exists():
-            os.rename(olds.pop(), out)  # killed between the two renames: the old cache is whole, put it back
-        if (out / "meta.json").exists():
-            for p in olds:
-                shutil.rmtree(p, ignore_errors=True)
-            meta = up_to_date(out, identity)
-            if meta is not None:
-                print(f"cache {out} is up to date (identity {identity[:16]})")
-                return meta
-
+        meta = recover_or_find(out, identity)
+        if meta is not None:
+            print(f"cache {out} is up to date (identity {identity[:16]})")
+            return meta
         tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
         try:
             tmp.mkdir()
@@ -349,21 +350,40 @@ def prepare(source, out, tokenizer=None, vocab_size=32000, val_fraction=0.01, nu
             meta.update(source_sha256=source_sha, inputs_identity=identity, seconds=round(time.time() - t0, 1))
             meta["cache_identity"] = env.hash_json([meta["tokenizer_files_sha256"], source_sha, rule,
                                                   meta["train_sha256"], meta["val_sha256"]])
-            # written last: a folder with meta.json is complete
-            atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1, sort_keys=True) + "\n")
-            crash_point("meta.json")
-            old = out.parent / f"{out.name}.old-{os.getpid()}"
-            if out.exists():
-                os.rename(out, old)
-            crash_point("rename")
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
+            swap_in(tmp, out, meta)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     print(f"wrote {out}: {meta['train_tokens']:,} train tokens ({meta['train_documents']} documents), "
           f"{meta['val_tokens']:,} val tokens ({meta['val_documents']} documents), vocabulary {meta['vocab_size']}, "
           f"{meta['seconds']:.1f} s")
     return meta
+
+
+def recover_or_find(out, identity):
+    """Under the lock: clear what a killed run left, put back a whole old cache it moved away, and return the
+    meta of a cache at `out` that is up to date with `identity` (else None)."""
+    for p in out.parent.glob(glob.escape(out.name) + ".tmp-*"):  # left by a killed run
+        shutil.rmtree(p, ignore_errors=True)
+    olds = sorted(out.parent.glob(glob.escape(out.name) + ".old-*"))
+    if not out.exists() and olds and (olds[-1] / "meta.json").exists():
+        os.rename(olds.pop(), out)  # killed between the two renames: the old cache is whole, put it back
+    if not (out / "meta.json").exists():
+        return None
+    for p in olds:
+        shutil.rmtree(p, ignore_errors=True)
+    return up_to_date(out, identity)
+
+
+def swap_in(tmp, out, meta):
+    """meta.json written last (a folder with one is complete), then the new folder renamed over the old."""
+    atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    crash_point("meta.json")
+    old = out.parent / f"{out.name}.old-{os.getpid()}"
+    if out.exists():
+        os.rename(out, old)
+    crash_point("rename")
+    os.rename(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def up_to_date(out, identity):

@@ -6,8 +6,8 @@ a pass's wall time can be split into kernels and the rest. Recorded under NAME i
 
 Variants: "unpinned" hands trainer.evaluate the loader's CPU batches, as train.py does (evaluate copies each
 to the GPU itself); "prefetched" builds and pins them on a background thread first, as training's batches
-are; "prefetched-2x" does so with twice the eval batch size. In h200_s15.sh all three ran at the same speed,
-with the GPU busy 95% of each pass: evaluation waits on its kernels, not on the host.
+are; "prefetched-2x" does so with twice the eval batch size. On the H200 all three run at the same speed, with
+the GPU busy 95% of each pass: evaluation waits on its kernels, not on the host.
 """
 import statistics
 import sys

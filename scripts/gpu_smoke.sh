@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Every GPU command the README shows, with short settings, so that a change to the training path is seen to run
+# on a GPU (CUDA graphs, compile modes and kernels exist only there). About 5 minutes on one H200 from empty
+# compiler caches. Exits non-zero, naming the command, at the first that fails. Needs the token cache
+# data/cache/gutenberg (python data/prepare.py --source ../shared/data/gutenberg --out data/cache/gutenberg).
+#     bash scripts/gpu_smoke.sh [RESULTS_FILE]      # default out/smoke/results.json
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+R=${1:-out/smoke/results.json}
+mkdir -p "$(dirname "$R")"
+REF=config/20m_gh200.py
+SHORT_TRAIN="--epochs=1 --train_subset_tokens=655361 --val_subset_tokens=65536 --log_interval=5 --overwrite=True"
+SHORT_BENCH="--warmup=3 --steps=5 --windows=1"
+start=$SECONDS
+passed=0
+
+run() {  # run LABEL COMMAND...: the command's output, then one line saying it passed or which one failed
+  local label=$1; shift
+  local t=$SECONDS
+  echo "=== $label: $*"
+  if "$@"; then
+    passed=$((passed + 1))
+    echo "=== ok: $label ($((SECONDS - t)) s)"
+  else
+    echo "=== FAILED: $label (exit $?): $*"
+    exit 1
+  fi
+}
+
+run "train, the reference recipe" python train.py $REF --name=smoke-train --results_file="$R" $SHORT_TRAIN
+run "train, micro-batch 16 (CUDA graphs with accumulation)" python train.py $REF --micro_batch_size=16 \
+  --name=smoke-train-mb16 --results_file="$R" $SHORT_TRAIN
+run "bench" python bench.py $REF --name=smoke-bench --results_file="$R" $SHORT_BENCH --profile=True --partial_probe=True
+run "bench, micro-batch 16" python bench.py $REF --micro_batch_size=16 --name=smoke-bench-mb16 --results_file="$R" $SHORT_BENCH
+run "bench, presets" python bench.py $REF --presets=20m,50m,90m --name=smoke-presets --results_file="$R" $SHORT_BENCH
+run "tune" python tune.py $REF --budget=2 --name=smoke-tune --results_file="$R" --tuned_dir=out/smoke/tuned
+run "compare, the tuned config" python compare.py $REF --tuned=True --name=smoke-compare --results_file="$R" \
+  --plot=out/smoke/compare.png --train_subset_tokens=655361 --val_subset_tokens=65536 --epochs=1 --rerun=True
+if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  run "torchrun, 2 GPUs" torchrun --nproc_per_node=2 train.py $REF --micro_batch_size=16 --name=smoke-ddp \
+    --results_file="$R" $SHORT_TRAIN
+else
+  echo "=== skipped: torchrun on 2 GPUs (this machine has one)"
+fi
+run "sample" python sample.py $REF --name=smoke-train --prompt="It was a dark and stormy night" --max_new_tokens=32
+run "export" python sample.py $REF --name=smoke-train --export_hf=out/smoke/hf
+run "train from the export" python train.py $REF --init_from=out/smoke/hf --name=smoke-init --results_file="$R" \
+  $SHORT_TRAIN
+run "plot runs" python scripts/plot_runs.py "$R" --out=out/smoke/runs.png
+echo "=== gpu smoke passed: $passed commands in $((SECONDS - start)) s"
