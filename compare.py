@@ -1,34 +1,63 @@
 """Matched runs: prove that a faster execution of a recipe kept its math.
 
-    python compare.py config/20m_gh200.py                  # train a plain baseline and the config as given
+    python compare.py config/20m_gh200.py                  # train a plain baseline, its noise run and the config
     python compare.py config/20m_gh200.py --tuned=True      # the optimized side takes tune.py's selected config
     python compare.py config/tiny_cpu.py --full_validation=True --optimized_overrides="--loss_impl=fused"  # a lever
     python compare.py --baseline=NAME --optimized=NAME      # compare two finished runs of the results file
 
-The baseline runs the same config plainly (eager, micro-batch `baseline_micro_batch_size`, SDPA auto, full
-loss); the optimized run is the config as given. A speed-up kept the math when both runs have the same recipe
+The baseline runs the same config plainly (eager, micro-batch `baseline_micro_batch_size`, SDPA's attention,
+full loss); the optimized run is the config as given. A speed-up kept the math when both runs have the same recipe
 identity (train.recipe: every key that changes the math) and their final validation losses agree within the
-tolerance below. The verdict goes to results["matched-comparison"], with a plot of both validation curves.
+tolerance below. The verdict goes to results["matched-comparison"], with a plot of both runs' loss curves.
+
+The tolerance is the larger of two noises. Validation noise: 3 * sqrt(se_b^2 + se_o^2), se = loss_std /
+sqrt(tokens) of each run's full validation. Training noise: two executions of one recipe round differently
+(and a GPU is not deterministic), training amplifies any difference, so they differ by more than the
+validation set's sampling; the tolerance for it is 3 * sqrt(2) * s, s the sample standard deviation of the
+final validation losses of the baseline and its noise runs. Those are `noise_seed_runs` runs of the baseline
+(its recipe and execution) at seeds seed+1, seed+2, ..., trained here as <name>-baseline-seed<N> and reused
+like the others, and any finished runs named by --noise_runs. With the default one noise run this is 3 * |d|,
+d the difference of the two baseline runs: three standard deviations of a difference of two runs, as the
+validation rule takes three, the deviation estimated from that one difference.
+How far to trust it. A seed run measures the same amplified rounding noise, plus that of the initial weights
+and the data order: on the tests' tiny CPU config (8 seeds) differences between seeds had a standard
+deviation of 0.032, between micro-batch sizes of one seed 0.005, so there the rule is lenient toward real
+speed-ups. On the H200 (results/h200.json, the 20m recipe, one code version) three compiled repeats of one
+seed spread 4.593 to 4.647 while three other seeds spread 0.001: a GPU's run-to-run noise can be as large
+as a seed's, or larger. One difference is an estimate with one degree of freedom: with execution noise as
+large as the seed noise, a same-math run exceeds 3 * |d| with probability P(|t_1| > 3) = 0.20; two noise
+runs make it 0.10, three 0.06. Hence the validation tolerance as a floor under a |d| that happens to be
+small, and a verdict that fails on fewer than three noise runs says to add some before concluding. The
+other side of it: a change of math shows only when it moves the loss by more than the training noise; on
+tiny CPU runs, dropping half the tokens or scaling the loss (AdamW hardly sees a loss's scale) moves it less
+than a seed does, while misaligned targets move it by 1.0 against a tolerance of 0.14.
 
 Runs are train.py subprocesses, one after the other (never at once: their speeds are part of the result).
-An existing complete run with the same name, config identity and source hash (the same code) is reused
-unless --rerun=True.
+An existing complete run with the same name, config and source hash (the same code) is reused unless
+--rerun=True; a stopped one (status interrupted, its checkpoint in place) is resumed; any other is trained
+afresh over its old checkpoint. SIGINT or SIGTERM is passed to the running train.py, which checkpoints and
+stops (status interrupted); compare.py then stops with a line saying how to resume.
 Exit status: 0 when the comparison is recorded and holds (or is an allowed recipe change), 1 when a matched
-run's losses disagree or a training run failed, 2 on a user mistake.
+run's losses disagree or a training run failed, 2 on a user mistake, 3 when stopped by a signal (SIGINT too)
+or by a run's stop_after_updates: train.py's status for a checkpointed stop (130: Ctrl-C while no run trains).
 """
 import math
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 import env
+import plots
 import train
 from data.loader import CacheError
 from configurator import ConfigError, defaults_of, load_config, write_config_file
-from results import atomic_write, lookup, read_results, record
+from results import lookup, read_results, record
 
 # ---------------------------------------------------------------- defaults (train.py's keys are accepted too)
 baseline = ""                    # with optimized: compare these two finished runs, train nothing
@@ -39,20 +68,34 @@ allow_recipe_change = False      # compare runs whose recipes differ, labelled "
 baseline_micro_batch_size = 8
 plot = ""                        # "" means out/<name>-comparison.png
 rerun = False                    # train again even when a complete run of the same config exists
-noise_runs = ""                  # comma-separated finished runs (repeats, other seeds) whose spread of final
-                                 # validation loss measures training noise; widens the tolerance to cover it.
-                                 # Each must be the baseline's recipe, its seed aside, and not a compared run
+noise_seed_runs = 1              # runs of the baseline at seeds seed+1, seed+2, ... (<name>-baseline-seed<N>) whose
+                                 # spread of final validation loss with the baseline's measures training noise;
+                                 # 0: none (then give --noise_runs, or the tolerance counts validation noise only)
+noise_runs = ""                  # comma-separated finished runs (repeats, other seeds) that measure it too, beside
+                                 # the seed runs; each the baseline's recipe, its seed aside, and not a compared run
 
 DEFAULTS = dict(train.DEFAULTS, **defaults_of(globals()))
 
-# How the baseline executes: the plainest way, whatever the config asks for.
-BASELINE_EXECUTION = {"compile": False, "attention_backend": "auto", "loss_impl": "full"}
+# How the baseline executes: the plainest way, whatever the config asks for ("auto" attention can be fa4).
+BASELINE_EXECUTION = {"compile": False, "attention_backend": "sdpa", "loss_impl": "full"}
 # Bulky fields of a run's entry that the comparison leaves out (the run's own entry keeps them).
 BULKY = ("environment", "config", "recipe")
-TOLERANCE_RULE = ("|optimized - baseline| final validation loss <= 3 standard errors of the difference of the two "
-                  "mean per-token losses, 3 * sqrt(se_baseline^2 + se_optimized^2) with se = loss_std / "
-                  "sqrt(tokens) of each run's full validation; neighbouring tokens' losses are correlated, so "
-                  "this standard error is a lower bound and the test is strict")
+# Keys that say how train.py was started on a run's folder, not what the run is: a run resumed, or started
+# afresh over an old checkpoint, is the same run of its config.
+LAUNCH_KEYS = ("resume", "overwrite")
+NOISE_SIGMAS = 3  # standard deviations of a difference of two runs that the training-noise tolerance allows
+FIRM_NOISE_RUNS = 3  # noise runs under which a failed verdict suggests more: P(|t_3| > 3) = 0.06 at worst
+TOLERANCE_RULE = ("|optimized - baseline| final validation loss <= the larger of the validation noise, 3 * "
+                  "sqrt(se_baseline^2 + se_optimized^2) with se = loss_std / sqrt(tokens) of each run's full "
+                  "validation (neighbouring tokens' losses are correlated, so this is a lower bound)")
+NOISE_RULE = ("; and the training noise, 3 * sqrt(2) * s with s the sample standard deviation of the final "
+              "validation losses of the baseline and its noise runs (its recipe at other seeds, or repeats): "
+              "3 * |d| for one noise run, d the difference of the two baseline runs. A single difference is a "
+              "one-degree-of-freedom estimate (a same-math run whose execution noise is as large as a seed's "
+              "exceeds it with probability 0.20; 0.06 with three noise runs), and the validation noise is the "
+              "floor under one that happens to be small")
+NO_NOISE_RULE = ("; no noise run was given (noise_seed_runs=0 and no --noise_runs), so training noise is not "
+                 "counted, and two executions of one recipe can differ by more than this")
 
 
 class CompareError(ValueError):
@@ -63,7 +106,12 @@ class RunFailed(RuntimeError):
     """A training subprocess exited with an error (its own output says why)."""
 
 
-# ---------------------------------------------------------------- the two runs' configs
+class Stopped(Exception):
+    """A run stopped checkpointed (a signal, or its stop_after_updates), so compare.py stops; the message says
+    what was stopped and how to go on."""
+
+
+# ---------------------------------------------------------------- the runs' configs
 
 def side_configs(cfg):
     """(baseline, optimized) train.py configs of one recipe, named <name>-baseline and <name>-optimized."""
@@ -89,10 +137,29 @@ def side_configs(cfg):
     sides = []
     for side, c in (("baseline", base), ("optimized", opt)):
         # Separate names and folders, or the two runs would overwrite each other's entry and checkpoint.
-        c.update(name=f"{cfg.name}-{side}", out_dir=str(Path(cfg.out_dir) / side) if cfg.out_dir else "",
-                 results_file=cfg.results_file)
+        c.update(name=f"{cfg.name}-{side}", results_file=cfg.results_file, **run_folders(cfg, side))
         sides.append(train.Config(c))
     return sides
+
+
+def run_folders(cfg, side):
+    """A run's own out_dir ("" for out/<its name>) and TensorBoard folder, so that no two runs share one."""
+    return {"out_dir": str(Path(cfg.out_dir) / side) if cfg.out_dir else "",
+            "tensorboard_dir": str(Path(cfg.tensorboard_dir) / side) if cfg.get("tensorboard_dir") else ""}
+
+
+def seed_run_name(baseline_name, seed):
+    return f"{baseline_name}-seed{seed}"
+
+
+def noise_configs(cfg, base):
+    """The noise runs to train: the baseline's config at seeds seed+1 .. seed+noise_seed_runs, each under its
+    own name (<name>-baseline-seed<N>) and folder."""
+    runs = []
+    for seed in range(base.seed + 1, base.seed + 1 + cfg.noise_seed_runs):
+        folders = run_folders(cfg, f"baseline-seed{seed}")
+        runs.append(train.Config(dict(base, seed=seed, name=seed_run_name(base.name, seed), **folders)))
+    return runs
 
 
 def check_before_training(cfg, sides):
@@ -107,6 +174,7 @@ def check_before_training(cfg, sides):
     recipes = []
     for side, c in zip(("baseline", "optimized"), sides):
         try:
+            train.resolve_device(c)  # a GPU config without a GPU: one line, before hours of CPU training
             train.check_execution(c)
             rec = train.setup(c)[2]
         except (ConfigError, CacheError) as exc:
@@ -129,44 +197,143 @@ def refusal(baseline_name, optimized_name, differ):
 
 # ---------------------------------------------------------------- training (or reusing) one run
 
-def stream(side, cmd):
-    """Run cmd, printing its output line by line with a [side] prefix; returns its exit status."""
+class SignalForwarder:
+    """While runs train, SIGINT and SIGTERM go to the running train.py, which checkpoints at its next update and
+    exits (status interrupted) while its output is still read; compare.py stops after it (Stopped).
+
+    Each child is started outside compare.py's process group, so a terminal's Ctrl-C reaches it once, through
+    here: a second signal tells train.py to stop at once, without its checkpoint, as a second Ctrl-C does to
+    train.py alone."""
+
+    def __init__(self):
+        self.signal, self.proc, self.previous = None, None, {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc_info):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame):
+        self.signal = signum
+        self.forward()
+
+    def forward(self):
+        if self.signal is not None and self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(self.signal)
+
+    def name(self):
+        return signal.Signals(self.signal).name
+
+
+def stream(side, cmd, signals=None):
+    """Run cmd, printing its output line by line with a [side] prefix; returns its exit status. With signals
+    (a SignalForwarder), a signal to compare.py is passed on to it."""
     child_env = dict(os.environ, PYTHONUNBUFFERED="1")  # progress lines as they happen, not at exit
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env,
+                            start_new_session=signals is not None)
+    if signals is not None:
+        signals.proc = proc
+        signals.forward()  # a signal that came while it was starting
     try:
-        for line in proc.stdout:
+        for line in proc.stdout:  # reading on through a signal: the child's last lines say where it stopped
             print(f"[{side}] {line}", end="", flush=True)
-    except KeyboardInterrupt:
-        # Ctrl-C reached the run too (same process group): it checkpoints and exits; show that, then stop.
-        for line in proc.stdout:
-            print(f"[{side}] {line}", end="", flush=True)
-        proc.wait()
-        raise
-    return proc.wait()
+        return proc.wait()
+    finally:
+        if signals is not None:
+            signals.proc = None
 
 
-def train_or_reuse(side, c, recipe_identity, rerun):
-    """Train the run with train.py, unless a complete run of the same config, recipe and code is recorded."""
+def launch_free(config):
+    return env.hash_json({k: v for k, v in config.items() if k not in LAUNCH_KEYS})
+
+
+def recorded_run(c, args, recipe_identity):
+    """The results entry of this run when it ran this config and recipe on this code (else None)."""
+    old = lookup(c.results_file, [c.name])
+    # The config train.py will record: the same loader on the same arguments.
+    expected = load_config(train.DEFAULTS, args)
+    if (isinstance(old, dict) and old.get("recipe_identity") == recipe_identity
+            and launch_free(old.get("config") or {}) == launch_free(expected)
+            and (old.get("environment") or {}).get("source_hash") == env.source_hash()):
+        return old
+    return None
+
+
+def checkpoint_run_id(path):
+    """The run_id a checkpoint continues (None when there is none, or it does not read); mapped, not read whole."""
+    if not path.is_file():
+        return None
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception:  # a truncated or foreign file is not one to resume
+        return None
+    return ckpt.get("run_id") if isinstance(ckpt, dict) else None
+
+
+def train_or_reuse(side, c, recipe_identity, rerun, signals=None):
+    """Train the run with train.py, unless a complete run of the same config, recipe and code is recorded;
+    resume it when it was stopped with its checkpoint in place."""
     out = train.run_dir(c)
     config_path = out / "compare_config.py"
     write_config_file(config_path, c, train.DEFAULTS,
-                          header=f"The {side} run of a matched comparison, written by compare.py.\n"
-                                 f"Rerun it with: python train.py {config_path}")
+                      header=f"The {side} run of a matched comparison, written by compare.py.\n"
+                             f"Rerun it with: python train.py {config_path}")
     args = [str(config_path), f"--name={c.name}", f"--results_file={c.results_file}"]
-    # The identity train.py will record: the same loader on the same arguments.
-    identity = env.config_identity(load_config(train.DEFAULTS, args))
-    old = lookup(c.results_file, [c.name])
-    if (not rerun and isinstance(old, dict) and old.get("status") == "complete" and old.get("final_validation")
-            and old.get("config_identity") == identity and old.get("recipe_identity") == recipe_identity
-            and (old.get("environment") or {}).get("source_hash") == env.source_hash()):
+    old = None if rerun else recorded_run(c, args, recipe_identity)
+    if old and old.get("status") == "complete" and old.get("final_validation"):
         print(f"{side}: reusing the complete run {c.name} of the same config and code in {c.results_file} "
               f"(pass --rerun=True to train again)")
         return
-    cmd = [sys.executable, str(env.REPO / "train.py"), *args]
+    ckpt = out / "ckpt.pt"
+    launch = []
+    if old and old.get("status") == "interrupted" and checkpoint_run_id(ckpt) == old.get("run_id"):
+        launch = ["--resume=True"]
+        print(f"{side}: resuming the stopped run {c.name} from {ckpt}")
+    elif ckpt.exists() and "overwrite" in train.DEFAULTS:
+        launch = ["--overwrite=True"]  # compare.py trains this side again: the old checkpoint is not its run
+    cmd = [sys.executable, str(env.REPO / "train.py"), *args, *launch]
     print(f"{side}: {shlex.join(cmd)}", flush=True)
-    code = stream(side, cmd)
+    code = stream(side, cmd, signals)
+    signalled = signals is not None and signals.signal is not None
+    if signalled or code == train.EXIT_INTERRUPTED:  # the second: stop_after_updates, or a signal sent to it alone
+        by = f"by {signals.name()}" if signalled else "by train.py itself"
+        raise Stopped(stopped_message(side, c.name, args, code, by, rerun))
     if code:
         raise RunFailed(f"the {side} run {c.name} exited with status {code}; its output is above")
+
+
+def go_on(rerun):
+    # with --rerun=True the same command would train every run afresh instead of going on
+    return "run this compare.py command again" + (" without --rerun=True" if rerun else "")
+
+
+def stopped_message(side, name, args, code, by, rerun=False):
+    """One line: what stopped ("by SIGTERM", say), and how to go on."""
+    again = go_on(rerun)
+    if code == train.EXIT_INTERRUPTED:
+        script = os.path.relpath(env.REPO / "train.py")
+        script = str(env.REPO / "train.py") if script.startswith("..") else script
+        resume = shlex.join(["python", script, *args, "--resume=True"])
+        return (f"stopped {by}: the {side} run {name} is checkpointed (status interrupted); {again} to resume it "
+                f"and go on, or resume it alone with: {resume}")
+    if code == 0:
+        return f"stopped {by} after the {side} run {name} finished; {again} to go on (it is reused)"
+    return (f"stopped {by}: the {side} run {name} ended with status {code} (stopped at once by a second signal, "
+            f"or failed); {again} to go on (it resumes from the run's last checkpoint, if there is one)")
+
+
+def train_all(cfg, runs):
+    """Train (or reuse, or resume) each (side, config, recipe identity) in turn, passing signals on."""
+    with SignalForwarder() as signals:
+        for side, c, identity in runs:
+            if signals.signal is not None:
+                raise Stopped(f"stopped by {signals.name()} before the {side} run {c.name} began; "
+                              f"{go_on(cfg.rerun)} to go on (finished runs are reused)")
+            train_or_reuse(side, c, identity, cfg.rerun, signals)
 
 
 # ---------------------------------------------------------------- the comparison
@@ -203,17 +370,13 @@ def tolerance(fv_a, fv_b):
     return 3 * math.sqrt(standard_error(fv_a) ** 2 + standard_error(fv_b) ** 2)
 
 
-NOISE_RULE = ("; or, when larger, 3 * sqrt(2) * the sample standard deviation of the final validation losses "
-              "of the noise runs (repeats and other seeds of the recipe: training itself is not deterministic "
-              "on a GPU, and that spread is a difference two matched runs can show without any change of math)")
-
-
 def training_noise(results, names, results_file, baseline_name, optimized_name):
-    """{name: final validation loss} of the noise runs and their sample standard deviation.
+    """{name: final validation loss} of the noise runs, and the sample standard deviation of those losses and
+    the baseline's.
 
     A noise run must be the baseline's recipe, its seed aside, and neither of the two runs compared: any other
     run's loss would widen the tolerance with a difference of math (the compared pair as its own noise passes
-    whatever their difference)."""
+    whatever their difference; the baseline counts already)."""
     compared = {baseline_name, optimized_name} & set(names)
     if compared:
         raise CompareError(f"--noise_runs names {', '.join(sorted(compared))}, a run being compared; give other "
@@ -227,15 +390,36 @@ def training_noise(results, names, results_file, baseline_name, optimized_name):
             raise CompareError(f"noise run {n} is not the baseline's recipe (it differs in {', '.join(differ)}); "
                                f"give repeats or other seeds of {baseline_name}'s recipe")
         losses[n] = entry["final_validation"]["loss"]
-    if len(losses) < 2:
-        raise CompareError(f"--noise_runs needs at least two finished runs to measure a spread, got {len(losses)}")
-    return losses, statistics.stdev(losses.values())
+    return losses, statistics.stdev([results[baseline_name]["final_validation"]["loss"], *losses.values()])
 
 
 def shape_free(recipe):
     """A recipe without the config's model fields, which older runs recorded beside the resolved "model"
     (dim=0 and dim=320 are one model); the resolved model stays."""
     return {k: v for k, v in recipe.items() if k not in train.MODEL_KEYS} if "model" in recipe else recipe
+
+
+def verdict_tolerance(results, results_file, baseline_name, optimized_name, noise_names):
+    """The tolerance, its two parts and the rule that made it, as the comparison records them."""
+    validation = tolerance(results[baseline_name]["final_validation"], results[optimized_name]["final_validation"])
+    fields = {"tolerance": validation, "validation_tolerance": validation,
+              "tolerance_rule": TOLERANCE_RULE + NO_NOISE_RULE}
+    if noise_names:
+        losses, std = training_noise(results, noise_names, results_file, baseline_name, optimized_name)
+        noise = NOISE_SIGMAS * math.sqrt(2) * std
+        fields.update(tolerance=max(validation, noise), tolerance_rule=TOLERANCE_RULE + NOISE_RULE,
+                      noise_runs=losses, training_noise_std=std, training_noise_tolerance=noise)
+    return fields
+
+
+def recorded_seed_runs(results, baseline_name, count):
+    """The noise seed runs of a finished baseline that the results file holds complete: <baseline>-seed<N> for
+    N = its seed + 1 .. its seed + count, as compare.py trains them."""
+    seed = (results[baseline_name].get("config") or {}).get("seed")
+    if not isinstance(seed, int):
+        return []
+    names = [seed_run_name(baseline_name, seed + i) for i in range(1, count + 1)]
+    return [n for n in names if isinstance(results.get(n), dict) and results[n].get("status") == "complete"]
 
 
 def run_summary(entry):
@@ -246,8 +430,12 @@ def run_summary(entry):
             "result": {k: v for k, v in entry.items() if k not in BULKY}}
 
 
-def compare_runs(results_file, baseline_name, optimized_name, allow_recipe_change, plot_path, noise_runs=""):
-    """Compare two finished runs, record results["matched-comparison"], print the table; returns the entry."""
+def compare_runs(results_file, baseline_name, optimized_name, allow_recipe_change, plot_path, noise_runs="",
+                 seed_runs=None, noise_seed_runs=1):
+    """Compare two finished runs, record results["matched-comparison"], print the table; returns the entry.
+
+    The noise runs are seed_runs (those just trained; None: the baseline's seed runs the results file holds, up
+    to noise_seed_runs) and the comma-separated noise_runs."""
     if baseline_name == optimized_name:
         raise CompareError(f"--baseline and --optimized both name {baseline_name!r}; compare two different runs")
     results = read_results(results_file)
@@ -257,25 +445,19 @@ def compare_runs(results_file, baseline_name, optimized_name, allow_recipe_chang
     differ = train.recipe_differences(b.get("recipe") or {}, o.get("recipe") or {})
     if not identity_equal and not allow_recipe_change:
         raise CompareError(refusal(baseline_name, optimized_name, differ))
-    fb, fo = b["final_validation"], o["final_validation"]
-    tol = tolerance(fb, fo)
-    rule = TOLERANCE_RULE
-    noise = {}
-    names = [n.strip() for n in noise_runs.split(",") if n.strip()]
-    if names:
-        losses, std = training_noise(results, names, results_file, baseline_name, optimized_name)
-        noise = {"noise_runs": losses, "training_noise_std": std}
-        tol, rule = max(tol, 3 * math.sqrt(2) * std), TOLERANCE_RULE + NOISE_RULE
-    difference = fo["loss"] - fb["loss"]
-    agree = abs(difference) <= tol
+    if seed_runs is None:
+        seed_runs = recorded_seed_runs(results, baseline_name, noise_seed_runs)
+    names = list(dict.fromkeys([*seed_runs, *(n.strip() for n in noise_runs.split(",") if n.strip())]))
+    tol = verdict_tolerance(results, results_file, baseline_name, optimized_name, names)
+    difference = o["final_validation"]["loss"] - b["final_validation"]["loss"]
+    agree = abs(difference) <= tol["tolerance"]
     rb, ro = b.get("median_training_tokens_per_second"), o.get("median_training_tokens_per_second")
     comparison = {
         baseline_name: run_summary(b),
         optimized_name: run_summary(o),
         "speed_ratio": ro / rb if rb and ro else None,
         "loss_difference": difference,
-        "tolerance": tol,
-        "tolerance_rule": rule,
+        **tol,
         "recipe_identity_equal": identity_equal,
         "recipe_differences": differ,
         "losses_agree": agree,
@@ -285,16 +467,15 @@ def compare_runs(results_file, baseline_name, optimized_name, allow_recipe_chang
         "baseline": baseline_name,
         "optimized": optimized_name,
         "run_id": env.new_run_id(),
-        **noise,
     }
     record(results_file, ["matched-comparison"], comparison)
     print_table(comparison, b, o)
-    save_plot(plot_path, [(baseline_name, b), (optimized_name, o)])
+    plots.save_plot(plot_path, [(baseline_name, b), (optimized_name, o)])
     print(f"recorded matched-comparison in {results_file}; plot {plot_path}")
     return comparison
 
 
-# ---------------------------------------------------------------- the table and the plot
+# ---------------------------------------------------------------- the table
 
 def _fmt(value, spec, suffix=""):
     return "-" if value is None else f"{value:{spec}}{suffix}"
@@ -338,7 +519,24 @@ def verdict(c):
     if c["losses_agree"]:
         speed = f"the {c['speed_ratio']:.2f}x speed" if c["speed_ratio"] else "the execution"
         return f"matched run: same recipe, losses agree; {speed} kept the math"
-    return "matched run, but the losses differ beyond the tolerance: not shown to keep the math"
+    text = "matched run, but the losses differ beyond the tolerance: not shown to keep the math"
+    runs = len(c.get("noise_runs") or {})
+    if not runs:
+        return text + " (training noise not counted: no noise run)"
+    if runs < FIRM_NOISE_RUNS:  # with execution noise as large as a seed's, 1 in 5 (1 run) or 10 (2) fails
+        text += (f" (with {runs} noise run{'' if runs == 1 else 's'} the training noise is a rough estimate: "
+                 f"--noise_seed_runs={FIRM_NOISE_RUNS} would firm the verdict up)")
+    return text
+
+
+def tolerance_sources(c):
+    """'validation noise ±0.012, training noise ±0.034 (s 0.008 over the baseline and 1 noise run: ...)'."""
+    text = f"validation noise ±{c['validation_tolerance']:.5f}"
+    if "noise_runs" not in c:
+        return text + "; training noise not measured (noise_seed_runs=0, no --noise_runs)"
+    runs = c["noise_runs"]
+    return (text + f", training noise ±{c['training_noise_tolerance']:.5f} (s {c['training_noise_std']:.5f} over "
+            f"the baseline and {len(runs)} noise run{'s' if len(runs) > 1 else ''}: {', '.join(runs)})")
 
 
 def print_table(c, b, o):
@@ -349,45 +547,17 @@ def print_table(c, b, o):
     lines += [f"{'speed ratio':>22}  {_fmt(c['speed_ratio'], '.2f', 'x')} (optimized / baseline median training tok/s)",
               f"{'loss difference':>22}  {c['loss_difference']:+.5f} (tolerance ±{c['tolerance']:.5f}: "
               f"{'within' if c['losses_agree'] else 'OUTSIDE'})",
+              f"{'tolerance from':>22}  {tolerance_sources(c)}",
               f"{'verdict':>22}  {verdict(c)}"]
     print("\n".join(lines))
 
 
-PLOT_SUFFIXES = (".png", ".pdf", ".svg")
-
-
 def check_plot_path(path):
     """Refuse a plot path matplotlib cannot write, before anything is trained or compared."""
-    path = Path(path)
-    if path.suffix.lower() not in PLOT_SUFFIXES:
-        raise CompareError(f"--plot {path} must end in {', '.join(PLOT_SUFFIXES)}")
-    folder = next((p for p in [path.parent, *path.parent.parents] if p.exists()), Path("."))
-    if not folder.is_dir() or not os.access(folder, os.W_OK):
-        raise CompareError(f"--plot {path}: cannot create or write into {folder}")
-
-
-def save_plot(path, runs):
-    """Validation loss against tokens and against training seconds, one line per run (Agg: no display)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=(11, 4.2))
-    FigureCanvasAgg(fig)
-    by_tokens, by_seconds = fig.subplots(1, 2)
-    for name, entry in runs:
-        curve = entry.get("validation_curve") or []
-        loss = [p["loss"] for p in curve]
-        by_tokens.plot([p["tokens"] for p in curve], loss, marker="o", label=name)
-        timed = [(p["training_seconds"], p["loss"]) for p in curve if p.get("training_seconds") is not None]
-        by_seconds.plot([t for t, _ in timed], [l for _, l in timed], marker="o", label=name)
-    by_tokens.set_xlabel("training tokens")
-    by_seconds.set_xlabel("training seconds")
-    for ax in (by_tokens, by_seconds):
-        ax.set_ylabel("validation-subset loss")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(" vs ".join(name for name, _ in runs))
-    fig.tight_layout()
-    atomic_write(path, lambda f: fig.savefig(f, format=Path(path).suffix[1:].lower(), dpi=100))
+    try:
+        plots.check_path(path, "--plot")
+    except plots.PlotError as exc:
+        raise CompareError(str(exc)) from None
 
 
 # ---------------------------------------------------------------- main
@@ -398,6 +568,8 @@ def plot_file(cfg):
 
 def compare(cfg):
     plot = plot_file(cfg)
+    if cfg.noise_seed_runs < 0:
+        raise CompareError(f"noise_seed_runs must be 0 or more, got {cfg.noise_seed_runs}")
     if cfg.baseline or cfg.optimized:
         if not (cfg.baseline and cfg.optimized):
             raise CompareError("give both --baseline=NAME and --optimized=NAME to compare finished runs, or neither "
@@ -407,13 +579,15 @@ def compare(cfg):
                                "--optimized nothing is trained, so drop them")
         check_plot_path(plot)
         return compare_runs(cfg.results_file, cfg.baseline, cfg.optimized, cfg.allow_recipe_change, plot,
-                            cfg.noise_runs)
+                            cfg.noise_runs, noise_seed_runs=cfg.noise_seed_runs)
     sides = side_configs(cfg)
-    recipe_identities = check_before_training(cfg, sides)
-    for side, c, identity in zip(("baseline", "optimized"), sides, recipe_identities):
-        train_or_reuse(side, c, identity, cfg.rerun)
+    noise = noise_configs(cfg, sides[0])
+    identities = check_before_training(cfg, sides)
+    # The noise runs last: a stop or a failure then leaves the compared pair done first.
+    identities += [env.hash_json(train.setup(c)[2]) for c in noise]
+    train_all(cfg, zip(["baseline", "optimized"] + ["noise"] * len(noise), sides + noise, identities))
     return compare_runs(cfg.results_file, sides[0].name, sides[1].name, cfg.allow_recipe_change, plot,
-                        cfg.noise_runs)
+                        cfg.noise_runs, seed_runs=[c.name for c in noise])
 
 
 def main(argv):
@@ -426,6 +600,9 @@ def main(argv):
     except RunFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except Stopped as exc:
+        print(exc, file=sys.stderr)
+        return train.EXIT_INTERRUPTED
     except KeyboardInterrupt:
         return 130
     return 0 if comparison["label"] == "recipe change" or comparison["losses_agree"] else 1

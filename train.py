@@ -96,7 +96,8 @@ LATER_RECIPE_KEYS = {"residual_dtype": "float32"}
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILE_SCOPES = ("model", "blocks")
 RESERVED_NAMES = {"environment", "benchmarks", "tuning", "profiles", "history", "matched-comparison",
-                  "partial-probe", "trained-parity", "allocation-usage", "loss-microbench"}
+                  "partial-probe", "trained-parity", "allocation-usage", "loss-microbench", "accumulation-check",
+                  "ceilings"}
 
 EXIT_INTERRUPTED = 3  # exit status of a run stopped by a signal or stop_after_updates, checkpointed to resume
 
@@ -271,17 +272,21 @@ def setup(cfg, initial=None):
 class StopRequest:
     """Turns SIGTERM/SIGINT (a scheduler's time limit, Ctrl-C) into a checkpoint at the next update."""
 
+    SAME_STOP_SECONDS = 2.0  # a scheduler may signal the process and its parent passes the signal on too
+
     def __init__(self):
-        self.signal = None
+        self.signal, self.signalled_at = None, None
         self.previous = {}
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
-        if self.signal is not None:  # a second signal: stop now
+        if self.signal is not None:  # a second signal: stop now, unless it is the first one arriving twice
+            if time.monotonic() - self.signalled_at < self.SAME_STOP_SECONDS:
+                return
             signal.signal(signum, self.previous[signum])
             raise KeyboardInterrupt
-        self.signal = signum  # no print here: printing inside a handler can hit a reentrant stdout write
+        self.signal, self.signalled_at = signum, time.monotonic()  # no print: a handler's print can reenter stdout
 
     def restore(self):
         for sig, handler in self.previous.items():

@@ -47,7 +47,13 @@ def losses_of(cfg, mode, micro, updates):
 
 
 def main(argv):
-    cfg = train.Config(load_config(DEFAULTS, argv))
+    try:
+        cfg = train.Config(load_config(DEFAULTS, argv))
+        train.resolve_device(cfg)
+        train.setup(cfg)  # a missing cache or a bad setting: one line now, not a failed variant each
+    except train.USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     results = {}
     for mode, micro in VARIANTS:
         start = time.time()

@@ -1,11 +1,17 @@
-"""compare.py: matched runs through real train.py subprocesses, the verdict both ways, and the read-only mode."""
+"""compare.py: matched runs through real train.py subprocesses, the verdict both ways (training noise counted,
+broken math caught), signals passed to the training child, and the read-only mode."""
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import configurator
 from results import lookup, read_results, record
 import compare
-import env
 import train
 
 TINY = """\
@@ -28,6 +34,27 @@ min_lr = 1e-3
 log_interval = 1000
 """
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+REPO = Path(__file__).resolve().parents[1]
+# A test-only break of a run's math that leaves its recipe as it is, loaded into the train.py child that
+# BREAK_RUN names (through PYTHONPATH, before train.py runs): the second half of every sequence is trained to
+# predict its input token instead of the next one, as a loss kernel that misaligns its targets would.
+BREAK_HOOK = """\
+import os, sys
+if "--name=" + os.environ.get("BREAK_RUN", "") in sys.argv:
+    sys.path.insert(0, os.environ["BREAK_REPO"])
+    import torch
+    import trainer
+    update = trainer.Trainer.update
+
+    def misaligned(self, micro_batches, n_tokens):
+        def targets(x, y):
+            h = y.shape[1] // 2
+            return torch.cat([y[:, :h], torch.where(y[:, h:] == -100, y[:, h:], x[:, h:])], dim=1)
+        return update(self, [(x, targets(x, y)) for x, y in micro_batches], n_tokens)
+
+    trainer.Trainer.update = misaligned
+    print("test hook: targets misaligned in", os.environ["BREAK_RUN"], flush=True)
+"""
 
 
 @pytest.fixture
@@ -39,13 +66,40 @@ def tiny(text_cache, tmp_path, monkeypatch):
     return str(path), str(tmp_path / "results.json")
 
 
-def test_matched_runs_agree_and_are_reused_and_rereadable(tiny, tmp_path, capsys):
+def check_the_read_only_mode(results, c, tmp_path, capsys):
+    """Two finished runs compared by name give comparison c's verdict again, the baseline's noise run found by
+    its name; the earlier comparison moves to the history; an unknown or unfinished run is a one-line error."""
+    runs = read_results(results)
+    plot = tmp_path / "read-only.png"
+    assert compare.main([f"--results_file={results}", "--baseline=m-baseline", "--optimized=m-optimized",
+                         f"--plot={plot}"]) == 0
+    c2 = lookup(results, ["matched-comparison"])
+    assert c2["run_id"] != c["run_id"] and c2["recipe_equal_except_execution"] and c2["plot"] == str(plot)
+    assert c2["loss_difference"] == c["loss_difference"] and c2["tolerance"] == c["tolerance"]
+    assert c2["noise_runs"] == c["noise_runs"]
+    assert plot.read_bytes().startswith(PNG_MAGIC)
+    assert any(h["path"] == ["matched-comparison"] for h in read_results(results)["history"])
+
+    # An unknown name and an unfinished run are one-line errors naming the run.
+    capsys.readouterr()
+    assert compare.main([f"--results_file={results}", "--baseline=m-baseline", "--optimized=nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "'nope'" in err and "m-optimized" in err and "Traceback" not in err
+    record(results, ["m-cut"], dict(runs["m-optimized"], status="interrupted", run_id="cut"))
+    assert compare.main([f"--results_file={results}", "--baseline=m-baseline", "--optimized=m-cut"]) == 2
+    err = capsys.readouterr().err
+    assert "m-cut" in err and "interrupted" in err and err.count("\n") == 1
+
+
+def test_matched_runs_pass_broken_math_fails_runs_are_reused_and_rereadable(tiny, tmp_path, monkeypatch, capsys):
+    """The default verdict on the CPU config: one noise run (the baseline at seed + 1) measures training noise;
+    a same-math execution passes, and a run of the same recipe whose math is broken does not."""
     config, results = tiny
     # 1 x 4 accumulation against 4 x 1: the same updates, summed in another order.
     argv = [config, "--name=m", f"--results_file={results}", "--baseline_micro_batch_size=1", "--micro_batch_size=4"]
     assert compare.main(argv) == 0
     out = capsys.readouterr().out
-    assert "[baseline] " in out and "[optimized] " in out and "verdict" in out
+    assert "[baseline] " in out and "[optimized] " in out and "[noise] " in out and "verdict" in out
     c = lookup(results, ["matched-comparison"])
     assert c["baseline"] == "m-baseline" and c["optimized"] == "m-optimized"
     assert c["recipe_identity_equal"] and c["recipe_differences"] == []
@@ -64,41 +118,51 @@ def test_matched_runs_agree_and_are_reused_and_rereadable(tiny, tmp_path, capsys
     runs = read_results(results)
     assert runs["m-baseline"]["config"]["micro_batch_size"] == 1
     assert runs["m-optimized"]["config"]["micro_batch_size"] == 4
+    # The noise run: the baseline's execution and recipe but the seed, and the tolerance covers 3 x its
+    # difference from the baseline (or the validation noise, when larger).
+    noise = runs["m-baseline-seed1338"]
+    assert noise["status"] == "complete" and noise["config"]["micro_batch_size"] == 1
+    assert train.recipe_differences(runs["m-baseline"]["recipe"], noise["recipe"]) == ["seed"]
+    d = noise["final_validation"]["loss"] - runs["m-baseline"]["final_validation"]["loss"]
+    assert c["noise_runs"] == {"m-baseline-seed1338": noise["final_validation"]["loss"]}
+    assert c["training_noise_tolerance"] == pytest.approx(3 * abs(d))
+    assert c["tolerance"] == pytest.approx(max(c["validation_tolerance"], 3 * abs(d)))
     assert c["plot"] == "out/m-comparison.png"
     png = (tmp_path / c["plot"]).read_bytes()
     assert png.startswith(PNG_MAGIC) and len(png) > 10_000
 
-    # The same command again reuses both complete runs instead of training.
+    # The same command again reuses the three complete runs instead of training.
     assert compare.main(argv) == 0
-    assert capsys.readouterr().out.count("reusing the complete run") == 2
+    assert capsys.readouterr().out.count("reusing the complete run") == 3
     again = read_results(results)
     assert again["m-baseline"]["run_id"] == runs["m-baseline"]["run_id"]
+    assert again["m-baseline-seed1338"]["run_id"] == noise["run_id"]
 
-    # Read-only: two finished runs by name; the earlier comparison moves to the history.
-    plot = tmp_path / "read-only.png"
-    assert compare.main([f"--results_file={results}", "--baseline=m-baseline", "--optimized=m-optimized",
-                         f"--plot={plot}"]) == 0
-    c2 = lookup(results, ["matched-comparison"])
-    assert c2["run_id"] != c["run_id"] and c2["recipe_equal_except_execution"] and c2["plot"] == str(plot)
-    assert c2["loss_difference"] == c["loss_difference"]
-    assert plot.read_bytes().startswith(PNG_MAGIC)
-    assert any(h["path"] == ["matched-comparison"] for h in read_results(results)["history"])
+    check_the_read_only_mode(results, c, tmp_path, capsys)
 
-    # An unknown name and an unfinished run are one-line errors naming the run.
-    capsys.readouterr()
-    assert compare.main([f"--results_file={results}", "--baseline=m-baseline", "--optimized=nope"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and "'nope'" in err and "m-optimized" in err and "Traceback" not in err
-    record(results, ["m-cut"], dict(runs["m-optimized"], status="interrupted", run_id="cut"))
-    assert compare.main([f"--results_file={results}", "--baseline=m-baseline", "--optimized=m-cut"]) == 2
-    err = capsys.readouterr().err
-    assert "m-cut" in err and "interrupted" in err and err.count("\n") == 1
+    # Broken math under the same recipe identity: the optimized run (now micro-batch 2, so it trains again
+    # while the baseline and its noise run are reused) is trained with misaligned targets.
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(BREAK_HOOK)
+    monkeypatch.setenv("PYTHONPATH", str(hook))
+    monkeypatch.setenv("BREAK_REPO", str(REPO))
+    monkeypatch.setenv("BREAK_RUN", "m-optimized")
+    assert compare.main(argv[:-1] + ["--micro_batch_size=2"]) == 1
+    out = capsys.readouterr().out
+    assert "[optimized] test hook: targets misaligned in m-optimized" in out and "not shown" in out
+    assert out.count("reusing the complete run") == 2
+    broken = lookup(results, ["matched-comparison"])
+    assert broken["recipe_identity_equal"] and broken["label"] == "matched run"
+    assert not broken["losses_agree"] and not broken["recipe_equal_except_execution"]
+    assert abs(broken["loss_difference"]) > broken["tolerance"] and broken["noise_runs"] == c["noise_runs"]
 
 
 def test_recipe_change_is_refused_unless_allowed(tiny, capsys):
     config, results = tiny
+    # noise_seed_runs=0: no noise run is trained, and the tolerance says it counts no training noise.
     argv = [config, "--name=r", f"--results_file={results}", "--baseline_micro_batch_size=1",
-            "--micro_batch_size=4", "--optimized_overrides=--learning_rate=1e-4 --min_lr=1e-5"]
+            "--micro_batch_size=4", "--optimized_overrides=--learning_rate=1e-4 --min_lr=1e-5", "--noise_seed_runs=0"]
     # Refused before any training: the recipes are known from the configs.
     assert compare.main(argv) == 2
     err = capsys.readouterr().err
@@ -112,14 +176,71 @@ def test_recipe_change_is_refused_unless_allowed(tiny, capsys):
     assert not c["recipe_identity_equal"] and "learning_rate" in c["recipe_differences"]
     assert not c["losses_agree"] and abs(c["loss_difference"]) > c["tolerance"]
     assert not c["recipe_equal_except_execution"]
+    assert c["tolerance"] == c["validation_tolerance"] and "training noise is not counted" in c["tolerance_rule"]
     runs = read_results(results)
     assert runs["r-optimized"]["config"]["learning_rate"] == 1e-4
     assert runs["r-baseline"]["config"]["learning_rate"] == 1e-2
+    assert not [name for name in runs if "seed" in name]
 
     # Read-only comparison of the same runs is refused too, naming the field.
     capsys.readouterr()
     assert compare.main([f"--results_file={results}", "--baseline=r-baseline", "--optimized=r-optimized"]) == 2
     assert "learning_rate" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to compare.py", "SIGINT to its process group, as Ctrl-C sends it"])
+def test_a_signal_stops_the_training_child_checkpointed_and_a_rerun_resumes_it(tiny, tmp_path, capsys, how):
+    """Stopping compare.py stops its train.py child as train.py stops (checkpointed, status interrupted, never a
+    broken pipe), once even when the signal reaches the whole process group; compare.py then exits with
+    status 3 and one line saying how to resume, and the same command again resumes the run."""
+    config, results = tiny
+    argv = [config, "--name=s", f"--results_file={results}", "--baseline_micro_batch_size=1",
+            "--micro_batch_size=4", "--noise_seed_runs=0", "--log_interval=2"]
+    proc = subprocess.Popen([sys.executable, str(REPO / "compare.py"), *argv], cwd=tmp_path, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("[baseline] update "):  # the child is training, past its signal handlers
+                if how.startswith("SIGTERM"):
+                    proc.send_signal(signal.SIGTERM)
+                else:
+                    os.killpg(proc.pid, signal.SIGINT)
+                break
+        out = "".join(lines) + proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    name = "SIGTERM" if how.startswith("SIGTERM") else "SIGINT"
+    assert proc.returncode == 3, out
+    assert f"[baseline] signal {name}: checkpointed at update" in out
+    assert "Traceback" not in out and "BrokenPipe" not in out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith(f"stopped by {name}: the baseline run s-baseline is checkpointed (status interrupted)")
+    assert "run this compare.py command again" in last and "compare_config.py" in last and "--resume=True" in last
+    runs = read_results(results)
+    interrupted = runs["s-baseline"]
+    assert interrupted["status"] == "interrupted" and 0 < interrupted["step"] < interrupted["total_updates"]
+    assert (tmp_path / "out" / "s-baseline" / "ckpt.pt").is_file() and "s-optimized" not in runs
+    if name == "SIGINT":
+        return  # the resume below is the same either way
+    assert compare.main(argv) == 0
+    assert "baseline: resuming the stopped run s-baseline" in capsys.readouterr().out
+    done = read_results(results)["s-baseline"]
+    assert done["status"] == "complete" and done["run_id"] == interrupted["run_id"] and done["sessions"] == 2
+
+
+def test_a_run_that_stops_itself_stops_the_comparison(tiny, capsys):
+    """A child that stops checkpointed without a signal (stop_after_updates, as a time limit) is not a failed
+    run: compare.py stops with status 3 and says how to resume."""
+    config, results = tiny
+    assert compare.main([config, "--name=q", f"--results_file={results}", "--baseline_micro_batch_size=1",
+                         "--micro_batch_size=4", "--stop_after_updates=3"]) == 3
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("stopped by train.py itself: the baseline run q-baseline is checkpointed")
+    assert "--resume=True" in err and "\n" not in err
+    assert lookup(results, ["q-baseline", "status"]) == "interrupted" and lookup(results, ["q-baseline", "step"]) == 3
 
 
 def test_mistakes_are_one_line_errors(tiny, capsys):
@@ -150,9 +271,10 @@ def finished(loss, recipe="r1", speed=1000.0, std=3.0, tokens=1_000_000):
 
 def test_the_verdict_both_ways_and_training_noise(tmp_path, capsys):
     """Losses further apart than the tolerance are 'not shown' (exit 1); noise runs widen the tolerance to
-    3 x sqrt(2) x their standard deviation, and never narrow it."""
+    3 x sqrt(2) x the standard deviation of their and the baseline's losses (3 x the difference, for one), and
+    never narrow it. The baseline's seed runs are found by name; noise_seed_runs=0 leaves them out."""
     results = tmp_path / "results.json"
-    record(results, ["base"], finished(4.600, speed=500.0))
+    record(results, ["base"], dict(finished(4.600, speed=500.0), config={"seed": 7}))
     record(results, ["far"], finished(4.650, speed=2000.0))
     for i, loss in enumerate((4.59, 4.62, 4.65)):
         record(results, [f"repeat-{i}"], finished(loss))
@@ -161,15 +283,31 @@ def test_the_verdict_both_ways_and_training_noise(tmp_path, capsys):
     assert read("far") == 1  # 0.05 apart; validation tolerance 3 * sqrt(2) * 3 / 1000 = 0.0127
     c = lookup(results, ["matched-comparison"])
     assert not c["losses_agree"] and c["tolerance"] == pytest.approx(3 * 2 ** 0.5 * 3.0 / 1000)
-    assert c["speed_ratio"] == pytest.approx(4.0) and "not shown" in capsys.readouterr().out
+    assert "noise_runs" not in c and "training noise is not counted" in c["tolerance_rule"]
+    out = capsys.readouterr().out
+    assert c["speed_ratio"] == pytest.approx(4.0) and "not shown" in out and "training noise not measured" in out
+    # One noise run 0.01 from the baseline: 3 x 0.01, still short of 0.05; a rough estimate, the verdict says.
+    assert read("far", "--noise_runs=repeat-0") == 1
+    c = lookup(results, ["matched-comparison"])
+    assert c["training_noise_tolerance"] == c["tolerance"] == pytest.approx(3 * 0.01)
+    out = capsys.readouterr().out
+    assert "not shown" in out and "--noise_seed_runs=3 would firm the verdict up" in out
     assert read("far", "--noise_runs=repeat-0,repeat-1,repeat-2") == 0
     c = lookup(results, ["matched-comparison"])
-    std = float(np.std([4.59, 4.62, 4.65], ddof=1))
+    std = float(np.std([4.600, 4.59, 4.62, 4.65], ddof=1))
     assert c["losses_agree"] and c["training_noise_std"] == pytest.approx(std)
     assert c["tolerance"] == pytest.approx(3 * 2 ** 0.5 * std)
+    assert list(c["noise_runs"]) == ["repeat-0", "repeat-1", "repeat-2"]
+    # The baseline's seed run, as compare.py names it (seed 7 + 1), counts without being named; not when off.
+    record(results, ["base-seed8"], finished(4.640))
+    assert read("far") == 0
+    assert lookup(results, ["matched-comparison", "tolerance"]) == pytest.approx(3 * 0.04)
+    assert read("far", "--noise_seed_runs=0") == 1
+    capsys.readouterr()
+    assert read("far", "--noise_seed_runs=-1") == 2
+    assert "noise_seed_runs must be 0 or more" in capsys.readouterr().err
     # Noise runs of another recipe, or the compared runs themselves, would widen the tolerance at will: the pair
     # as its own noise gives at least 3 x their difference, so any two runs would pass.
-    capsys.readouterr()
     assert read("far", "--noise_runs=base,far") == 2
     assert "a run being compared" in capsys.readouterr().err
     record(results, ["big-model"], dict(finished(5.9), recipe={"seed": "r1", "model": {"dim": 768}}))
@@ -197,6 +335,23 @@ def test_tuned_config_and_overrides_layer_on_the_optimized_side_only(tiny, tmp_p
     tuned.unlink()
     assert compare.main(argv) == 2
     assert "tuned.py" in capsys.readouterr().err
+
+
+def test_every_run_has_its_own_folders_and_the_noise_runs_are_the_baseline_at_other_seeds(tiny):
+    config, results = tiny
+    argv = [config, "--name=f", "--out_dir=runs/f", "--tensorboard_dir=tb", "--noise_seed_runs=2", "--seed=5",
+            "--baseline_micro_batch_size=1", "--micro_batch_size=4", "--attention_backend=math"]
+    cfg = compare.train.Config(configurator.load_config(compare.DEFAULTS, argv))
+    base, opt = compare.side_configs(cfg)
+    noise = compare.noise_configs(cfg, base)
+    assert [c.name for c in noise] == ["f-baseline-seed6", "f-baseline-seed7"] and [c.seed for c in noise] == [6, 7]
+    assert {k: v for k, v in noise[0].items() if base[k] != v} == {"name": "f-baseline-seed6", "seed": 6,
+                                                                   "out_dir": "runs/f/baseline-seed6",
+                                                                   "tensorboard_dir": "tb/baseline-seed6"}
+    assert (base.out_dir, opt.out_dir, base.tensorboard_dir, opt.tensorboard_dir) == (
+        "runs/f/baseline", "runs/f/optimized", "tb/baseline", "tb/optimized")
+    # the baseline is the plain execution whatever the config asks for ("auto" attention may be fa4)
+    assert (base.attention_backend, opt.attention_backend, base.compile) == ("sdpa", "math", False)
 
 
 def test_the_table_names_every_execution_setting_off_its_default():

@@ -549,7 +549,7 @@ def test_gpu_scripts_refuse_bad_arguments_in_one_line(tmp_path, script, arg, wor
 
 
 @pytest.mark.parametrize("script", ["ce_rows_sweep.py", "loss_microbench.py", "attention_microbench.py",
-                                    "eval_speed.py"])
+                                    "eval_speed.py", "ceilings.py", "accumulation_check.py"])
 def test_gpu_scripts_say_in_one_line_that_they_need_a_gpu(tmp_path, script):
     """The GPU microbenchmarks on a machine without CUDA: exit 2 with one sentence, no traceback, no file."""
     result = subprocess.run([sys.executable, str(REPO / "scripts" / script), f"--results_file={tmp_path / 'r.json'}"],

@@ -35,6 +35,18 @@ def test_a_gpu_recipe_without_a_gpu_is_refused_in_one_line_naming_device_cpu(tmp
     assert not (tmp_path / "r.json").exists()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+@pytest.mark.parametrize("script", ["bench", "compare"])
+def test_the_gpu_scripts_refuse_a_cpu_in_one_line_too(tmp_path, capsys, script):
+    """`python bench.py --compile` printed nothing for minutes; compare.py started 20M-parameter CPU runs."""
+    import importlib
+    start = time.time()
+    code = importlib.import_module(script).main(["--compile=True", f"--results_file={tmp_path / 'r.json'}",
+                                                 f"--out_dir={tmp_path / 'out'}"])
+    assert code == 2 and time.time() - start < 20
+    one_line_error(capsys, "--device=cpu")
+
+
 def test_a_rerun_of_a_name_is_refused_unless_resumed_or_overwritten(text_cache, tmp_path, capsys):
     cfg = small_config(text_cache, tmp_path, epochs=1)
     train.train(cfg)
@@ -132,3 +144,21 @@ def test_dashboards_that_are_not_installed_are_one_line_before_training(text_cac
     assert train.main(cli_args(cfg)) == 2
     one_line_error(capsys, "pip install wandb")
     assert lookup(cfg.results_file, ["t"]) is None
+
+
+def test_a_signal_arriving_twice_is_one_stop_and_a_later_second_stops_at_once():
+    """A scheduler may signal train.py and its parent (compare.py), which passes the signal on: the same stop
+    arriving twice must not turn into the second signal's stop-now, which skips the checkpoint."""
+    import os
+    import signal
+    stop = train.StopRequest()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.signal == signal.SIGTERM
+        os.kill(os.getpid(), signal.SIGTERM)  # the same stop, again: ignored
+        stop.signalled_at -= train.StopRequest.SAME_STOP_SECONDS + 1
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)  # the handler runs between bytecodes
+    finally:
+        stop.restore()

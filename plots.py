@@ -1,0 +1,93 @@
+"""Loss curves of training runs, drawn from their results entries: compare.py's pair plot and
+scripts/plot_runs.py's plot of any runs of a results file share them.
+
+A run's entry holds `validation_curve` (the validation-subset loss at each epoch end) and, in entries written
+since train.py records it, `training_curve` (the mean training loss of each log interval). Each panel draws
+one line per run that has points for it, in the run's colour in every panel; an older entry without a
+training curve is drawn in the validation panels only. Figures are matplotlib's Agg (no display), written
+atomically.
+"""
+import os
+from pathlib import Path
+
+from results import atomic_write
+
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+# --x: the entry field each x axis reads, and its label
+X_AXES = {"tokens": ("tokens", "training tokens"), "seconds": ("training_seconds", "training seconds")}
+X_CHOICES = ("tokens", "seconds", "both")
+# the curves, as (entry field, y label, marker): validation points are a few epochs, training points many
+CURVES = (("training_curve", "training loss (mean of each log interval)", None),
+          ("validation_curve", "validation-subset loss", "o"))
+
+
+class PlotError(ValueError):
+    """A plot that cannot be made as asked: a user mistake, reported in one line."""
+
+
+def check_path(path, option="--out"):
+    """Refuse a path matplotlib cannot write, before any work; `option` names the setting in the message."""
+    path = Path(path)
+    if path.suffix.lower() not in PLOT_SUFFIXES:
+        raise PlotError(f"{option} {path} must end in {', '.join(PLOT_SUFFIXES)}")
+    folder = next((p for p in [path.parent, *path.parent.parents] if p.exists()), Path("."))
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise PlotError(f"{option} {path}: cannot create or write into {folder}")
+
+
+def training_runs(results):
+    """The names of a results file's training runs: its top-level entries with a recipe identity."""
+    return [name for name, entry in results.items() if isinstance(entry, dict) and "recipe_identity" in entry]
+
+
+def points(entry, curve, x_field):
+    """(xs, losses) of one curve of a run, leaving out points without that x (entries older than the field)."""
+    pairs = [(p[x_field], p["loss"]) for p in entry.get(curve) or []
+             if p.get(x_field) is not None and p.get("loss") is not None]
+    return [x for x, _ in pairs], [y for _, y in pairs]
+
+
+def runs_figure(runs, x="both", title=None):
+    """A figure of runs [(name, entry), ...]: a row per curve (training loss, validation loss), a column per x
+    axis (tokens, seconds or both), one line per run in each panel where the run has points."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    if x not in X_CHOICES:
+        raise PlotError(f"--x={x!r} is not one of {', '.join(X_CHOICES)}")
+    axes_x = list(X_AXES) if x == "both" else [x]
+    fig = Figure(figsize=(5.5 * len(axes_x), 7.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    grid = fig.subplots(len(CURVES), len(axes_x), squeeze=False)
+    for row, (curve, ylabel, marker) in enumerate(CURVES):
+        for col, axis in enumerate(axes_x):
+            field, xlabel = X_AXES[axis]
+            ax = grid[row][col]
+            missing = []
+            for i, (name, entry) in enumerate(runs):
+                xs, ys = points(entry, curve, field)
+                if xs:
+                    ax.plot(xs, ys, marker=marker, color=f"C{i % 10}", label=name)
+                else:
+                    missing.append(name)
+            if missing:  # old entries, or a run stopped before its first log line or epoch end
+                ax.text(0.02, 0.02, f"no {curve.replace('_', ' ')}: {', '.join(missing)}", transform=ax.transAxes,
+                        fontsize=8, color="0.4")
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize=8)
+    fig.suptitle(title or " vs ".join(name for name, _ in runs))
+    return fig
+
+
+def save_figure(fig, path):
+    """Write the figure atomically, in the format its suffix names."""
+    atomic_write(path, lambda f: fig.savefig(f, format=Path(path).suffix[1:].lower(), dpi=100))
+
+
+def save_plot(path, runs, x="both", title=None):
+    """runs_figure of runs, written to path; returns the figure."""
+    fig = runs_figure(runs, x, title)
+    save_figure(fig, path)
+    return fig

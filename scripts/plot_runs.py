@@ -1,0 +1,67 @@
+"""Plot the loss curves of training runs of a results file: training loss and validation-subset loss against
+training tokens and against training seconds, one line per run.
+
+    python scripts/plot_runs.py RESULTS.json [RUN ...] [--out=out/runs.png] [--x=tokens|seconds|both]
+
+Without RUN names, every training run in the file (its top-level entries with a recipe identity). Entries
+written before train.py recorded the training curve are drawn in the validation panels only.
+Exit status: 0 when the plot is written, 2 on a mistake (an unknown run, a bad --out, a broken results file).
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's modules, run as a script too
+import plots  # noqa: E402
+from results import ResultsFileError, read_results  # noqa: E402
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line of ours, not argparse's usage block
+        raise plots.PlotError(f"{message} (see --help)")
+
+
+def parse(argv):
+    parser = Parser(prog="scripts/plot_runs.py", description=__doc__.splitlines()[0],
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", metavar="RESULTS.json", help="the results file")
+    parser.add_argument("runs", metavar="RUN", nargs="*", help="runs to plot (default: every training run)")
+    parser.add_argument("--out", default="out/runs.png",
+                        help="the plot file: .png, .pdf or .svg (default: %(default)s)")
+    parser.add_argument("--x", default="both", choices=plots.X_CHOICES,
+                        help="x axis: training tokens, training seconds, or both (default: %(default)s)")
+    return parser.parse_args(argv)
+
+
+def selected_runs(path, names):
+    """[(name, entry)] of the named runs (default: all) of the results file at path."""
+    if not Path(path).is_file():
+        raise plots.PlotError(f"results file {path} does not exist")
+    results = read_results(path)
+    available = plots.training_runs(results)
+    if not available:
+        raise plots.PlotError(f"results file {path} holds no training runs (top-level entries with a recipe_identity)")
+    unknown = [n for n in names if n not in available]
+    if unknown:
+        raise plots.PlotError(f"results file {path} has no run named {', '.join(map(repr, unknown))}; runs there: "
+                              f"{', '.join(available)}")
+    return [(n, results[n]) for n in dict.fromkeys(names or available)]
+
+
+def main(argv):
+    """Plot the runs; returns (exit status, the figure or None)."""
+    try:
+        args = parse(argv)
+        plots.check_path(args.out)
+        runs = selected_runs(args.results, args.runs)
+        title = f"{len(runs)} run{'s' if len(runs) > 1 else ''} of {args.results}"
+        fig = plots.save_plot(args.out, runs, args.x, title)
+    except (plots.PlotError, ResultsFileError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2, None
+    print(f"wrote {args.out}: {', '.join(name for name, _ in runs)}")
+    return 0, fig
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:])[0])

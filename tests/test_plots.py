@@ -1,0 +1,110 @@
+"""plots.py and scripts/plot_runs.py: the loss curves of any runs of a results file, one line per run in each
+panel, entries without a training curve in the validation panels only, and mistakes as one-line errors."""
+import contextlib
+import io
+
+import pytest
+
+import plots
+import train
+from results import read_results, record
+from scripts import plot_runs
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_entry(shift, training=True):
+    """A complete training entry as train.py records one: a validation point per epoch and, unless it predates
+    them, a training point per log interval."""
+    entry = {"status": "complete", "recipe_identity": f"recipe-{shift}", "run_id": f"id-{shift}",
+             "final_validation": {"loss": 3.0 + shift},
+             "validation_curve": [{"epoch": e, "tokens": 1000 * e, "loss": 5 - e + shift, "seconds": 0.1,
+                                   "training_seconds": 2.0 * e} for e in (1, 2)]}
+    if training:
+        entry["training_curve"] = [{"update": u, "tokens": 250 * u, "training_seconds": 0.5 * u,
+                                    "loss": 6 - u / 2 + shift, "lr": 1e-3, "grad_norm": 1.0} for u in range(1, 9)]
+    return entry
+
+
+@pytest.fixture
+def results(tmp_path):
+    """Two current runs, one entry from before training curves were recorded, and sections that are not runs."""
+    path = tmp_path / "results.json"
+    record(path, ["a"], run_entry(0.0))
+    record(path, ["b"], run_entry(0.1))
+    record(path, ["old"], run_entry(0.2, training=False))
+    record(path, ["benchmarks", "bench-1"], {"tokens_per_second": 1.0, "status": "ok"})
+    record(path, ["matched-comparison"], {"baseline": "a", "optimized": "b"})
+    return path
+
+
+def labels(ax):
+    return [line.get_label() for line in ax.lines]
+
+
+def test_every_run_by_default_one_line_per_run_per_panel(results, tmp_path, capsys):
+    out = tmp_path / "plots" / "runs.png"
+    code, fig = plot_runs.main([str(results), f"--out={out}"])
+    assert code == 0 and out.read_bytes().startswith(PNG_MAGIC)
+    assert "wrote" in capsys.readouterr().out
+    # rows: training loss, validation loss; columns: tokens, seconds
+    train_tokens, train_seconds, val_tokens, val_seconds = fig.axes
+    assert labels(train_tokens) == labels(train_seconds) == ["a", "b"]
+    assert labels(val_tokens) == labels(val_seconds) == ["a", "b", "old"]
+    assert any("old" in text.get_text() for text in train_tokens.texts)  # said, not silently dropped
+    assert list(train_tokens.lines[1].get_xdata()) == [250 * u for u in range(1, 9)]
+    assert list(train_tokens.lines[1].get_ydata()) == pytest.approx([6 - u / 2 + 0.1 for u in range(1, 9)])
+    assert list(train_seconds.lines[0].get_xdata()) == [0.5 * u for u in range(1, 9)]
+    assert list(val_tokens.lines[2].get_xdata()) == [1000, 2000]
+    assert list(val_seconds.lines[2].get_xdata()) == [2.0, 4.0]
+    assert list(val_seconds.lines[2].get_ydata()) == pytest.approx([4.2, 3.2])
+    # a run keeps its colour in every panel
+    assert {val_tokens.lines[1].get_color(), train_seconds.lines[1].get_color()} == {train_tokens.lines[1].get_color()}
+    assert "tokens" in train_tokens.get_xlabel() and "seconds" in val_seconds.get_xlabel()
+
+
+def test_named_runs_against_one_axis(results, tmp_path):
+    out = tmp_path / "runs.svg"
+    code, fig = plot_runs.main([str(results), "old", "b", f"--out={out}", "--x=seconds"])
+    assert code == 0 and b"<svg" in out.read_bytes()
+    train_seconds, val_seconds = fig.axes
+    assert labels(train_seconds) == ["b"] and labels(val_seconds) == ["old", "b"]
+    assert "seconds" in train_seconds.get_xlabel()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["{results}", "a", "nope"], ["no run named 'nope'", "runs there: a, b, old"]),
+    (["{results}", "--out={tmp}/runs.txt"], ["--out", "must end in .png"]),
+    (["{results}", "--x=epochs"], ["--x", "invalid choice"]),
+    (["{tmp}/missing.json"], ["missing.json does not exist"]),
+    (["{tmp}/broken.json"], ["not valid JSON"]),
+    (["{tmp}/empty.json"], ["holds no training runs"]),
+])
+def test_mistakes_are_one_line_errors(results, tmp_path, monkeypatch, capsys, args, words):
+    monkeypatch.chdir(tmp_path)  # where the default --out would go
+    (tmp_path / "broken.json").write_text('{"a": ')
+    record(tmp_path / "empty.json", ["benchmarks", "x"], {"status": "ok"})
+    assert plot_runs.main([a.format(results=results, tmp=tmp_path) for a in args]) == (2, None)
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and all(w in err for w in words), err
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("runs.*"))
+
+
+def test_a_real_run_plots_its_training_curve(text_cache, tmp_path, monkeypatch):
+    """What train.py records (a training point per log interval, a validation point per epoch) is what
+    plots.save_plot, which compare.py's pair plot is too, draws."""
+    monkeypatch.chdir(tmp_path)
+    cfg = train.Config(dict(train.DEFAULTS, preset="20m", dim=64, n_layers=2, n_heads=2, hidden_dim=128, seq_len=64,
+                            data_dir=str(text_cache), device="cpu", cpu_threads=1, epochs=2, train_subset_tokens=8192,
+                            val_subset_tokens=2048, tokens_per_update=256, micro_batch_size=4, warmup_updates=5,
+                            log_interval=8, full_validation=False, name="real",
+                            results_file=str(tmp_path / "results.json")))
+    with contextlib.redirect_stdout(io.StringIO()):
+        train.train(cfg)
+    entry = read_results(cfg.results_file)["real"]
+    fig = plots.save_plot(tmp_path / "pair.png", [("real", entry), ("real again", entry)])
+    train_tokens, _, val_tokens, _ = fig.axes
+    assert labels(train_tokens) == ["real", "real again"] and labels(val_tokens) == ["real", "real again"]
+    assert list(train_tokens.lines[0].get_xdata()) == [p["tokens"] for p in entry["training_curve"]]
+    assert len(train_tokens.lines[0].get_xdata()) == 64 // 8 and len(val_tokens.lines[0].get_xdata()) == 2
+    assert (tmp_path / "pair.png").read_bytes().startswith(PNG_MAGIC)
