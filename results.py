@@ -51,6 +51,24 @@ def atomic_write_text(path, text):
     atomic_write(path, lambda f: f.write(text.encode()))
 
 
+def _flat(value):
+    """A value whose JSON has no nested object or list: written on one line."""
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+    return items is not None and not any(isinstance(v, (dict, list)) for v in items)
+
+
+def dumps(value, indent=0):
+    """JSON as json.dumps(indent=2) writes it, except that an object or a list holding no others is one line:
+    a curve is one line per point and a list of numbers one line, so that a person can read the file."""
+    if not isinstance(value, (dict, list)) or not value or _flat(value):
+        return json.dumps(value, default=str)
+    pad = " " * (indent + 2)
+    if isinstance(value, dict):
+        inner = [f"{pad}{json.dumps(str(k))}: {dumps(v, indent + 2)}" for k, v in value.items()]
+        return "{\n" + ",\n".join(inner) + "\n" + " " * indent + "}"
+    return "[\n" + ",\n".join(pad + dumps(v, indent + 2) for v in value) + "\n" + " " * indent + "]"
+
+
 def read_results(path):
     """The results file as a dict ({} when it does not exist yet); a file that does not parse is an error."""
     path = Path(path)
@@ -98,7 +116,7 @@ def _update(path, change):
         with _lock(path):
             data = read_results(path)
             change(data)
-            atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
+            atomic_write_text(path, dumps(data) + "\n")
     except (OSError, Timeout) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
         raise ResultsFileError(f"results file {path} cannot be written ({why}); pass another --results_file") from None

@@ -569,3 +569,15 @@ def test_a_renamed_key_is_refused_with_its_new_name(tmp_path):
     old.write_text("sdpa_backend = 'cudnn'\n")
     with pytest.raises(configurator.ConfigError, match=f"config file {old}: config key 'sdpa_backend' is now called"):
         configurator.load_config(train.DEFAULTS, [str(old)])
+
+
+def test_the_results_file_is_json_with_one_line_per_point_of_a_curve(tmp_path):
+    path = tmp_path / "r.json"
+    entry = {"status": "complete", "validation_curve": [{"epoch": 1, "loss": 4.5}, {"epoch": 2, "loss": 4.2}],
+             "interval_tokens_per_second": [1.0, 2.0, 3.0], "nested": {"deeper": {"list": [[1, 2], [3]]}},
+             "empty": {}, "path": Path("out/x")}
+    record(path, ["run"], entry)
+    text = path.read_text()
+    assert json.loads(text)["run"] == json.loads(json.dumps(entry, default=str))
+    lines = text.splitlines()
+    assert '      {"epoch": 1, "loss": 4.5},' in lines and '    "interval_tokens_per_second": [1.0, 2.0, 3.0],' in lines

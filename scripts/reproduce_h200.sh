@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Reproduces the figures of docs/PERFORMANCE.md on one H200, each under the results entry the document cites.
+#     bash scripts/reproduce_h200.sh PART... [-- RESULTS_FILE]      # default RESULTS_FILE: out/h200/results.json
+# Parts, in the document's order, with their time on one H200 (warm compiler caches; cold adds about 20 s per
+# compiled shape): ceilings (1 min), current (5 min), accumulation (2 min), loss (2 min), matched (3 min, then
+# compare.py with no GPU), tune (10 min), levers (12 min), all (about 35 min). Merge what comes back into
+# results/h200.json with scripts/merge_results.py. Needs data/cache/gutenberg; flash-attn-4 for the fa4 rows
+# (pip install -r requirements-gpu.txt), which are skipped without it.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+parts=()
+R=out/h200/results.json
+while [ $# -gt 0 ]; do
+  if [ "$1" = "--" ]; then R=$2; shift 2; else parts+=("$1"); shift; fi
+done
+mkdir -p "$(dirname "$R")"
+REF=config/20m_gh200.py
+bench() { timeout 300 python bench.py "$@" --results_file="$R"; }
+has_fa4() { python -c "from kernels.attention import fa4_problem; import torch, sys; sys.exit(fa4_problem(torch.device('cuda')) is not None)"; }
+
+ceilings() {
+  python scripts/ceilings.py --name=ceilings --results_file="$R"
+}
+current() {  # the current-figures table
+  bench $REF --name=20m-default --profile=True
+  bench $REF --name=20m-default-2
+  bench $REF --name=20m-mb16 --micro_batch_size=16
+  bench $REF --name=20m-eager-mb8 --compile=False --micro_batch_size=8 --loss_impl=full
+  bench $REF --name=20m-blocks-cold --compile_scope=blocks --cold=True
+  bench config/50m.py --name=50m-default
+  bench config/90m.py --name=90m-default
+  bench $REF --name=20m-bf16-residual --residual_dtype=bfloat16
+  bench $REF --name=20m-fused-epilogue --loss_impl=fused_epilogue
+  if has_fa4; then
+    bench $REF --name=20m-sdpa --attention_backend=sdpa
+    bench config/50m.py --name=50m-sdpa --attention_backend=sdpa
+    bench config/90m.py --name=90m-sdpa --attention_backend=sdpa
+  fi
+}
+accumulation() {
+  python scripts/accumulation_check.py $REF --results_file="$R"
+}
+loss() {
+  for dim in 320 512 768; do
+    python scripts/loss_microbench.py --dim=$dim --name=loss-microbench-$dim --results_file="$R"
+  done
+}
+matched() {  # the recipe to the end; the verdicts are compare.py's, which needs no GPU
+  python train.py $REF --name=matched-default --results_file="$R" --log_interval=500 --overwrite=True
+  python train.py $REF --name=matched-bf16-residual --residual_dtype=bfloat16 --results_file="$R" \
+    --log_interval=500 --overwrite=True
+}
+tune() {
+  python tune.py $REF --budget=15 --name=tune-20m --results_file="$R"
+}
+levers() {  # the levers tried and not kept, each beside the default in the same call
+  bench $REF --name=lever-baseline
+  bench $REF --name=lever-no-cudagraphs --compile_mode=default
+  bench $REF --name=lever-chunked-loss --loss_impl=chunked
+  bench $REF --name=lever-full-loss --loss_impl=full
+  bench $REF --name=lever-attention-flash2 --attention_backend=flash
+  bench $REF --name=lever-attention-efficient --attention_backend=efficient
+  bench $REF --name=lever-loss-slice-4096 --loss_chunk_tokens=4096
+  bench $REF --name=lever-loss-one-slice --loss_chunk_tokens=32768
+  bench $REF --name=lever-memory-budget-0.8 --activation_memory_budget=0.8
+  bench $REF --name=lever-memory-budget-0.6 --activation_memory_budget=0.6
+  bench $REF --name=lever-regional-compile --compile_scope=blocks
+  TORCHINDUCTOR_ENABLE_PDL=1 bench $REF --name=lever-pdl
+  TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 bench $REF --name=lever-coordinate-descent
+  TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 bench $REF --name=lever-matmul-autotune
+}
+
+[ ${#parts[@]} -gt 0 ] || { echo "usage: bash scripts/reproduce_h200.sh PART... [-- RESULTS_FILE]; parts: ceilings current accumulation loss matched tune levers all" >&2; exit 2; }
+for part in "${parts[@]}"; do
+  case $part in
+    all) ceilings; current; accumulation; loss; matched; tune; levers ;;
+    ceilings|current|accumulation|loss|matched|tune|levers) echo "=== $part"; $part ;;
+    *) echo "unknown part '$part'; parts: ceilings current accumulation loss matched tune levers all" >&2; exit 2 ;;
+  esac
+done
+python scripts/summarize.py "$R"
