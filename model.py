@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from kernels.attention import ATTENTION_BACKENDS, causal_attention, flash_attn_4
 from kernels.cross_entropy import (LOSS_IMPLEMENTATIONS, chunked_cross_entropy, linear_cross_entropy,
                                    linear_cross_entropy_losses)
+from kernels.linear_cross_entropy import linear_cross_entropy_epilogue
 from kernels.swiglu import swiglu_down
 
 
@@ -255,7 +256,8 @@ class Transformer(nn.Module):
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"unknown loss reduction {reduction!r}; valid: mean, sum, none")
         flat_h, flat_targets = h.flatten(0, 1), targets.flatten()
-        if self.loss_impl == "fused" and not torch.is_grad_enabled():  # evaluation: no gradient to compute
+        fused = self.loss_impl in ("fused", "fused_epilogue")
+        if fused and not torch.is_grad_enabled():  # evaluation: no gradient to compute
             losses = linear_cross_entropy_losses(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
             if reduction == "none":
                 return losses
@@ -264,6 +266,8 @@ class Transformer(nn.Module):
             return F.cross_entropy(self.output(flat_h).float(), flat_targets, ignore_index=-100, reduction="none")
         elif self.loss_impl == "fused":
             total = linear_cross_entropy(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
+        elif self.loss_impl == "fused_epilogue":
+            total = linear_cross_entropy_epilogue(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
         elif self.loss_impl == "chunked":
             total = chunked_cross_entropy(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
         else:

@@ -64,7 +64,8 @@ class Trainer:
             torch.set_num_threads(cfg.cpu_threads)
         self.check_attention_device()
         torch.manual_seed(cfg.seed)
-        self.raw_model = model_lib.Transformer(mcfg, attention_backend=cfg.attention_backend, loss_impl=cfg.loss_impl,
+        # the backend resolved here, once: "auto" inside compiled code would trace the package lookup
+        self.raw_model = model_lib.Transformer(mcfg, attention_backend=self.attention, loss_impl=cfg.loss_impl,
                                                loss_chunk_tokens=cfg.loss_chunk_tokens,
                                                residual_dtype=cfg.residual_dtype).to(self.device)
         if initial_state is not None:  # init_from: the weights a run starts from, in place of the seed's

@@ -134,8 +134,8 @@ def flash_attention_4(q, k, v):
 
 def causal_attention(q, k, v, backends):
     """q, k, v: (B, T, H, D); backends: a value of ATTENTION_BACKENDS. Returns (B, T, H, D)."""
-    if backends == "auto":
-        backends = "fa4" if _fa4_runs_on(q.device) else None
+    if backends == "auto":  # a model used without the Trainer, which resolves it once (resolve_backend)
+        backends = "fa4" if not torch.compiler.is_compiling() and _fa4_runs_on(q.device) else None
     if backends == "fa4":
         if torch.is_grad_enabled() and q.requires_grad:
             return flash_attention_4(q, k, v)

@@ -9,8 +9,10 @@ from kernels import in_autocast_dtype, uses_triton
 # - "chunked" runs the LM head and cross-entropy over slices of tokens, recomputing each slice's logits in
 #   backward, so the full logits never exist at once;
 # - "fused" (see linear_cross_entropy) computes the loss and its gradients in one pass over slices of
-#   tokens during forward, with the logits in the autocast dtype and never in float32.
-LOSS_IMPLEMENTATIONS = ("full", "chunked", "fused")
+#   tokens during forward, with the logits in the autocast dtype and never in float32;
+# - "fused_epilogue" (kernels/linear_cross_entropy.py) is "fused" with the loss and its gradient inside the
+#   matmuls' Triton kernels, with no pass of their own over the logits.
+LOSS_IMPLEMENTATIONS = ("full", "chunked", "fused", "fused_epilogue")
 
 
 def _chunk_loss(h, weight, targets):

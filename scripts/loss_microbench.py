@@ -2,9 +2,13 @@
 replaces (full logits, eager and compiled) and against the two libraries made for this, when importable:
 Liger-Kernel's fused linear cross-entropy and Apple's Cut Cross-Entropy (CCE, which never writes the logits
 to memory; "cce" with its gradient filter off, the same math, and "cce-filtered" with its default filter,
-which skips softmax entries below bf16's resolution and so changes the gradient slightly). Same inputs for
-all; each one's loss and the relative error of both gradients against the eager full loss are recorded
-beside its time, under NAME in the results file (with the fingerprint).
+which skips softmax entries below bf16's resolution and so changes the gradient slightly). Also the
+"fused_epilogue" op (kernels/linear_cross_entropy.py) with its Triton forward matmul ("fused-epilogue") and
+with cuBLAS's and the read-only lse kernel ("fused-epilogue-cublas-fwd"), and the floor they approach:
+"matmuls-alone", the fused op's three matmuls of the same shapes and slices with no loss between them (its
+loss is 0 and its gradient errors mean nothing). Same inputs for all; each one's loss and the relative error
+of both gradients against the eager full loss are recorded beside its time, under NAME in the results file
+(with the fingerprint, and the launch configs the autotuner chose for the fused_epilogue kernels).
 
     python scripts/loss_microbench.py [--tokens=32768] [--dim=320] [--name=loss-microbench] \
         [--results_file=results.json]
@@ -20,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import env  # noqa: E402
 from results import record  # noqa: E402
 import common  # noqa: E402
+from kernels import in_autocast_dtype  # noqa: E402
+from kernels import linear_cross_entropy as epilogue  # noqa: E402
 from kernels.cross_entropy import linear_cross_entropy  # noqa: E402
 
 
@@ -27,11 +33,40 @@ def full_loss(h, weight, targets):
     return F.cross_entropy(F.linear(h, weight).float(), targets, ignore_index=-100, reduction="sum")
 
 
+class MatmulsAlone(torch.autograd.Function):
+    """The fused op's three matmuls (logits, then both gradients from them as if they were the softmax's
+    gradient) in its slices and dtypes, with nothing between them: the time no fused loss can beat."""
+
+    @staticmethod
+    def forward(ctx, h, weight, chunk_tokens):
+        with torch.autocast("cuda", enabled=False):
+            w = weight.to(h.dtype)
+            grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device)
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
+            for start in range(0, h.shape[0], chunk_tokens):
+                h_slice = h[start:start + chunk_tokens]
+                logits = h_slice @ w.t()
+                torch.mm(logits, w, out_dtype=torch.float32, out=grad_h[start:start + chunk_tokens])
+                torch.addmm(grad_w, logits.t(), h_slice, out_dtype=torch.float32, out=grad_w)
+                del logits
+        ctx.dtypes = h.dtype, weight.dtype
+        ctx.save_for_backward(grad_h, grad_w)
+        return grad_h.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_h, grad_w = ctx.saved_tensors
+        return (grad_h * grad_total).to(ctx.dtypes[0]), (grad_w * grad_total).to(ctx.dtypes[1]), None
+
+
 def candidates():
     found = {"full-eager": full_loss,
              "full-compiled": torch.compile(full_loss, dynamic=False),
              "fused-8192": lambda h, w, t: linear_cross_entropy(h, w, t, 8192),
-             "fused-32768": lambda h, w, t: linear_cross_entropy(h, w, t, 32768)}
+             "fused-32768": lambda h, w, t: linear_cross_entropy(h, w, t, 32768),
+             "fused-epilogue": lambda h, w, t: epilogue.linear_cross_entropy_epilogue(h, w, t, 8192, True),
+             "fused-epilogue-cublas-fwd": lambda h, w, t: epilogue.linear_cross_entropy_epilogue(h, w, t, 8192, False),
+             "matmuls-alone": lambda h, w, t: MatmulsAlone.apply(in_autocast_dtype(h), w, 8192)}
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
     except Exception as exc:  # noqa: BLE001 - any import failure only means "not measured"
@@ -77,6 +112,15 @@ def run(fn, h32, weight, targets, reps):
             "grad_w": w.grad.float(), "peak_extra_bytes": torch.cuda.max_memory_allocated() - base}
 
 
+def tuned_configs():
+    """For each autotuned fused_epilogue kernel that ran: the config chosen per key, and each config's median
+    ms in its last tuning (the weight gradient's on TUNE_TOKENS tokens, kernels/linear_cross_entropy.py)."""
+    return {name: {"chosen": {str(key): str(config) for key, config in kernel.cache.items()},
+                   "tuning_ms": {str(c): round(t[0], 4) if t[0] != float("inf") else None  # a config that failed
+                                 for c, t in getattr(kernel, "configs_timings", {}).items()}}
+            for name, kernel in epilogue._built.items() if hasattr(kernel, "configs")}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=common.positive_int, default=32768)
@@ -107,11 +151,13 @@ def main():
             "grad_w_relative_error": ((r["grad_w"] - reference["grad_w"]).norm() / reference["grad_w"].norm()).item()}
     record(args.results_file, [args.name], {
         "run_id": env.new_run_id(), "tokens": args.tokens, "dim": args.dim, "vocab": args.vocab, "reps": args.reps,
-        "results": results, "environment": env.fingerprint()})
+        "results": results, "fused_epilogue_configs": tuned_configs(), "environment": env.fingerprint()})
     common.print_variants("variant", results, [("ms fwd+bwd", "ms_forward_backward", ".3f"),
                                             ("extra GiB", "peak_extra_gib", ".3f"), ("loss", "loss", ".2f"),
                                             ("grad_h err", "grad_h_relative_error", ".2e"),
                                             ("grad_w err", "grad_w_relative_error", ".2e")])
+    for name, tuned in tuned_configs().items():
+        print(f"{name} kernel: chose {tuned['chosen']}; tuning ms {tuned['tuning_ms']}")
 
 
 if __name__ == "__main__":

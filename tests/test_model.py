@@ -636,3 +636,52 @@ def test_rotary_tables_are_computed_once_as_buffers(monkeypatch):
     # they travel with the module
     m.double()
     assert m.rope_cos.dtype == torch.float64
+
+
+def test_a_bf16_residual_stream_is_bf16_between_blocks_and_close_to_float32():
+    """The declared residual_dtype=bfloat16: under autocast every block reads and returns bf16 (the weights stay
+    float32), and the loss stays within bf16's rounding of the float32 stream's."""
+    config = tiny_config()
+    x, y = random_batch(config, 2, 24)
+    seen = []
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        m = seeded_model(config, residual_dtype=dtype)
+        hook = m.layers[1].register_forward_pre_hook(lambda mod, args: seen.append((dtype, args[0].dtype)))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses[dtype] = m(x, y).item()
+        hook.remove()
+        assert all(p.dtype == torch.float32 for p in m.parameters())
+    assert seen == [("float32", torch.float32), ("bfloat16", torch.bfloat16)]
+    assert losses["bfloat16"] == pytest.approx(losses["float32"], rel=2e-2)
+    with pytest.raises(ValueError, match="unknown residual_dtype 'float16'"):
+        model.Transformer(config, residual_dtype="float16")
+
+
+def test_auto_attention_is_fa4_where_it_runs_and_sdpa_elsewhere_saying_why(flash_attn_4_stand_in, monkeypatch):
+    """The default: flash-attn-4's backward on a Hopper/Blackwell GPU with the package, SDPA everywhere else."""
+    assert attention.resolve_backend("auto", "cpu") == ("sdpa", "the default; fa4 runs on Hopper and Blackwell GPUs "
+                                                                "only, not on the cpu")
+    assert attention.resolve_backend("cudnn", "cpu") == ("cudnn", "as set")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert attention.resolve_backend("auto", "cuda")[0] == "fa4"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    assert attention.resolve_backend("auto", "cuda") == ("sdpa", "the default; fa4 runs on Hopper and Blackwell "
+                                                                 "GPUs only, not on NVIDIA A100")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.delitem(sys.modules, "flash_attn.cute.interface")
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", None)  # not installed
+    backend, why = attention.resolve_backend("auto", "cuda")
+    assert backend == "sdpa" and "needs the flash-attn-4 package" in why
+
+
+def test_auto_attention_on_the_cpu_computes_what_sdpa_does():
+    config = tiny_config()
+    x, y = random_batch(config, 2, 24)
+    auto, sdpa = seeded_model(config, attention_backend="auto"), seeded_model(config, attention_backend="sdpa")
+    for m in (auto, sdpa):
+        m(x, y).backward()
+    assert torch.equal(auto(x), sdpa(x))
+    for (name, p), q in zip(auto.named_parameters(), sdpa.parameters()):
+        assert torch.equal(p.grad, q.grad), name
