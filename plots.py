@@ -4,7 +4,7 @@ scripts/plot_runs.py's plot of any runs of a results file share them.
 A run's entry holds `validation_curve` (the validation-subset loss at each epoch end) and, in entries written
 since train.py records it, `training_curve` (the mean training loss of each log interval). Each panel draws
 one line per run that has points for it, in the run's colour in every panel; an older entry without a
-training curve is drawn in the validation panels only. Figures are matplotlib's Agg (no display), written
+training curve is drawn in the validation panels only (a figure of such entries alone has no training row). Figures are matplotlib's Agg (no display), written
 atomically.
 """
 import os
@@ -55,10 +55,12 @@ def runs_figure(runs, x="both", title=None):
     if x not in X_CHOICES:
         raise PlotError(f"--x={x!r} is not one of {', '.join(X_CHOICES)}")
     axes_x = list(X_AXES) if x == "both" else [x]
-    fig = Figure(figsize=(5.5 * len(axes_x), 7.6), layout="constrained")
+    # a curve that no run has gets no row (entries written before the training curve was recorded)
+    curves = [c for c in CURVES if any(entry.get(c[0]) for _, entry in runs)] or list(CURVES[1:])
+    fig = Figure(figsize=(5.5 * len(axes_x), 3.8 * len(curves)), layout="constrained")
     FigureCanvasAgg(fig)
-    grid = fig.subplots(len(CURVES), len(axes_x), squeeze=False)
-    for row, (curve, ylabel, marker) in enumerate(CURVES):
+    grid = fig.subplots(len(curves), len(axes_x), squeeze=False)
+    for row, (curve, ylabel, marker) in enumerate(curves):
         for col, axis in enumerate(axes_x):
             field, xlabel = X_AXES[axis]
             ax = grid[row][col]

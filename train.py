@@ -67,7 +67,7 @@ compile_scope = "model"          # model: one graph; blocks: each block and the 
 attention_backend = "auto"       # auto: fa4 where it can run, else sdpa; sdpa (SDPA's choice), flash, efficient,
                                  # cudnn, math (one SDPA kernel), or fa4 (cuDNN's forward, flash-attn-4's backward;
                                  # pip install -r requirements-gpu.txt, Hopper or Blackwell)
-loss_impl = "full"               # full, chunked, fused (see model.py)
+loss_impl = "full"               # full, chunked, fused, fused_epilogue (see kernels/cross_entropy.py)
 loss_chunk_tokens = 8192         # tokens per slice of the chunked and fused losses
 activation_memory_budget = 1.0   # compiled only: the share of the compiler's activation memory to keep; below 1 it
                                  # recomputes cheap ops in backward instead of saving their outputs

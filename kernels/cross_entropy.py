@@ -70,7 +70,7 @@ ROWS_BLOCK, ROWS_NUM_WARPS = 8192, 8
 def _cross_entropy_rows_triton(logits, targets, write_grad=True, block=None, num_warps=None):
     """The Triton kernel: one program per row, logits read once, the gradient stored in their place.
 
-    Built on first use so that importing model.py never needs Triton (the CPU build has none)."""
+    Built on first use so that importing this file never needs Triton (the CPU build has none)."""
     import triton
     global _triton_rows
     if _triton_rows is None:

@@ -17,7 +17,7 @@ passed=0
 run() {  # run LABEL COMMAND...: the command's output, then one line saying it passed or which one failed
   local label=$1; shift
   local t=$SECONDS
-  echo "=== $label: $*"
+  echo "=== $(date +%T) $label: $*"
   if "$@"; then
     passed=$((passed + 1))
     echo "=== ok: $label ($((SECONDS - t)) s)"
@@ -32,8 +32,10 @@ run "train, micro-batch 16 (CUDA graphs with accumulation)" python train.py $REF
   --name=smoke-train-mb16 --results_file="$R" $SHORT_TRAIN
 run "bench" python bench.py $REF --name=smoke-bench --results_file="$R" $SHORT_BENCH --profile=True --partial_probe=True
 run "bench, micro-batch 16" python bench.py $REF --micro_batch_size=16 --name=smoke-bench-mb16 --results_file="$R" $SHORT_BENCH
-run "bench, presets" python bench.py $REF --presets=20m,50m,90m --name=smoke-presets --results_file="$R" $SHORT_BENCH
-run "tune" python tune.py $REF --budget=2 --name=smoke-tune --results_file="$R" --tuned_dir=out/smoke/tuned
+# eager: the presets' shapes and kernels without three more compiles (bench.py's compiled presets are timed apart)
+run "bench, presets" python bench.py $REF --presets=20m,50m,90m --name=smoke-presets --results_file="$R" $SHORT_BENCH \
+  --compile=False
+run "tune" python tune.py $REF --budget=1 --name=smoke-tune --results_file="$R" --tuned_dir=out/smoke/tuned
 run "compare, the tuned config" python compare.py $REF --tuned=True --name=smoke-compare --results_file="$R" \
   --plot=out/smoke/compare.png --train_subset_tokens=655361 --val_subset_tokens=65536 --epochs=1 --rerun=True
 if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
