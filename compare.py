@@ -512,15 +512,16 @@ def table_rows(entry):
     ]
 
 
-def verdict(c):
-    if c["label"] == "recipe change":
-        return (f"recipe change ({', '.join(c['recipe_differences']) or 'recipe identity'}): not a matched run; "
-                f"losses {'agree within' if c['losses_agree'] else 'differ beyond'} the tolerance")
-    if c["losses_agree"]:
-        speed = f"the {c['speed_ratio']:.2f}x speed" if c["speed_ratio"] else "the execution"
+def verdict(comparison):
+    if comparison["label"] == "recipe change":
+        differ = ", ".join(comparison["recipe_differences"]) or "recipe identity"
+        return (f"recipe change ({differ}): not a matched run; "
+                f"losses {'agree within' if comparison['losses_agree'] else 'differ beyond'} the tolerance")
+    if comparison["losses_agree"]:
+        speed = f"the {comparison['speed_ratio']:.2f}x speed" if comparison["speed_ratio"] else "the execution"
         return f"matched run: same recipe, losses agree; {speed} kept the math"
     text = "matched run, but the losses differ beyond the tolerance: not shown to keep the math"
-    runs = len(c.get("noise_runs") or {})
+    runs = len(comparison.get("noise_runs") or {})
     if not runs:
         return text + " (training noise not counted: no noise run)"
     if runs < FIRM_NOISE_RUNS:  # with execution noise as large as a seed's, 1 in 5 (1 run) or 10 (2) fails
@@ -529,26 +530,29 @@ def verdict(c):
     return text
 
 
-def tolerance_sources(c):
+def tolerance_sources(comparison):
     """'validation noise ±0.012, training noise ±0.034 (s 0.008 over the baseline and 1 noise run: ...)'."""
-    text = f"validation noise ±{c['validation_tolerance']:.5f}"
-    if "noise_runs" not in c:
+    text = f"validation noise ±{comparison['validation_tolerance']:.5f}"
+    if "noise_runs" not in comparison:
         return text + "; training noise not measured (noise_seed_runs=0, no --noise_runs)"
-    runs = c["noise_runs"]
-    return (text + f", training noise ±{c['training_noise_tolerance']:.5f} (s {c['training_noise_std']:.5f} over "
-            f"the baseline and {len(runs)} noise run{'s' if len(runs) > 1 else ''}: {', '.join(runs)})")
+    runs = comparison["noise_runs"]
+    noise, std = comparison["training_noise_tolerance"], comparison["training_noise_std"]
+    return (text + f", training noise ±{noise:.5f} (s {std:.5f} over the baseline and {len(runs)} noise "
+            f"run{'s' if len(runs) > 1 else ''}: {', '.join(runs)})")
 
 
-def print_table(c, b, o):
-    rows_b, rows_o = table_rows(b), table_rows(o)
-    width = max(len(str(v)) for _, v in rows_b + [("", c["baseline"])])
-    lines = [f"{'':>22}  {c['baseline']:<{width}}  {c['optimized']}"]
+def print_table(comparison, baseline, optimized):
+    """The two runs side by side, then the speed ratio, the loss difference, the tolerance and the verdict."""
+    rows_b, rows_o = table_rows(baseline), table_rows(optimized)
+    width = max(len(str(v)) for _, v in rows_b + [("", comparison["baseline"])])
+    lines = [f"{'':>22}  {comparison['baseline']:<{width}}  {comparison['optimized']}"]
     lines += [f"{k:>22}  {str(vb):<{width}}  {vo}" for (k, vb), (_, vo) in zip(rows_b, rows_o)]
-    lines += [f"{'speed ratio':>22}  {_fmt(c['speed_ratio'], '.2f', 'x')} (optimized / baseline median training tok/s)",
-              f"{'loss difference':>22}  {c['loss_difference']:+.5f} (tolerance ±{c['tolerance']:.5f}: "
-              f"{'within' if c['losses_agree'] else 'OUTSIDE'})",
-              f"{'tolerance from':>22}  {tolerance_sources(c)}",
-              f"{'verdict':>22}  {verdict(c)}"]
+    ratio, within = _fmt(comparison["speed_ratio"], ".2f", "x"), "within" if comparison["losses_agree"] else "OUTSIDE"
+    lines += [f"{'speed ratio':>22}  {ratio} (optimized / baseline median training tok/s)",
+              f"{'loss difference':>22}  {comparison['loss_difference']:+.5f} (tolerance ±{comparison['tolerance']:.5f}: "
+              f"{within})",
+              f"{'tolerance from':>22}  {tolerance_sources(comparison)}",
+              f"{'verdict':>22}  {verdict(comparison)}"]
     print("\n".join(lines))
 
 

@@ -635,15 +635,17 @@ def train(cfg):
     return run.close()
 
 
-def print_summary(r):
-    fv = r["final_validation"] or {}
-    rows = [("status", r["status"]), ("updates", f"{r['step']}/{r['total_updates']}"), ("tokens", f"{r['tokens']:,}"),
-            ("best subset loss", f"{r['best_subset_loss']:.4f} (epoch {r['best_epoch']})" if r["best_subset_loss"] else "-"),
+def print_summary(entry):
+    """The run's closing table: status, updates, tokens, losses, speed, MFU and peak memory."""
+    fv, best, rate = entry["final_validation"] or {}, entry["best_subset_loss"], entry["training_tokens_per_second"]
+    rows = [("status", entry["status"]), ("updates", f"{entry['step']}/{entry['total_updates']}"),
+            ("tokens", f"{entry['tokens']:,}"),
+            ("best subset loss", f"{best:.4f} (epoch {entry['best_epoch']})" if best else "-"),
             ("final validation", f"{fv['loss']:.4f} (ppl {fv['perplexity']:.2f})" if fv else "-"),
-            ("training tokens/s", f"{r['training_tokens_per_second']:,.0f}" if r["training_tokens_per_second"] else "-"),
-            ("training seconds", f"{r['training_seconds']:.1f} of {r['training_elapsed_seconds']:.1f} elapsed"),
-            ("MFU", f"{100 * r['mfu']:.1f}%" if r["mfu"] else "n/a"),
-            ("peak memory", f"{r['peak_memory_bytes'] / 2**30:.2f} GiB")]
+            ("training tokens/s", f"{rate:,.0f}" if rate else "-"),
+            ("training seconds", f"{entry['training_seconds']:.1f} of {entry['training_elapsed_seconds']:.1f} elapsed"),
+            ("MFU", f"{100 * entry['mfu']:.1f}%" if entry["mfu"] else "n/a"),
+            ("peak memory", f"{entry['peak_memory_bytes'] / 2**30:.2f} GiB")]
     print("\n".join(f"{k:>20}: {v}" for k, v in rows))
 
 

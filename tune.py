@@ -88,11 +88,12 @@ AUTOTUNE_COMPILE_WEIGHT = 8.0
 FA4_COMPILE_SECONDS = 5.0        # flash-attn-4 compiles its backward in the first update: 3 to 4 s
 
 
-def mode_of(c):
-    return c["compile_mode"] if c["compile"] else "eager"
+def mode_of(candidate):
+    return candidate["compile_mode"] if candidate["compile"] else "eager"
 
 
-def candidate_name(c):
+def candidate_name(candidate):
+    c = candidate
     return (f"micro-{c['micro_batch_size']}-{mode_of(c)}-{c['compile_scope']}-{c['attention_backend']}-"
             f"{c['loss_impl']}-amb-{c['activation_memory_budget']:g}-threads-{c['cpu_threads']}")
 

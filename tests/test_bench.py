@@ -9,7 +9,6 @@ import trainer as trainer_lib
 import bench
 import env
 import model as model_lib
-import train
 from data.loader import TokenCache
 
 SHAPE = ["--dim=64", "--n_layers=2", "--n_heads=2", "--hidden_dim=128"]

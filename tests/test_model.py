@@ -14,7 +14,6 @@ from kernels import attention
 from kernels import cross_entropy
 from kernels import swiglu
 import hf
-import kernels
 import model
 from tests.conftest import flash_attn_4_installed
 

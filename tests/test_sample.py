@@ -10,7 +10,6 @@ import checkpoint
 import configurator
 import hf
 import env
-import model as model_lib
 import sample
 import train
 from data.loader import TokenCache

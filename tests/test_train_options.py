@@ -1,6 +1,5 @@
 """What a practitioner expects of train.py beyond training: a GPU config refused on a CPU, starting from weights
 (init_from), no silent overwrite of a run, the training-loss curve in the entry and the optional dashboards."""
-import json
 import sys
 import time
 import types
@@ -11,7 +10,7 @@ import torch
 import checkpoint
 import hf
 import train
-from results import lookup, read_results
+from results import lookup
 from tests.test_train import REPO, checkpoint_parameters, cli_args, small_config
 
 
