@@ -1,6 +1,7 @@
-# Sourced by device calls that measure flash-attn-4 (FA4): installs under /tmp/site what scripts/pack_fa4.sh
-# packed. It is more than one call can carry: the call before carried .fa4a (the CUTLASS DSL's CUDA 13 module) and
-# copied it to /tmp/fa4stash; this one carries .fa4b (the rest, the token cache, and zstd, which the device lacks).
+# Installs flash-attn-4 (requirements-gpu.txt) on a GPU machine without a package index, from what
+# scripts/pack_fa4.sh packed, under /tmp/site; source it (it exports PYTHONPATH). The CUTLASS DSL's CUDA 13 module
+# (.fa4a) is expected at /tmp/fa4stash/cutlass_ir.so.zst, copied there first when a transfer limit splits the two
+# halves; .fa4b holds the rest, the token cache and a zstd binary for machines without one.
 zstd() { LD_LIBRARY_PATH=$PWD/.fa4b/bin "$PWD/.fa4b/bin/zstd" "$@"; }
 mkdir -p data/cache && zstd -dcq .fa4b/gutenberg.tar.zst | tar -x || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .fa4b/*.whl || exit 1

@@ -1,4 +1,4 @@
-"""Merge a results file that came back from the device machine into results/h200.json.
+"""Merge a results file that came back from a GPU machine into results/h200.json.
 
     python scripts/merge_results.py RETURNED.json [INTO.json]
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Packs flash-attn-4 for the device, which has no index to install from: its wheels with the CUTLASS DSL's CUDA 13
-# module are more than one call can carry (64 MiB), so .fa4a holds that module (55 MB with zstd) and .fa4b the
-# other wheels, the rest of the CUDA 13 wheel, the token cache and a zstd binary (the device has none).
-# scripts/device_fa4.sh installs them there. Run here, in the repository root, after data/prepare.py:
+# Packs flash-attn-4 (requirements-gpu.txt) for a GPU machine with no package index, in two halves under 64 MiB
+# each: .fa4a holds the CUTLASS DSL's CUDA 13 module (55 MB with zstd), .fa4b the other wheels, the rest of the
+# CUDA 13 wheel, the token cache and a zstd binary. scripts/install_fa4_offline.sh installs them there. Run it in
+# the repository root of a machine with an index, after data/prepare.py:
 #     bash scripts/pack_fa4.sh && echo /.fa4a/ >> .git/info/exclude && echo /.fa4b/ >> .git/info/exclude
 set -euo pipefail
 wheels=$(mktemp -d)

@@ -1,4 +1,4 @@
-"""The short table printed at the end of a device call: benchmark entries, kernel profiles (milliseconds per
+"""The short table printed at the end of a GPU run: benchmark entries, kernel profiles (milliseconds per
 update by category, and the slowest kernels) and training runs of a results file.
 
     python scripts/summarize.py RESULTS.json [PREFIX ...]    # only names starting with a PREFIX, if given
