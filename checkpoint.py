@@ -113,7 +113,12 @@ def _from_transformers(folder):
         hf.config_from_hf(config)
     except ValueError as exc:
         raise ValueError(f"init_from {str(folder)!r}: {exc}") from None
-    return hf.from_hf(LlamaForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32))
+    try:
+        weights = LlamaForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+    except Exception as exc:  # missing or truncated weight files beside a good config.json
+        raise ValueError(f"init_from {str(folder)!r}: its weights could not be loaded "
+                         f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
+    return hf.from_hf(weights)
 
 
 def weights_sha256(state):

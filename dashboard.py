@@ -16,7 +16,11 @@ class Dashboards:
             except ImportError:
                 raise ConfigError("tensorboard_dir is set but the tensorboard package is not installed; "
                                   "pip install tensorboard, or leave tensorboard_dir empty") from None
-            self.tensorboard = SummaryWriter(log_dir=cfg.tensorboard_dir)
+            try:
+                self.tensorboard = SummaryWriter(log_dir=cfg.tensorboard_dir)
+            except OSError as exc:
+                raise ConfigError(f"tensorboard_dir {cfg.tensorboard_dir!r} cannot be written ({exc.strerror}); "
+                                  f"give a writable folder") from None
             self.writers.append(self._tensorboard)
         if cfg.wandb_log:
             try:

@@ -94,7 +94,10 @@ def test_init_from_outside_the_family_or_nowhere_is_one_line(text_cache, tmp_pat
     grouped.config.num_key_value_heads = 1  # grouped-query attention: not a tiny-llm shape
     grouped.save_pretrained(tmp_path / "gqa")
     capsys.readouterr()
+    model_only = tmp_path / "no-weights"
+    hf.to_hf(model).config.save_pretrained(model_only)  # a good config.json beside no weights
     for path, words in ((tmp_path / "gqa", "outside the tiny-llm family: grouped-query attention"),
+                        (model_only, "its weights could not be loaded"),
                         (tmp_path / "nowhere", "neither a transformers Llama folder")):
         cfg = small_config(text_cache, tmp_path, name="x", out_dir=str(tmp_path / "x"), init_from=str(path))
         assert train.main(cli_args(cfg)) == 2
@@ -161,3 +164,11 @@ def test_a_signal_arriving_twice_is_one_stop_and_a_later_second_stops_at_once():
             time.sleep(0.1)  # the handler runs between bytecodes
     finally:
         stop.restore()
+
+
+def test_an_unwritable_tensorboard_dir_is_one_line_before_training(text_cache, tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    cfg = small_config(text_cache, tmp_path, tensorboard_dir=str(tmp_path / "a-file" / "tb"))
+    assert train.main(cli_args(cfg)) == 2
+    one_line_error(capsys, "tensorboard_dir", "cannot be written")
+    assert lookup(cfg.results_file, ["t"]) is None
