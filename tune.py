@@ -621,11 +621,12 @@ def previous_measurements(cfg):
     """Earlier sweeps' measurements by identity, from the same code: only successes, since an error may have
     been the budget's cut or a passing fault and is measured again."""
     source, previous = env.source_hash(), {}
-    for record in (results.lookup(cfg.results_file, ["tuning"]) or {}).get("candidates", []):
+    tuning = results.lookup(cfg.results_file, ["tuning"]) or {}
+    for record in tuning.get("candidates", []):
         for res in (record.get("screen"), record.get("confirm")):
             if isinstance(res, dict) and res.get("source_hash") == source and res.get("status") == "ok" \
                     and res.get("candidate_identity"):
-                previous[res["candidate_identity"]] = res
+                previous[res["candidate_identity"]] = with_environment(res, tuning.get("environment"))
     return previous
 
 
@@ -763,15 +764,44 @@ def protocols_of(cfg, cuda):
             "confirm": {"warmup": cfg.warmup, "steps": cfg.steps, "windows": cfg.windows}}
 
 
+def shared_environment(records):
+    """The fingerprint's fields that every run of the sweep shares (one machine), and the records with each run
+    keeping only its own (the GPU's clocks and power at that moment, say): the tuning record states the machine
+    once, not once per run."""
+    runs = [rec[rung] for rec in records for rung in RUNGS if rec[rung] and rec[rung].get("environment")]
+    if not runs:
+        return None, records
+    shared = dict(runs[0]["environment"])
+    for run in runs[1:]:
+        shared = {k: v for k, v in shared.items() if k in run["environment"] and run["environment"][k] == v}
+
+    def own(run):
+        if not run or not run.get("environment"):
+            return run
+        return dict(run, environment={k: v for k, v in run["environment"].items() if k not in shared})
+    return shared, [dict(rec, **{rung: own(rec[rung]) for rung in RUNGS}) for rec in records]
+
+
+def with_environment(run, shared):
+    """A run as measured: its own fingerprint fields over the sweep's shared ones."""
+    return dict(run, environment={**(shared or {}), **(run.get("environment") or {})})
+
+
+def summary(record):
+    """A candidate's record without its runs, for the tuning record's incumbent and selection (the runs are
+    under candidates)."""
+    return {k: v for k, v in record.items() if k not in RUNGS}
+
+
 def tuning_record(cfg, sweep, selected, refused, source):
     """The results file's tuning section: every candidate, the selection and its gain, where the time went."""
-    records = [trial_record(sweep, t, selected) for t in sweep.trials]
-    chosen = records[sweep.trials.index(selected)] if selected else None
+    environment, records = shared_environment([trial_record(sweep, t, selected) for t in sweep.trials])
+    chosen = summary(records[sweep.trials.index(selected)]) if selected else None
     inc_rate, incumbent = records[0]["tokens_per_second"], sweep.incumbent.candidate
     return {"run_id": env.new_run_id(), "budget_minutes": cfg.budget, "budget_exhausted": sweep.exhausted(),
-            "elapsed_minutes": sweep.elapsed() / 60, "source_hash": source, "protocols": sweep.protocols,
-            "confirm_protocol_fitted": sweep.fitted, "incumbent": records[0], "candidates": records,
-            "selected": chosen, "selected_config_path": chosen["config_path"] if chosen else None,
+            "elapsed_minutes": sweep.elapsed() / 60, "source_hash": source, "environment": environment,
+            "protocols": sweep.protocols, "confirm_protocol_fitted": sweep.fitted, "incumbent": summary(records[0]),
+            "candidates": records, "selected": chosen, "selected_config_path": chosen["config_path"] if chosen else None,
             "gain_over_incumbent": chosen["tokens_per_second"] / inc_rate - 1 if chosen and inc_rate else None,
             "budget_split": sweep.budget_split(), "minutes_to_finish": sweep.seconds_to_finish() / 60,
             "noise": sweep.noise, "screen_noise": sweep.screen_noise,

@@ -32,9 +32,11 @@ def test_cpu_sweep_screens_confirms_selects_reports_and_reuses(tmp_path, text_ca
     assert "skipping micro_batch_size=3" in out  # 3 does not divide the 8 sequences of an update
     tuning = read_results(results)["tuning"]
     inc, candidates = tuning["incumbent"], tuning["candidates"]
-    assert candidates[0] == inc and inc["lever"] == "incumbent" and inc["micro_batch_size"] == 8
+    assert tune.summary(candidates[0]) == inc and inc["lever"] == "incumbent" and inc["micro_batch_size"] == 8
+    # the machine once for the sweep; each run keeps only what was its own
+    assert tuning["environment"]["cache_identity"] and "cache_identity" not in candidates[0]["screen"]["environment"]
     # the incumbent with the confirmation's protocol (bench's keys), every candidate with the screen's
-    assert inc["confirm"]["protocol"]["steps"] == 2 and inc["confirm"]["status"] == "ok"
+    assert candidates[0]["confirm"]["protocol"]["steps"] == 2 and candidates[0]["confirm"]["status"] == "ok"
     assert all(c["screen"]["protocol"]["warmup"] == 1 for c in candidates)
     assert [c["change"] for c in candidates[1:]] == ["loss_impl=chunked", "micro_batch_size=2",
                                                      "attention_backend=cudnn"]
@@ -80,6 +82,18 @@ def test_cpu_sweep_screens_confirms_selects_reports_and_reuses(tmp_path, text_ca
              if c[rung] and not c[rung]["reused"]]
     assert fresh == [("attention_backend=cudnn", "screen")]
     assert again["selected"]["tokens_per_second"] == selected["tokens_per_second"]
+    assert again["environment"] == tuning["environment"]  # reused runs came back with the whole fingerprint
+
+
+def test_the_tuning_record_states_the_machine_once_and_each_run_keeps_its_own_fields():
+    run = lambda power: {"tokens_per_second": 1.0, "environment": {"gpu": "H200", "torch": "2.11", "power": power}}
+    records = [{"name": "a", "screen": run(300), "confirm": run(600)}, {"name": "b", "screen": run(300), "confirm": None}]
+    shared, compact = tune.shared_environment(records)
+    assert shared == {"gpu": "H200", "torch": "2.11"}
+    assert compact[0]["screen"]["environment"] == {"power": 300} and compact[1]["confirm"] is None
+    assert records[0]["screen"]["environment"]["gpu"] == "H200"  # the sweep's own runs are left as they were
+    assert tune.with_environment(compact[0]["confirm"], shared) == records[0]["confirm"]
+    assert tune.shared_environment([{"name": "a", "screen": None, "confirm": None}])[0] is None
 
 
 def test_generated_configs_go_where_git_ignores_them_and_never_over_a_tracked_file(tmp_path, text_cache, capsys,
