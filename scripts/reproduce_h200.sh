@@ -22,15 +22,14 @@ ceilings() {
   python scripts/ceilings.py --name=ceilings --results_file="$R"
 }
 current() {  # the current-figures table
-  bench $REF --name=20m-default --profile=True
+  bench $REF --name=20m-default
   bench $REF --name=20m-default-2
-  bench $REF --name=20m-mb16 --micro_batch_size=16
+  bench $REF --name=20m-default-profile --profile=True
   bench $REF --name=20m-eager-mb8 --compile=False --micro_batch_size=8 --loss_impl=full
   bench $REF --name=20m-blocks-cold --compile_scope=blocks --cold=True
   bench config/50m.py --name=50m-default
   bench config/90m.py --name=90m-default
   bench $REF --name=20m-bf16-residual --residual_dtype=bfloat16
-  bench $REF --name=20m-fused-epilogue --loss_impl=fused_epilogue
   if has_fa4; then
     bench $REF --name=20m-sdpa --attention_backend=sdpa
     bench config/50m.py --name=50m-sdpa --attention_backend=sdpa
@@ -60,6 +59,7 @@ levers() {  # the levers tried and not kept, each beside the default in the same
   bench $REF --name=lever-full-loss --loss_impl=full
   bench $REF --name=lever-attention-flash2 --attention_backend=flash
   bench $REF --name=lever-attention-efficient --attention_backend=efficient
+  bench $REF --name=lever-fused-epilogue --loss_impl=fused_epilogue
   bench $REF --name=lever-loss-slice-4096 --loss_chunk_tokens=4096
   bench $REF --name=lever-loss-one-slice --loss_chunk_tokens=32768
   bench $REF --name=lever-memory-budget-0.8 --activation_memory_budget=0.8
