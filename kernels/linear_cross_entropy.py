@@ -1,24 +1,27 @@
 """The LM head and its cross-entropy with no pass of their own over the logits: loss_impl "fused_epilogue".
 
-Why this exists, and what it must beat: the "fused" op (kernels/cross_entropy.py) runs, per slice of 8,192
-tokens, a Triton row kernel between cuBLAS's matmuls that reads the logits and writes the gradient over them:
-1.05 GB of memory traffic, 0.36 ms a slice, no arithmetic to hide it behind. At width 320 (32,768 tokens,
-32,000 classes, forward and backward) that op takes 5.48 ms and its three matmuls alone, the floor, about
-2.7 ms (scripts/loss_microbench.py: "fused-8192" against "matmuls-alone"); the target is 4.0 ms. Here the
-softmax's statistics come out of the forward matmul and its gradient goes into the weight gradient's matmul:
+Why this exists: the "fused" op (kernels/cross_entropy.py) runs, per slice of 8,192 tokens, a Triton row kernel
+between cuBLAS's matmuls that reads the logits and writes the gradient over them: 1.05 GB of memory traffic a
+slice, no arithmetic to hide it behind. Here the softmax's statistics come out of the forward matmul and its
+gradient goes into the weight gradient's matmul:
 
   K1  logits = h @ W.T in Triton; its epilogue also writes, per row and column tile, the log-sum-exp of the
       logits as stored (rounded to their dtype first: the gradient is computed from the stored logits, so
       the same values must give the lse). A torch step combines the tiles into each row's lse. The
       alternative, TRITON_FORWARD = False: cuBLAS's matmul and a Triton kernel that reads each row once and
-      writes only its lse (half the row kernel's traffic). Which is faster is measured by the microbenchmark.
+      writes only its lse (half the row kernel's traffic).
   K3  grad_W += P.T @ h in Triton, P = softmax - onehot (0 on ignored rows) computed in float32 from the
       stored logits as they are loaded and rounded to their dtype before the dot: the row kernel's gradient,
       stored over the logits in place.
   K2  grad_h = P @ W by cuBLAS, reading that stored P.
 
-Each slice's logits are thus written once (K1), read and rewritten once inside K3, where the tensor cores'
-work can hide the traffic, and read once by K2. Only one slice of logits exists at a time, as in "fused".
+Each slice's logits are thus written once (K1), read and rewritten once inside K3, and read once by K2. Only
+one slice of logits exists at a time, as in "fused".
+
+What it measured on an H200 (docs/PERFORMANCE.md, "The LM head and loss alone"): at width 320, 32,768 tokens,
+forward and backward, 6.33 ms with K1 and 5.84 ms with cuBLAS's forward, against 4.81 ms for "fused" and 3.58
+ms for the three matmuls alone; -7.9% on the 20m update. Triton's matmuls at these widths lose more to cuBLAS
+than the pass they remove, so "fused" stays the default and this op is an option (and tune.py's candidate).
 """
 import os
 
@@ -27,7 +30,9 @@ import torch
 from kernels import in_autocast_dtype, uses_triton
 
 MAX_WIDTH = 1024
-# K1 (True) or cuBLAS and the read-only lse kernel (False) for the forward matmul; the op takes either.
+# K1 (True) or cuBLAS and the read-only lse kernel (False) for the forward matmul; the op takes either. The op
+# alone is 0.5 ms faster with cuBLAS's at widths 320 to 768 (loss-microbench-*: "fused-epilogue-cublas-fwd");
+# the update was measured with K1 (lever-fused-epilogue), so K1 stays until the other is measured there too.
 TRITON_FORWARD = True
 
 # GPU launch configs the autotuner picks from, keyed on (width, classes), each compiled for sm_90 with Triton
