@@ -169,6 +169,7 @@ import numpy as np, torch, torch.nn.functional as F
 import triton.language as tl
 from triton.runtime import interpreter
 from kernels import cross_entropy, linear_cross_entropy as lce
+from tests.conftest import assert_loss_and_gradients_match_cross_entropy
 from tests.test_kernels import float64_reference, relative_error
 
 dot, cast = interpreter.InterpreterBuilder.create_dot, interpreter.InterpreterBuilder.cast_impl
@@ -255,15 +256,8 @@ h = torch.randn(40, 320, requires_grad=True)
 w = (torch.randn(200, 320) * 0.1).requires_grad_()
 targets = torch.randint(0, 200, (40,))
 targets[5] = -100
-def run(loss_fn):
-    h.grad = w.grad = None
-    loss = loss_fn()
-    (loss * 0.25).backward()
-    return loss.detach(), h.grad.clone(), w.grad.clone()
-got = run(lambda: lce.linear_cross_entropy_epilogue(h, w, targets, 16))
-expected = run(lambda: F.cross_entropy(h @ w.t(), targets, reduction="sum"))
-for a, b in zip(got, expected):
-    assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+assert_loss_and_gradients_match_cross_entropy(lambda h, w, t: lce.linear_cross_entropy_epilogue(h, w, t, 16),
+                                              h, w, targets)
 print("ok")
 """
 

@@ -257,6 +257,7 @@ def test_fused_loss_traces_under_torch_compile():
 TRITON_ROWS_CHECK = """
 import torch, torch.nn.functional as F, model
 from kernels import cross_entropy, swiglu
+from tests.conftest import assert_loss_and_gradients_match_cross_entropy
 torch.manual_seed(0)
 for dtype in (torch.float32, torch.bfloat16):
     # one block per row, and several (online log-sum-exp), each at the default launch and another
@@ -284,15 +285,9 @@ h = torch.randn(70, 16, requires_grad=True)
 w = (torch.randn(300, 16) * 0.3).requires_grad_()
 targets = torch.randint(0, 300, (70,))
 targets[5] = -100
-def run(loss_fn):
-    h.grad = w.grad = None
-    loss = loss_fn()
-    (loss * 0.25).backward()
-    return loss.detach(), h.grad.clone(), w.grad.clone()
-got = run(lambda: cross_entropy.linear_cross_entropy(h, w, targets, 32))  # 70 tokens: slices of 32, 32 and 6
-expected = run(lambda: F.cross_entropy(h @ w.t(), targets, reduction="sum"))
-for a, b in zip(got, expected):
-    assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+# 70 tokens: slices of 32, 32 and 6
+assert_loss_and_gradients_match_cross_entropy(lambda h, w, t: cross_entropy.linear_cross_entropy(h, w, t, 32),
+                                              h, w, targets)
 assert torch.allclose(cross_entropy.linear_cross_entropy_losses(h.detach(), w.detach(), targets, 32),
                       F.cross_entropy(h @ w.t(), targets, reduction="none"), rtol=1e-5, atol=1e-6)
 print("ok")
