@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import random
 import shutil
 import signal
 import socket
@@ -135,6 +136,21 @@ def test_cuda_graphs_with_accumulation_keep_gradients_outside_the_graphs(compile
     cfg = train.Config(train.DEFAULTS, compile=True, compile_mode=compile_mode, micro_batch_size=micro,
                        seq_len=64, tokens_per_update=8 * 64)
     assert (trainer_lib.uses_cudagraphs(cfg) and trainer_lib.micro_steps(cfg, world_size) > 1) is stable
+
+
+@pytest.mark.parametrize("micro, stable", [(2, True), (8, False)])
+def test_the_trainer_gives_accumulating_cuda_graphs_zeroed_gradients_before_the_first_update(text_cache, tmp_path,
+                                                                                          micro, stable):
+    """What the Trainer builds, not only the rule: compiling waits for the first call, so the CUDA-graph
+    configuration can be built on the CPU and its gradients inspected before any update."""
+    cfg = small_config(text_cache, tmp_path, compile=True, compile_mode="reduce-overhead", micro_batch_size=micro)
+    trainer = make_trainer(cfg)
+    assert trainer.stable_grads is stable
+    grads = [p.grad for p in trainer.raw_model.parameters()]
+    if stable:
+        assert all(g is not None and not g.any() for g in grads)
+    else:
+        assert all(g is None for g in grads)
 
 
 def test_stable_gradients_give_the_same_updates_bitwise(text_cache, tmp_path):
@@ -367,6 +383,19 @@ def test_stop_and_resume_is_bitwise_identical(text_cache, tmp_path):
     assert last["tokens"] == full["tokens"] and last["step"] == full["step"]
     a, b = checkpoint_parameters(tmp_path / "straight"), checkpoint_parameters(tmp_path / "resumed")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_restores_the_random_number_generators(text_cache, tmp_path):
+    """Nothing in this model draws random numbers after it is built (no dropout), so equal losses cannot show
+    it: a resumed process continues the saved generators' streams, whatever it drew before resuming."""
+    cfg = small_config(text_cache, tmp_path, epochs=1)
+    train.train(train.Config(cfg, stop_after_updates=1))
+    saved = torch.load(tmp_path / "out" / "ckpt.pt", weights_only=False)["rng"]
+    run = train.Run(train.Config(cfg, resume=True))
+    torch.manual_seed(12345), np.random.seed(12345), random.seed(12345)
+    run.resume_or_start()
+    assert torch.equal(torch.get_rng_state(), saved["torch"])
+    assert np.random.get_state()[1].tolist() == saved["numpy"][1].tolist() and random.getstate() == saved["python"]
 
 
 def wait_for(predicate, timeout, what):

@@ -123,8 +123,17 @@ def test_the_entry_holds_the_training_curve_and_the_dashboards_get_it(text_cache
     curve = entry["training_curve"]
     assert [p["update"] for p in curve] == [2, 3]  # every log_interval, and the epoch's last update
     assert [p["tokens"] for p in curve] == [16 * 64, 21 * 64]
-    assert all(p["loss"] > 0 and p["grad_norm"] > 0 and p["lr"] > 0 for p in curve)
+    assert all(p["loss"] > 0 and p["grad_norm"] > 0 for p in curve)
+    # the rate each logged update ran at: the end of warmup (2 updates), then the cosine's start
+    assert [p["lr"] for p in curve] == [pytest.approx(3e-3), pytest.approx(3e-3)]
     assert lookup(cfg.results_file, ["t", "training_curve"]) == curve
+    # a point is the token-weighted mean loss of its interval: the same run logged at every update
+    every = train.train(small_config(text_cache, tmp_path, epochs=1, name="every", out_dir=str(tmp_path / "every")))
+    fine = every["training_curve"]
+    tokens = [b["tokens"] - a["tokens"] for a, b in zip([{"tokens": 0}] + fine, fine)]
+    assert curve[0]["loss"] == pytest.approx((fine[0]["loss"] * tokens[0] + fine[1]["loss"] * tokens[1])
+                                             / (tokens[0] + tokens[1]), rel=1e-5)
+    assert curve[1]["loss"] == pytest.approx(fine[2]["loss"], rel=1e-5)
 
     assert logged[0][0] == "init" and logged[0][1]["mode"] == "offline" and logged[0][1]["id"] == entry["run_id"]
     train_points = [(step, s["train/loss"]) for kind, *rest in logged if kind == "log"
