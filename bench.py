@@ -21,7 +21,7 @@ import model as model_lib
 import train
 from data.loader import CacheError, Prefetcher, TokenCache, TrainData
 from configurator import ConfigError, load_config
-from results import lookup, record
+from results import check_writable, lookup, record
 from trainer import Trainer, all_reduce_sum, distributed, peak_memory_bytes
 
 # ---------------------------------------------------------------- defaults (plus everything train.py takes)
@@ -345,6 +345,7 @@ def record_entry(cfg, entry):
 def run(cfg):
     """Run the protocol (once, or per preset) and record it; returns the entries."""
     rank = int(os.environ.get("RANK", "0"))
+    check_writable(cfg.results_file)  # before any measurement, not after it
     runs = [(cfg.name, cfg)]
     if cfg.presets:
         names = [p.strip() for p in cfg.presets.split(",") if p.strip()]

@@ -57,7 +57,7 @@ import plots
 import train
 from data.loader import CacheError
 from configurator import ConfigError, defaults_of, load_config, write_config_file
-from results import lookup, read_results, record
+from results import check_writable, lookup, read_results, record
 
 # ---------------------------------------------------------------- defaults (train.py's keys are accepted too)
 baseline = ""                    # with optimized: compare these two finished runs, train nothing
@@ -175,11 +175,14 @@ def check_before_training(cfg, sides):
     for side, c in zip(("baseline", "optimized"), sides):
         try:
             train.resolve_device(c)  # a GPU config without a GPU: one line, before hours of CPU training
-            train.check_execution(c)
+            try:
+                train.check_execution(c)
+            except ConfigError as exc:  # micro-batch, mode and scope: the baseline's come from its own keys
+                hint = " (the baseline's micro-batch is --baseline_micro_batch_size)" if side == "baseline" else ""
+                raise ConfigError(f"{exc}{hint}") from None
             rec = train.setup(c)[2]
         except (ConfigError, CacheError) as exc:
-            hint = " (the baseline's micro-batch is --baseline_micro_batch_size)" if side == "baseline" else ""
-            raise CompareError(f"{side} run: {exc}{hint}") from None
+            raise CompareError(f"{side} run: {exc}") from None
         recipes.append(rec)
     differ = train.recipe_differences(*recipes)
     if differ and not cfg.allow_recipe_change:
@@ -341,8 +344,7 @@ def train_all(cfg, runs):
 def finished_run(results, name, results_file):
     entry = results.get(name)
     if name in train.RESERVED_NAMES or not isinstance(entry, dict) or "recipe_identity" not in entry:
-        runs = [k for k, v in results.items() if isinstance(v, dict) and "recipe_identity" in v
-                and k not in train.RESERVED_NAMES]
+        runs = [k for k in plots.training_runs(results) if k not in train.RESERVED_NAMES]
         raise CompareError(f"results file {results_file} has no run named {name!r}; runs there: "
                            f"{', '.join(runs) or 'none'}")
     if entry.get("status") != "complete" or not entry.get("final_validation"):
@@ -572,6 +574,7 @@ def plot_file(cfg):
 
 def compare(cfg):
     plot = plot_file(cfg)
+    check_writable(cfg.results_file)
     if cfg.noise_seed_runs < 0:
         raise CompareError(f"noise_seed_runs must be 0 or more, got {cfg.noise_seed_runs}")
     if cfg.baseline or cfg.optimized:

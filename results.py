@@ -90,8 +90,26 @@ def read_results(path):
 
 
 def _lock(path):
+    """The lock beside the results file. Its file is opened here first: filelock retries a lock file it
+    cannot create (in /proc, say) until its timeout, ten minutes of silence for a user's wrong path."""
     from filelock import FileLock
-    return FileLock(str(path) + ".lock", timeout=600)
+    lock = str(path) + ".lock"
+    with open(lock, "a"):
+        pass
+    return FileLock(lock, timeout=600)
+
+
+def check_writable(path):
+    """A ResultsFileError now, before a script's work, if the results file's folder cannot hold its lock (the
+    file itself is replaced by a rename in that folder, so the folder is what must be writable)."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(str(path) + ".lock", "a"):
+            pass
+    except OSError as exc:
+        raise ResultsFileError(f"results file {path} cannot be written ({exc.strerror or exc}); "
+                               f"pass another --results_file") from None
 
 
 def _key_list(keys):

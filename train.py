@@ -19,8 +19,8 @@ import model as model_lib
 from configurator import ConfigError, defaults_of, load_config
 from dashboard import Dashboards
 from data.loader import CacheError, Prefetcher, TokenCache, TrainData, eval_batch_count, eval_batches
-from results import ResultsFileError, record
-from trainer import Trainer, all_reduce_sum, distributed, peak_memory_bytes
+from results import ResultsFileError, check_writable, record
+from trainer import Trainer, all_reduce_sum, distributed, micro_steps, peak_memory_bytes
 
 # ---------------------------------------------------------------- defaults (config files and --key=value override them)
 # run
@@ -110,9 +110,12 @@ class Config(dict):
     __getattr__ = dict.__getitem__
 
 
+MODEL_SHAPE_KEYS = ("dim", "n_layers", "n_heads", "hidden_dim", "vocab_size")  # 0: the preset's (the data's)
+
+
 def model_config(cfg, vocab):
     """The model's shape: the preset with the config's overrides; a bad one is a ConfigError."""
-    overrides = {k: cfg[k] for k in ("dim", "n_layers", "n_heads", "hidden_dim") if cfg[k]}
+    overrides = {k: cfg[k] for k in MODEL_SHAPE_KEYS[:-1] if cfg[k]}
     try:
         return model_lib.get_preset(cfg.preset, vocab_size=cfg.vocab_size or vocab, max_seq_len=cfg.seq_len,
                                     **overrides)
@@ -190,6 +193,8 @@ def check_choices(cfg):
             model_lib.flash_attn_4()
         except ValueError as exc:  # flash-attn-4 is not installed, or lacks the backward function the op calls
             raise ConfigError(f"attention_backend: {exc}") from None
+    if not cfg.name or "/" in cfg.name or cfg.name in (".", ".."):
+        raise ConfigError(f"name {cfg.name!r} cannot name a run's folder and results entry; give a name without '/'")
     if cfg.name in RESERVED_NAMES:
         raise ConfigError(f"name {cfg.name!r} is a section of the results file; choose another --name")
 
@@ -255,12 +260,18 @@ def setup(cfg, initial=None):
     initial = initial or load_initial_weights(cfg)
     if initial:
         mcfg = dataclasses.replace(initial.config, max_seq_len=cfg.seq_len)  # rotary tables are not weights
+        contradicted = [f"{k}={cfg[k]} (the weights have {getattr(mcfg, k)})" for k in MODEL_SHAPE_KEYS
+                        if cfg[k] and cfg[k] != getattr(mcfg, k)]
+        if contradicted:
+            raise ConfigError(f"init_from {cfg.init_from} fixes the model's shape, which the settings contradict: "
+                              f"{', '.join(contradicted)}; leave them at 0 or match the weights")
     else:
         mcfg = model_config(cfg, cache.vocab_size)
     if cache.vocab_size > mcfg.vocab_size:
+        fix = ("start from a model of this tokenizer" if initial
+               else f"set vocab_size=0 (follow the data) or at least {cache.vocab_size}")
         raise ConfigError(f"the data's tokenizer has {cache.vocab_size} tokens but the model's vocabulary "
-                          f"holds {mcfg.vocab_size}; set vocab_size=0 (follow the data) or at least "
-                          f"{cache.vocab_size}" + (" (or start from a model of this tokenizer)" if initial else ""))
+                          f"holds {mcfg.vocab_size}; {fix}")
     if cfg.vocab_size > cache.vocab_size and not initial:
         raise ConfigError(f"vocab_size {cfg.vocab_size} is larger than the {cache.vocab_size} tokens of the cache "
                           f"{cfg.data_dir}: the LM head would hold rows no token uses; set vocab_size=0 (follow the "
@@ -334,7 +345,7 @@ class Run:
         self.main_process = self.rank == 0
         self.device = resolve_device(cfg, local_rank)
         self.sequences_per_update = check_execution(cfg, self.world_size)
-        self.ckpt_path = prepare_out_dir(cfg)
+        check_writable(cfg.results_file)
         initial = load_initial_weights(cfg)
         self.cache, self.mcfg, self.recipe = setup(cfg, initial)
         self.recipe_id = env.hash_json(self.recipe)
@@ -342,6 +353,7 @@ class Run:
         self.total_updates = self.data.updates_per_epoch * cfg.epochs
         self.trainer = Trainer(cfg, self.mcfg, self.device, self.total_updates, self.world_size, local_rank,
                                initial_state=initial.state if initial else None)
+        self.ckpt_path = prepare_out_dir(cfg)  # after every check above, so that a refused run leaves no folder
         if initial and self.main_process:
             print(f"initial weights from {cfg.init_from} ({initial.source}, {initial.sha256[:12]})")
         self.flops = model_lib.flops_per_token(self.mcfg, cfg.seq_len)
@@ -387,7 +399,7 @@ class Run:
         if not self.main_process:
             return
         cfg, data = self.cfg, self.data
-        accumulation = self.sequences_per_update // cfg.micro_batch_size // self.world_size
+        accumulation = micro_steps(cfg, self.world_size)
         compiles = cfg.compile and self.state.first_update_seconds is None
         print(f"{cfg.name}: {self.parameters:,} parameters, {data.n_sequences:,} sequences of {cfg.seq_len} per "
               f"epoch, {data.updates_per_epoch} updates per epoch x {cfg.epochs} epochs, micro-batch "

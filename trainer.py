@@ -13,7 +13,7 @@ import torch._functorch.config  # activation_memory_budget
 
 import model as model_lib
 from configurator import ConfigError
-from kernels.attention import fa4_problem, resolve_backend
+from kernels.attention import CUDA_ONLY_BACKENDS, fa4_problem, resolve_backend
 
 
 # ---------------------------------------------------------------- distributed
@@ -99,11 +99,16 @@ class Trainer:
             p.grad = torch.zeros_like(p)
 
     def check_attention_device(self):
-        """fa4 asked for where it cannot run is refused (auto falls back to SDPA and says so instead)."""
+        """A backend asked for where it cannot run is refused (auto falls back to SDPA and says so instead):
+        fa4 where flash-attn-4 cannot run, and SDPA's memory-efficient and cuDNN kernels off CUDA, where SDPA
+        would fail in the first forward with "No viable backend"."""
         self.attention, self.attention_reason = resolve_backend(self.cfg.attention_backend, self.device)
         problem = fa4_problem(self.device) if self.attention == "fa4" else None
         if problem:
             raise ConfigError(f"attention_backend 'fa4': {problem}; choose auto, sdpa, flash, efficient, cudnn or math")
+        if self.attention in CUDA_ONLY_BACKENDS and self.device.type != "cuda":
+            raise ConfigError(f"attention_backend {self.attention!r} runs only on CUDA GPUs, not on "
+                              f"{self.device.type}; choose auto, sdpa, flash or math")
 
     def compiled(self, model):
         """The model under torch.compile: whole, or (compile_scope=blocks) each block and the loss head apart."""

@@ -45,6 +45,7 @@ import results
 import train
 from configurator import ConfigError, load_config, write_config_file
 from data.loader import CacheError, TokenCache
+from kernels.attention import CUDA_ONLY_BACKENDS
 
 # ---------------------------------------------------------------- defaults (plus everything bench.py takes)
 budget = 45.0                    # minutes for the whole sweep
@@ -488,6 +489,10 @@ def lever_choices(cfg, cuda):
         if why:
             print(f"skipping attention_backend=fa4: {why}")
             backends.remove("fa4")
+    gpu_only = [b for b in backends if b in CUDA_ONLY_BACKENDS]
+    if not cuda and gpu_only and not cfg.tune_backends.strip():  # named ones are tried, and fail in one line
+        print(f"skipping attention_backend {', '.join(gpu_only)}: SDPA runs them only on CUDA GPUs")
+        backends = [b for b in backends if b not in CUDA_ONLY_BACKENDS]
     modes = named_choices(cfg, "tune_compile_modes", ["eager", *train.COMPILE_MODES], "compile mode")
     choices = {"attention_backend": backends, "compile_mode": modes,
                "loss_impl": named_choices(cfg, "tune_loss_impls", list(train.model_lib.LOSS_IMPLEMENTATIONS),
@@ -811,6 +816,7 @@ def tuning_record(cfg, sweep, selected, refused, source):
 
 def tune(cfg):
     check_settings(cfg)
+    results.check_writable(cfg.results_file)
     bench.check_protocol(cfg)  # or every candidate would fail the same way, and the sweep select nothing
     bench.cache_and_model(cfg)
     train.check_execution(cfg)  # the incumbent

@@ -334,7 +334,12 @@ def prepare(source, out, tokenizer=None, vocab_size=32000, val_fraction=0.01, nu
 
     # 2. under a lock, so two prepares of one DIR don't interleave: recover, check the cache, build, swap
     from filelock import FileLock
-    with FileLock(str(out) + ".lock"):
+    lock = str(out) + ".lock"
+    try:  # filelock retries a lock file it cannot create forever; open it here so that the reason shows
+        open(lock, "a").close()
+    except OSError as exc:
+        raise PrepareError(f"--out {out}: cannot write there ({exc.strerror or exc}); give a writable folder") from None
+    with FileLock(lock):
         meta = recover_or_find(out, identity)
         if meta is not None:
             print(f"cache {out} is up to date (identity {identity[:16]})")

@@ -21,6 +21,7 @@ ATTENTION_BACKENDS = {
     "math": [SDPBackend.MATH],
     "fa4": "fa4",
 }
+CUDA_ONLY_BACKENDS = ("efficient", "cudnn")  # SDPA has these kernels only on CUDA: "No viable backend" elsewhere
 
 def fa4_problem(device):
     """Why fa4 cannot run on `device` (a torch.device), or None when it can: flash-attn-4's backward needs

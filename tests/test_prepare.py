@@ -247,10 +247,19 @@ def test_out_under_a_file_is_one_clear_error_before_any_work(tmp_path, books, ca
     """The folder for --out was made after the tokenizer was trained, and a failure was a traceback."""
     (tmp_path / "afile").write_text("not a folder")
     with pytest.raises(SystemExit) as exit_info:
-        prepare_main(["--source", str(books), "--out", str(tmp_path / "afile" / "cache"), "--vocab_size", "300"])
+        prepare_main(["--source", str(books[0]), "--out", str(tmp_path / "afile" / "cache"), "--vocab_size", "300"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "afile" in err[0] and "cannot be made" in err[0], err
+
+
+def test_an_out_where_no_lock_can_be_made_is_one_clear_error_not_a_hang(tmp_path, books, capsys):
+    """filelock retries a lock file it cannot create for ever: prepare sat silent under /proc."""
+    with pytest.raises(SystemExit) as exit_info:
+        prepare_main(["--source", str(books[0]), "--out", "/proc/tiny-llm-cache", "--vocab_size", "300"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--out /proc/tiny-llm-cache: cannot write there" in err[0], err
 
 
 def test_zst_files_without_zstandard_are_one_clear_error(tmp_path, monkeypatch):

@@ -59,11 +59,19 @@ def test_a_rerun_of_a_name_is_refused_unless_resumed_or_overwritten(text_cache, 
     assert again["status"] == "complete" and ckpt.read_bytes() != before
 
 
-def test_init_from_a_checkpoint_takes_its_shape_and_weights_and_names_them_in_the_recipe(text_cache, tmp_path):
+def test_init_from_a_checkpoint_takes_its_shape_and_weights_and_names_them_in_the_recipe(text_cache, tmp_path,
+                                                                                         capsys):
     source = train.train(small_config(text_cache, tmp_path, name="src", out_dir=str(tmp_path / "src"), epochs=1))
-    # another shape in the config: the initial weights' shape wins, and 0 epochs keeps them as they are
+    # a shape in the config that the weights contradict is refused (it would be recorded but not trained)
+    wrong = small_config(text_cache, tmp_path, name="wrong", out_dir=str(tmp_path / "wrong"), epochs=0,
+                         dim=32, n_layers=1, init_from=str(tmp_path / "src"))
+    capsys.readouterr()
+    assert train.main(cli_args(wrong)) == 2
+    one_line_error(capsys, "dim=32 (the weights have 64)", "n_layers=1 (the weights have 2)")
+    assert not (tmp_path / "wrong").exists()  # refused before its folder was made
+    # the preset's shape (0s) or the weights' own is theirs, and 0 epochs keeps them as they are
     cfg = small_config(text_cache, tmp_path, name="from", out_dir=str(tmp_path / "from"), epochs=0,
-                       dim=32, n_layers=1, init_from=str(tmp_path / "src"))
+                       dim=0, n_layers=0, init_from=str(tmp_path / "src"))
     entry = train.train(cfg)
     assert entry["recipe"]["model"] == source["recipe"]["model"]
     a, b = checkpoint_parameters(tmp_path / "src"), checkpoint_parameters(tmp_path / "from")
@@ -102,6 +110,25 @@ def test_init_from_outside_the_family_or_nowhere_is_one_line(text_cache, tmp_pat
         cfg = small_config(text_cache, tmp_path, name="x", out_dir=str(tmp_path / "x"), init_from=str(path))
         assert train.main(cli_args(cfg)) == 2
         one_line_error(capsys, words)
+
+
+@pytest.mark.parametrize("setting, words", [
+    ({"attention_backend": "efficient"}, "attention_backend 'efficient' runs only on CUDA GPUs"),
+    ({"attention_backend": "cudnn"}, "attention_backend 'cudnn' runs only on CUDA GPUs"),
+    ({"name": ""}, "name '' cannot name a run's folder"),
+    ({"name": "a/b"}, "give a name without '/'"),
+    ({"results_file": "/proc/no/results.json"}, "results file /proc/no/results.json cannot be written")])
+def test_settings_that_cannot_run_here_are_one_line_before_any_work(text_cache, tmp_path, capsys, setting, words):
+    """SDPA's CUDA-only kernels failed in the first forward; an unwritable results file waited out the lock's
+    ten-minute timeout after building everything; an empty name trained into the results file's top level."""
+    cfg = small_config(text_cache, tmp_path, **setting)
+    start = time.time()
+    assert train.main(cli_args(cfg)) == 2
+    one_line_error(capsys, words)
+    assert time.time() - start < 30
+    assert not (tmp_path / "out").exists()  # no run folder left behind
+    if "results_file" not in setting:
+        assert lookup(cfg.results_file, [cfg.name or "t"]) is None
 
 
 def test_a_vocab_size_above_the_caches_is_refused(text_cache, tmp_path, capsys):
