@@ -18,6 +18,8 @@ from kernels.attention import ATTENTION_BACKENDS, causal_attention, flash_attn_4
 from kernels.cross_entropy import (LOSS_IMPLEMENTATIONS, chunked_cross_entropy, linear_cross_entropy,
                                    linear_cross_entropy_losses)
 from kernels.linear_cross_entropy import linear_cross_entropy_epilogue
+from kernels.linear_cross_entropy_fp8 import MULTIPLE as FP8_MULTIPLE
+from kernels.linear_cross_entropy_fp8 import check_shape as check_fp8_shape, linear_cross_entropy_fp8
 from kernels.swiglu import swiglu_down
 
 
@@ -155,7 +157,7 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     def __init__(self, config, attention_backend="auto", loss_impl="full", loss_chunk_tokens=8192,
-                 residual_dtype="float32"):
+                 residual_dtype="float32", lm_head_fp8=False):
         super().__init__()
         if isinstance(config, str):
             config = get_preset(config)
@@ -167,6 +169,13 @@ class Transformer(nn.Module):
         if residual_dtype not in RESIDUAL_DTYPES:
             raise ValueError(f"unknown residual_dtype {residual_dtype!r}; valid: {', '.join(RESIDUAL_DTYPES)}")
         self.residual_dtype = RESIDUAL_DTYPES[residual_dtype]
+        if lm_head_fp8 and loss_impl != "fused":
+            raise ValueError(f"lm_head_fp8 runs inside the fused loss; use it with loss_impl 'fused', "
+                             f"not {loss_impl!r}")
+        if lm_head_fp8:
+            check_fp8_shape(config.dim, config.vocab_size)
+        # the declared FP8 head, in training's loss only (kernels/linear_cross_entropy_fp8.py)
+        self.lm_head_fp8 = lm_head_fp8
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
@@ -265,7 +274,8 @@ class Transformer(nn.Module):
         elif reduction == "none":
             return F.cross_entropy(self.output(flat_h).float(), flat_targets, ignore_index=-100, reduction="none")
         elif self.loss_impl == "fused":
-            total = linear_cross_entropy(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
+            fused_loss = linear_cross_entropy_fp8 if self.lm_head_fp8 else linear_cross_entropy
+            total = fused_loss(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
         elif self.loss_impl == "fused_epilogue":
             total = linear_cross_entropy_epilogue(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
         elif self.loss_impl == "chunked":

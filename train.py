@@ -57,6 +57,7 @@ beta2 = 0.95
 adam_eps = 1e-8
 grad_clip = 1.0                  # clip the gradient's global norm to this (0: no clipping; the norm is still logged)
 residual_dtype = "float32"       # float32, or bfloat16: a declared change of math (compare.py --allow_recipe_change)
+lm_head_fp8 = False              # the LM head's matmuls in FP8 (loss_impl fused, Hopper or newer): declared, as above
 # execution: how the math is run, never what it is
 device = "cuda"                  # cuda, cpu, or auto (a GPU if there is one); the CPU only when asked for
 micro_batch_size = 8
@@ -92,7 +93,7 @@ EXECUTION_KEYS = {"name", "out_dir", "results_file", "resume", "overwrite", "dat
 MODEL_KEYS = {"preset", "vocab_size", "dim", "n_layers", "n_heads", "hidden_dim", "seq_len"}
 # Recipe keys added after runs were recorded: each enters the recipe only off its default, so that those runs
 # keep their identities (and stay resumable and comparable).
-LATER_RECIPE_KEYS = {"residual_dtype": "float32"}
+LATER_RECIPE_KEYS = {"residual_dtype": "float32", "lm_head_fp8": False}
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILE_SCOPES = ("model", "blocks")
 RESERVED_NAMES = {"environment", "benchmarks", "tuning", "profiles", "history", "matched-comparison",
@@ -222,6 +223,20 @@ def check_numbers(cfg):
                           "(all) or at least 2")
 
 
+def check_fp8_head(cfg):
+    """lm_head_fp8 runs inside the fused loss, on token counts its FP8 matmuls take."""
+    if not cfg.lm_head_fp8:
+        return
+    if cfg.loss_impl != "fused":
+        raise ConfigError(f"lm_head_fp8 runs inside the fused loss; set loss_impl=fused (got {cfg.loss_impl!r})")
+    multiple = model_lib.FP8_MULTIPLE
+    for key, tokens in (("micro_batch_size x seq_len", cfg.micro_batch_size * cfg.seq_len),
+                        ("loss_chunk_tokens", cfg.loss_chunk_tokens)):
+        if tokens % multiple:
+            raise ConfigError(f"lm_head_fp8 needs {key} to be a multiple of {multiple} tokens (FP8 matmuls), "
+                              f"got {tokens}")
+
+
 def check_execution(cfg, world_size=1):
     """Every setting that would fail or mean nothing, refused before any work as a ConfigError; returns the
     sequences per update."""
@@ -231,6 +246,7 @@ def check_execution(cfg, world_size=1):
         raise ConfigError(f"tokens_per_update {cfg.tokens_per_update} is not a multiple of seq_len "
                           f"{cfg.seq_len}; an update is a whole number of sequences")
     sequences = cfg.tokens_per_update // cfg.seq_len
+    check_fp8_head(cfg)
     if cfg.micro_batch_size < 1 or sequences % (cfg.micro_batch_size * world_size):
         valid = [m for m in range(1, sequences + 1) if sequences % (m * world_size) == 0]
         raise ConfigError(
@@ -276,6 +292,11 @@ def setup(cfg, initial=None):
         raise ConfigError(f"vocab_size {cfg.vocab_size} is larger than the {cache.vocab_size} tokens of the cache "
                           f"{cfg.data_dir}: the LM head would hold rows no token uses; set vocab_size=0 (follow the "
                           f"data) or {cache.vocab_size}, or prepare a cache of that vocabulary")
+    if cfg.lm_head_fp8:
+        try:
+            model_lib.check_fp8_shape(mcfg.dim, mcfg.vocab_size)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     rec = recipe(cfg, mcfg, cache.identity, initial.sha256 if initial else None)
     return cache, mcfg, rec
 

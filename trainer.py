@@ -63,11 +63,13 @@ class Trainer:
         if cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
         self.check_attention_device()
+        self.check_fp8_device()
         torch.manual_seed(cfg.seed)
         # the backend resolved here, once: "auto" inside compiled code would trace the package lookup
         self.raw_model = model_lib.Transformer(mcfg, attention_backend=self.attention, loss_impl=cfg.loss_impl,
                                                loss_chunk_tokens=cfg.loss_chunk_tokens,
-                                               residual_dtype=cfg.residual_dtype).to(self.device)
+                                               residual_dtype=cfg.residual_dtype,
+                                               lm_head_fp8=cfg.lm_head_fp8).to(self.device)
         if initial_state is not None:  # init_from: the weights a run starts from, in place of the seed's
             self.raw_model.load_state_dict(initial_state)
         self.cudagraphs = uses_cudagraphs(cfg)
@@ -109,6 +111,16 @@ class Trainer:
         if self.attention in CUDA_ONLY_BACKENDS and self.device.type != "cuda":
             raise ConfigError(f"attention_backend {self.attention!r} runs only on CUDA GPUs, not on "
                               f"{self.device.type}; choose auto, sdpa, flash or math")
+
+    def check_fp8_device(self):
+        """lm_head_fp8 on a GPU without FP8 tensor cores is refused here, not in the first update."""
+        if not self.cfg.lm_head_fp8 or self.device.type != "cuda":
+            return
+        capability = torch.cuda.get_device_capability(self.device)
+        if capability < (8, 9):
+            raise ConfigError(f"lm_head_fp8 needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, "
+                              f"Blackwell); {torch.cuda.get_device_name(self.device)} has "
+                              f"{capability[0]}.{capability[1]}; set lm_head_fp8=False")
 
     def compiled(self, model):
         """The model under torch.compile: whole, or (compile_scope=blocks) each block and the loss head apart."""

@@ -40,9 +40,10 @@ def chunked_cross_entropy(h, weight, targets, chunk_tokens):
 # input (512 tokens at width 320), 64 small matmuls per call. The loss here is a plain sum, so no count is
 # needed, the upstream gradient scales the two small gradients instead of the logits, and the slice is ours.
 
-def _cross_entropy_rows_torch(logits, targets, write_grad=True):
+def _cross_entropy_rows_torch(logits, targets, write_grad=True, grad=None, grad_scale=1.0):
     """Per-row loss (float32) and, with write_grad, d(loss)/d(logits) written over `logits`; rows with
-    target -100 get 0.
+    target -100 get 0. With `grad` (a tensor of the logits' shape), the gradient times grad_scale is written
+    there instead, in its dtype (the FP8 head's, kernels/linear_cross_entropy_fp8.py), and the logits are kept.
 
     The reference for the Triton kernel below (which does the same in one read of each row), and the
     path on CPUs and on GPUs without Triton."""
@@ -54,9 +55,9 @@ def _cross_entropy_rows_torch(logits, targets, write_grad=True):
     losses = torch.where(counted, lse - target_logit, 0.0)
     if not write_grad:
         return losses
-    grad = torch.exp(x - lse[:, None])
-    grad[torch.arange(len(targets), device=logits.device), safe_targets] -= 1.0
-    logits.copy_(grad * counted[:, None])
+    p = torch.exp(x - lse[:, None])
+    p[torch.arange(len(targets), device=logits.device), safe_targets] -= 1.0
+    (logits if grad is None else grad).copy_(p * counted[:, None] * grad_scale)
     return losses
 
 
@@ -67,8 +68,10 @@ _triton_rows = None
 ROWS_BLOCK, ROWS_NUM_WARPS = 8192, 8
 
 
-def _cross_entropy_rows_triton(logits, targets, write_grad=True, block=None, num_warps=None):
-    """The Triton kernel: one program per row, logits read once, the gradient stored in their place.
+def _cross_entropy_rows_triton(logits, targets, write_grad=True, block=None, num_warps=None, grad=None,
+                               grad_scale=1.0):
+    """The Triton kernel: one program per row, logits read once, the gradient stored in their place (or, times
+    grad_scale, into `grad` in its dtype, as _cross_entropy_rows_torch).
 
     Built on first use so that importing this file never needs Triton (the CPU build has none)."""
     import triton
@@ -77,10 +80,12 @@ def _cross_entropy_rows_triton(logits, targets, write_grad=True, block=None, num
         import triton.language as tl
 
         @triton.jit
-        def cross_entropy_rows_kernel(logits_ptr, row_stride, targets_ptr, losses_ptr, n_cols,
-                                      BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr):
+        def cross_entropy_rows_kernel(logits_ptr, row_stride, targets_ptr, losses_ptr, grad_ptr, grad_stride,
+                                      n_cols, GRAD_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+                                      ONE_BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr):
             row = tl.program_id(0).to(tl.int64)
             base = logits_ptr + row * row_stride
+            grad_base = grad_ptr + row * grad_stride
             target = tl.load(targets_ptr + row)
             counted = target != -100
             # Read before any gradient is stored over it: the block-wide max below waits for every warp,
@@ -95,8 +100,8 @@ def _cross_entropy_rows_triton(logits, targets, write_grad=True, block=None, num
                 total = tl.sum(e, axis=0)
                 lse = row_max + tl.log(total)
                 if WRITE_GRAD:
-                    grad = e * (1.0 / total) - tl.where(cols == target, 1.0, 0.0)
-                    tl.store(base + cols, tl.where(counted, grad, 0.0).to(logits_ptr.dtype.element_ty), mask=mask)
+                    grad = (e * (1.0 / total) - tl.where(cols == target, 1.0, 0.0)) * GRAD_SCALE
+                    tl.store(grad_base + cols, tl.where(counted, grad, 0.0).to(grad_ptr.dtype.element_ty), mask=mask)
             else:  # online log-sum-exp over blocks of the row, then a second pass for the gradient
                 running_max = float("-inf")
                 running_sum = 0.0
@@ -111,8 +116,8 @@ def _cross_entropy_rows_triton(logits, targets, write_grad=True, block=None, num
                     cols = start + tl.arange(0, BLOCK)
                     mask = cols < n_cols
                     x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-                    grad = tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)
-                    tl.store(base + cols, tl.where(counted, grad, 0.0).to(logits_ptr.dtype.element_ty), mask=mask)
+                    grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * GRAD_SCALE
+                    tl.store(grad_base + cols, tl.where(counted, grad, 0.0).to(grad_ptr.dtype.element_ty), mask=mask)
             tl.store(losses_ptr + row, tl.where(counted, lse - target_logit, 0.0))
 
         _triton_rows = cross_entropy_rows_kernel
@@ -120,8 +125,10 @@ def _cross_entropy_rows_triton(logits, targets, write_grad=True, block=None, num
     losses = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     block = min(triton.next_power_of_2(n_cols), block or ROWS_BLOCK)
     num_warps = num_warps or min(ROWS_NUM_WARPS, max(4, block // 1024))  # a small vocabulary needs fewer threads
-    _triton_rows[(n_rows,)](logits, logits.stride(0), targets, losses, n_cols, BLOCK=block,
-                            ONE_BLOCK=n_cols <= block, WRITE_GRAD=write_grad, num_warps=num_warps)
+    grad = logits if grad is None else grad
+    _triton_rows[(n_rows,)](logits, logits.stride(0), targets, losses, grad, grad.stride(0), n_cols,
+                            GRAD_SCALE=float(grad_scale), BLOCK=block, ONE_BLOCK=n_cols <= block,
+                            WRITE_GRAD=write_grad, num_warps=num_warps)
     return losses
 
 
@@ -166,7 +173,7 @@ def _linear_cross_entropy_op(h: torch.Tensor, weight: torch.Tensor, targets: tor
 
 
 @_linear_cross_entropy_op.register_fake
-def _(h, weight, targets, chunk_tokens):
+def _linear_cross_entropy_fake(h, weight, targets, chunk_tokens):
     # contiguous, as the real op allocates them (empty_like would copy a non-contiguous h's strides)
     return (h.new_empty((), dtype=torch.float32), h.new_empty(h.shape, dtype=torch.float32),
             weight.new_empty(weight.shape, dtype=torch.float32))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU command the README shows, with short settings, so that a change to the training path is seen to run
-# on a GPU (CUDA graphs, compile modes and kernels exist only there). About 7 minutes on one H200 from empty
+# on a GPU (CUDA graphs, compile modes and kernels exist only there). About 8 minutes on one H200 from empty
 # compiler caches. Exits non-zero, naming the command, at the first that fails. Needs the token cache
 # data/cache/gutenberg (python data/prepare.py --source ../shared/data/gutenberg --out data/cache/gutenberg).
 #     bash scripts/gpu_smoke.sh [RESULTS_FILE]      # default out/smoke/results.json
@@ -30,6 +30,8 @@ run() {  # run LABEL COMMAND...: the command's output, then one line saying it p
 run "train, the reference recipe" python train.py $REF --name=smoke-train --results_file="$R" $SHORT_TRAIN
 run "train, micro-batch 16 (CUDA graphs with accumulation)" python train.py $REF --micro_batch_size=16 \
   --name=smoke-train-mb16 --results_file="$R" $SHORT_TRAIN
+run "train, the declared fast track (bf16 residual, FP8 head)" python train.py $REF --residual_dtype=bfloat16 \
+  --lm_head_fp8=True --name=smoke-fast-track --results_file="$R" $SHORT_TRAIN
 run "bench" python bench.py $REF --name=smoke-bench --results_file="$R" $SHORT_BENCH --profile=True --partial_probe=True
 run "bench, micro-batch 16" python bench.py $REF --micro_batch_size=16 --name=smoke-bench-mb16 --results_file="$R" $SHORT_BENCH
 # eager: the presets' shapes and kernels without three more compiles (bench.py's compiled presets are timed apart)

@@ -4,7 +4,8 @@ Liger-Kernel's fused linear cross-entropy and Apple's Cut Cross-Entropy (CCE, wh
 to memory; "cce" with its gradient filter off, the same math, and "cce-filtered" with its default filter,
 which skips softmax entries below bf16's resolution and so changes the gradient slightly). Also the
 "fused_epilogue" op (kernels/linear_cross_entropy.py) with its Triton forward matmul ("fused-epilogue") and
-with cuBLAS's and the read-only lse kernel ("fused-epilogue-cublas-fwd"), and the floor they approach:
+with cuBLAS's and the read-only lse kernel ("fused-epilogue-cublas-fwd"); the declared FP8 head ("fused-fp8",
+kernels/linear_cross_entropy_fp8.py, a change of math whose gradient errors say by how much); and the floor:
 "matmuls-alone", the fused op's three matmuls of the same shapes and slices with no loss between them (its
 loss is 0 and its gradient errors mean nothing). Same inputs for all; each one's loss and the relative error
 of both gradients against the eager full loss are recorded beside its time, under NAME in the results file
@@ -27,6 +28,7 @@ import common  # noqa: E402
 from kernels import in_autocast_dtype  # noqa: E402
 from kernels import linear_cross_entropy as epilogue  # noqa: E402
 from kernels.cross_entropy import linear_cross_entropy  # noqa: E402
+from kernels.linear_cross_entropy_fp8 import linear_cross_entropy_fp8  # noqa: E402
 
 
 def full_loss(h, weight, targets):
@@ -66,7 +68,8 @@ def candidates():
              "fused-32768": lambda h, w, t: linear_cross_entropy(h, w, t, 32768),
              "fused-epilogue": lambda h, w, t: epilogue.linear_cross_entropy_epilogue(h, w, t, 8192, True),
              "fused-epilogue-cublas-fwd": lambda h, w, t: epilogue.linear_cross_entropy_epilogue(h, w, t, 8192, False),
-             "matmuls-alone": lambda h, w, t: MatmulsAlone.apply(in_autocast_dtype(h), w, 8192)}
+             "matmuls-alone": lambda h, w, t: MatmulsAlone.apply(in_autocast_dtype(h), w, 8192),
+             "fused-fp8": lambda h, w, t: linear_cross_entropy_fp8(h, w, t, 8192)}
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
     except Exception as exc:  # noqa: BLE001 - any import failure only means "not measured"

@@ -469,7 +469,7 @@ RECIPE_KEYS = {"preset", "vocab_size", "dim", "n_layers", "n_heads", "hidden_dim
                "val_subset_tokens", "full_validation", "seed", "epochs", "tokens_per_update", "learning_rate",
                "min_lr", "warmup_updates", "weight_decay", "beta1", "beta2", "adam_eps", "grad_clip",
                "init_from",  # as the hash of the weights it names
-               "residual_dtype"}  # only off its default, float32
+               "residual_dtype", "lm_head_fp8"}  # only off their defaults, float32 and False
 
 
 def test_every_default_is_classified():
@@ -484,7 +484,7 @@ def recipe_id(cfg, cache_identity="cache"):
 
 
 @pytest.mark.parametrize("change", [dict(learning_rate=1e-3), dict(seed=1), dict(epochs=3), dict(dim=128),
-                                    dict(residual_dtype="bfloat16"),
+                                    dict(residual_dtype="bfloat16"), dict(lm_head_fp8=True, loss_impl="fused"),
                                     dict(n_layers=3), dict(hidden_dim=256), dict(seq_len=32),
                                     dict(tokens_per_update=1024), dict(train_subset_tokens=999)])
 def test_the_recipe_identity_follows_the_math(text_cache, tmp_path, change):
