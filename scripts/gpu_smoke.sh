@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU command the README shows, with short settings, so that a change to the training path is seen to run
-# on a GPU (CUDA graphs, compile modes and kernels exist only there). About 8 minutes on one H200 from empty
+# on a GPU (CUDA graphs, compile modes and kernels exist only there). About 9 minutes on one H200 from empty
 # compiler caches. Exits non-zero, naming the command, at the first that fails. Needs the token cache
 # data/cache/gutenberg (python data/prepare.py --source ../shared/data/gutenberg --out data/cache/gutenberg).
 #     bash scripts/gpu_smoke.sh [RESULTS_FILE]      # default out/smoke/results.json
@@ -37,7 +37,9 @@ run "bench, micro-batch 16" python bench.py $REF --micro_batch_size=16 --name=sm
 # eager: the presets' shapes and kernels without three more compiles (bench.py's compiled presets are timed apart)
 run "bench, presets" python bench.py $REF --presets=20m,50m,90m --name=smoke-presets --results_file="$R" $SHORT_BENCH \
   --compile=False
-run "tune" python tune.py $REF --budget=1 --name=smoke-tune --results_file="$R" --tuned_dir=out/smoke/tuned
+# two minutes: with flash-attn-4 installed each run starts about 25 s later (its import and kernels), and a
+# one-minute budget left no room to confirm the incumbent
+run "tune" python tune.py $REF --budget=2 --name=smoke-tune --results_file="$R" --tuned_dir=out/smoke/tuned
 run "compare, the tuned config" python compare.py $REF --tuned=True --name=smoke-compare --results_file="$R" \
   --plot=out/smoke/compare.png --train_subset_tokens=655361 --val_subset_tokens=65536 --epochs=1 --rerun=True
 if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
