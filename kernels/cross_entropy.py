@@ -12,6 +12,7 @@ from kernels import in_autocast_dtype, uses_triton
 #   tokens during forward, with the logits in the autocast dtype and never in float32;
 # - "fused_epilogue" (kernels/linear_cross_entropy.py) is "fused" with the loss and its gradient inside the
 #   matmuls' Triton kernels, with no pass of their own over the logits.
+# "fused" also runs the declared FP8 head (lm_head_fp8, kernels/linear_cross_entropy_fp8.py): other math.
 LOSS_IMPLEMENTATIONS = ("full", "chunked", "fused", "fused_epilogue")
 
 
