@@ -2,8 +2,8 @@
 # Reproduces the figures of docs/PERFORMANCE.md on one H200, each under the results entry the document cites.
 #     bash scripts/reproduce_h200.sh PART... [-- RESULTS_FILE]      # default RESULTS_FILE: out/h200/results.json
 # Parts, in the document's order, with their time on one H200 (warm compiler caches; cold adds about 20 s per
-# compiled shape): ceilings (1 min), current (6 min), accumulation (2 min), loss (2 min), matched (5 min, then
-# compare.py with no GPU), tune (15 min), levers (12 min), all (about 43 min). Merge what comes back into
+# compiled shape): ceilings (1 min), current (8 min), accumulation (2 min), loss (2 min), matched (5 min, then
+# compare.py with no GPU), tune (15 min), levers (12 min), all (about 45 min). Merge what comes back into
 # results/h200.json with scripts/merge_results.py. Needs data/cache/gutenberg; flash-attn-4 for the fa4 rows
 # (pip install -r requirements-gpu.txt), which are skipped without it.
 set -uo pipefail
@@ -32,6 +32,9 @@ current() {  # the current-figures table
   bench $REF --name=20m-bf16-residual --residual_dtype=bfloat16
   bench $REF --name=20m-fp8-head --lm_head_fp8=True
   bench $REF --name=20m-fast-track --residual_dtype=bfloat16 --lm_head_fp8=True
+  bench $REF --name=20m-fast-track-profile --residual_dtype=bfloat16 --lm_head_fp8=True --profile=True
+  bench config/50m.py --name=50m-fast-track --residual_dtype=bfloat16 --lm_head_fp8=True
+  bench config/90m.py --name=90m-fast-track --residual_dtype=bfloat16 --lm_head_fp8=True
   if has_fa4; then
     bench $REF --name=20m-sdpa --attention_backend=sdpa
     bench config/50m.py --name=50m-sdpa --attention_backend=sdpa
