@@ -116,11 +116,11 @@ def tune_cfg(**overrides):
 
 
 def test_levers_are_read_from_the_kernels_at_run_time(monkeypatch, capsys):
-    monkeypatch.setitem(kernels.attention.ATTENTION_BACKENDS, "sdpa", None)
+    monkeypatch.setitem(kernels.attention.ATTENTION_BACKENDS, "xformers", None)
     monkeypatch.setattr(kernels.cross_entropy, "LOSS_IMPLEMENTATIONS", ("full", "chunked", "fused", "liger"))
     monkeypatch.setattr(train.model_lib, "LOSS_IMPLEMENTATIONS", kernels.cross_entropy.LOSS_IMPLEMENTATIONS)
     choices = tune.lever_choices(tune_cfg(device="cpu", micro_batch_size=8), cuda=False)
-    assert "sdpa" in choices["attention_backend"] and "liger" in choices["loss_impl"]
+    assert "xformers" in choices["attention_backend"] and "liger" in choices["loss_impl"]
     assert choices["micro_batch_size"] == [4, 16]  # the config's neighbours
     assert choices["compile_mode"] == ["eager", *train.COMPILE_MODES]
     # fa4 cannot run on a CPU: left out of the default list with one line, never a candidate
@@ -128,9 +128,24 @@ def test_levers_are_read_from_the_kernels_at_run_time(monkeypatch, capsys):
     assert "skipping attention_backend=fa4" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("fa4_runs, incumbent, left_out", [(True, "auto", "fa4"), (False, "auto", "sdpa"),
+                                                             (True, "fa4", "auto"), (False, "sdpa", "auto")])
+def test_the_backend_the_incumbent_runs_is_not_screened_again(monkeypatch, capsys, fa4_runs, incumbent, left_out):
+    """auto is fa4 where flash-attn-4 can run, else SDPA: the one of them that auto is here, or auto beside it,
+    would measure the incumbent under another name."""
+    monkeypatch.setattr(tune, "fa4_refusal", lambda cfg, cuda: None if fa4_runs else "no flash-attn-4")
+    backends = tune.lever_choices(tune_cfg(attention_backend=incumbent), cuda=True)["attention_backend"]
+    assert left_out not in backends and "cudnn" in backends
+    skipped = f"skipping attention_backend={left_out}: what the incumbent's '{incumbent}' runs here"
+    assert skipped in capsys.readouterr().out
+    named = tune.lever_choices(tune_cfg(attention_backend=incumbent, tune_backends=f"{left_out},cudnn"), cuda=True)
+    assert named["attention_backend"] == [left_out, "cudnn"]  # named ones are tried as asked
+
+
 def test_fa4_is_a_lever_where_it_can_run(monkeypatch, flash_attn_4_stand_in):
     monkeypatch.setattr(tune, "fa4_refusal", lambda cfg, cuda: None if cuda else "no GPU")
-    assert "fa4" in tune.lever_choices(tune_cfg(), cuda=True)["attention_backend"]
+    # a config that pins SDPA (with auto, fa4 is the incumbent's own attention where it runs)
+    assert "fa4" in tune.lever_choices(tune_cfg(attention_backend="sdpa"), cuda=True)["attention_backend"]
     with pytest.raises(tune.ConfigError, match="tune_backends names fa4, but no GPU"):
         tune.lever_choices(tune_cfg(tune_backends="auto,fa4"), cuda=False)
 
