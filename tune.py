@@ -40,12 +40,15 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 import bench
 import env
 import results
 import train
 from configurator import ConfigError, load_config, write_config_file
 from data.loader import CacheError, TokenCache
+from kernels import attention
 from kernels.attention import CUDA_ONLY_BACKENDS
 
 # ---------------------------------------------------------------- defaults (plus everything bench.py takes)
@@ -468,23 +471,12 @@ def named_choices(cfg, key, valid, what):
     return values
 
 
-def fa4_refusal(cfg, cuda):
-    """Why fa4 cannot run here (the package, or a GPU that is not Hopper or Blackwell), or None."""
-    import torch
-    try:
-        train.check_execution(train.Config(cfg, attention_backend="fa4"))
-    except ConfigError as exc:
-        return str(exc).removeprefix("attention_backend: ")
-    if not (cuda and torch.cuda.get_device_capability()[0] in (9, 10)):
-        return "attention_backend 'fa4' runs on Hopper and Blackwell GPUs only (compute capability 9.x or 10.x)"
-    return None
-
-
 def lever_choices(cfg, cuda):
     """Each lever's values to try, checked; fa4 asked for by name but unable to run here is a ConfigError."""
     backends = named_choices(cfg, "tune_backends", list(train.model_lib.ATTENTION_BACKENDS), "attention backend")
-    why = fa4_refusal(cfg, cuda)
+    device = torch.device("cuda" if cuda else "cpu")
     if "fa4" in backends:
+        why = attention.fa4_problem(device)  # the package, or a GPU that is not Hopper or Blackwell
         if why and cfg.tune_backends.strip():
             raise ConfigError(f"tune_backends names fa4, but {why}; leave it out")
         if why:
@@ -492,7 +484,7 @@ def lever_choices(cfg, cuda):
             backends.remove("fa4")
     # "auto" runs fa4 where it can and SDPA elsewhere, so one of those is the incumbent's attention under another
     # name: a screen of it would measure the incumbent again
-    runs = lambda b: ("sdpa" if why else "fa4") if b == "auto" else b
+    runs = lambda backend: attention.resolve_backend(backend, device)[0]
     same = [b for b in backends if b != cfg.attention_backend and runs(b) == runs(cfg.attention_backend)]
     if same and not cfg.tune_backends.strip():  # named ones are tried as asked
         print(f"skipping attention_backend={', '.join(same)}: what the incumbent's {cfg.attention_backend!r} runs here")

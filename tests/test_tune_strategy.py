@@ -133,7 +133,7 @@ def test_levers_are_read_from_the_kernels_at_run_time(monkeypatch, capsys):
 def test_the_backend_the_incumbent_runs_is_not_screened_again(monkeypatch, capsys, fa4_runs, incumbent, left_out):
     """auto is fa4 where flash-attn-4 can run, else SDPA: the one of them that auto is here, or auto beside it,
     would measure the incumbent under another name."""
-    monkeypatch.setattr(tune, "fa4_refusal", lambda cfg, cuda: None if fa4_runs else "no flash-attn-4")
+    monkeypatch.setattr(kernels.attention, "fa4_problem", lambda device: None if fa4_runs else "no flash-attn-4")
     backends = tune.lever_choices(tune_cfg(attention_backend=incumbent), cuda=True)["attention_backend"]
     assert left_out not in backends and "cudnn" in backends
     skipped = f"skipping attention_backend={left_out}: what the incumbent's '{incumbent}' runs here"
@@ -143,7 +143,7 @@ def test_the_backend_the_incumbent_runs_is_not_screened_again(monkeypatch, capsy
 
 
 def test_fa4_is_a_lever_where_it_can_run(monkeypatch, flash_attn_4_stand_in):
-    monkeypatch.setattr(tune, "fa4_refusal", lambda cfg, cuda: None if cuda else "no GPU")
+    monkeypatch.setattr(kernels.attention, "fa4_problem", lambda device: None if device.type == "cuda" else "no GPU")
     # a config that pins SDPA (with auto, fa4 is the incumbent's own attention where it runs)
     assert "fa4" in tune.lever_choices(tune_cfg(attention_backend="sdpa"), cuda=True)["attention_backend"]
     with pytest.raises(tune.ConfigError, match="tune_backends names fa4, but no GPU"):
