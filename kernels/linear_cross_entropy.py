@@ -19,7 +19,7 @@ Each slice's logits are thus written once (K1), read and rewritten once inside K
 one slice of logits exists at a time, as in "fused".
 
 What it measured on an H200 (docs/PERFORMANCE.md, "The LM head and loss alone"): at width 320, 32,768 tokens,
-forward and backward, 6.33 ms with K1 and 5.84 ms with cuBLAS's forward, against 4.81 ms for "fused" and 3.58
+forward and backward, 6.33 ms with K1 and 5.93 ms with cuBLAS's forward, against 4.91 ms for "fused" and 3.43
 ms for the three matmuls alone; -7.9% on the 20m update. Triton's matmuls at these widths lose more to cuBLAS
 than the pass they remove, so "fused" stays the default and this op is an option (and tune.py's candidate).
 """
@@ -31,7 +31,7 @@ from kernels import in_autocast_dtype, uses_triton
 
 MAX_WIDTH = 1024
 # K1 (True) or cuBLAS and the read-only lse kernel (False) for the forward matmul; the op takes either. The op
-# alone is 0.5 ms faster with cuBLAS's at widths 320 to 768 (loss-microbench-*: "fused-epilogue-cublas-fwd");
+# alone is 0.4 to 0.8 ms faster with cuBLAS's at widths 320 to 768 (loss-microbench-*: "fused-epilogue-cublas-fwd");
 # the update was measured with K1 (lever-fused-epilogue), so K1 stays until the other is measured there too.
 TRITON_FORWARD = True
 

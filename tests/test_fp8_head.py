@@ -91,12 +91,47 @@ def test_the_model_trains_with_it_only_in_the_fused_loss():
         losses[fp8_head] = m(x, x).item()
         with torch.no_grad():  # evaluation's logits stay bf16's path, the same for both
             losses[fp8_head, "eval"] = m(x, x).item()
-    assert abs(losses[True] - losses[False]) < 5e-3 * losses[False]
+    assert losses[True] != losses[False]  # the FP8 head ran (its e4m3 logits move the loss) ...
+    assert abs(losses[True] - losses[False]) < 5e-3 * losses[False]  # ... by FP8's rounding only
     assert losses[True, "eval"] == losses[False, "eval"]
     with pytest.raises(ValueError, match="use it with loss_impl 'fused', not 'full'"):
         model.Transformer(config, loss_impl="full", lm_head_fp8=True)
     with pytest.raises(ValueError, match="width to be a multiple of 16 .*got 72"):
         model.Transformer(model.get_preset("20m", dim=72, n_heads=2), loss_impl="fused", lm_head_fp8=True)
+
+
+def test_train_py_trains_with_it_and_records_it_in_the_recipe(text_cache, tmp_path):
+    """The config key reaches the model through the Trainer: the fp8 run's first losses differ from the plain
+    run's by FP8's rounding, and its recipe (what compare.py judges) names the change."""
+    from tests.test_train import small_config
+    entries = {}
+    for fp8_head in (False, True):
+        cfg = small_config(text_cache, tmp_path / str(fp8_head), loss_impl="fused", lm_head_fp8=fp8_head, epochs=1)
+        entries[fp8_head] = train.train(cfg)
+    plain, fp8_run = entries[False], entries[True]
+    assert fp8_run["status"] == "complete" and fp8_run["recipe"]["lm_head_fp8"] is True
+    assert "lm_head_fp8" not in plain["recipe"]  # off by default, the recipe identity of every earlier run
+    first = [e["training_curve"][0]["loss"] for e in (plain, fp8_run)]
+    assert first[0] != first[1] and abs(first[0] - first[1]) < 5e-3 * first[0]
+
+
+def test_a_gpu_without_fp8_tensor_cores_is_refused_in_one_line(monkeypatch):
+    from types import SimpleNamespace
+    import trainer
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    fake = SimpleNamespace(cfg=train.Config(lm_head_fp8=True), device=torch.device("cuda"))
+    with pytest.raises(ConfigError, match="needs FP8 tensor cores .* NVIDIA A100 has 8.0; set lm_head_fp8=False"):
+        trainer.Trainer.check_fp8_device(fake)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    trainer.Trainer.check_fp8_device(fake)  # Hopper: accepted
+
+
+def test_a_width_its_matmuls_cannot_take_is_one_line_before_training(text_cache, tmp_path):
+    from tests.test_train import small_config
+    cfg = small_config(text_cache, tmp_path, loss_impl="fused", lm_head_fp8=True, dim=72, n_heads=2)
+    with pytest.raises(ConfigError, match="width to be a multiple of 16 .*got 72"):
+        train.setup(cfg)
 
 
 @pytest.mark.parametrize("change, message", [
