@@ -1,13 +1,12 @@
-"""Merge a results file that came back from a GPU machine into results/h200.json.
+"""Merge one results file into another (default results/h200.json), losing nothing.
 
-    python scripts/merge_results.py RETURNED.json [INTO.json]
+    python scripts/merge_results.py FROM.json [INTO.json]
 
 Benchmark, profile and other two-level sections merge entry by entry, training runs by name, all through
 record_many, so nothing already in INTO is lost (a replaced entry moves to its "history").
 
-The returned file began as a copy of INTO when the call started, so it also holds every entry INTO had then.
-An entry that INTO has replaced since (a comparison recomputed here while the call ran) comes back with its old
-value, which INTO keeps in its history: such a value is skipped, not merged over the newer one.
+FROM may have started as a copy of INTO (runs made elsewhere on top of it), so it can hold entries that INTO has
+replaced since: an entry whose value INTO keeps in its history is skipped, not merged over the newer one.
 """
 import json
 import sys
@@ -41,12 +40,12 @@ def merge(source, target):
 
 def main(argv):
     if len(argv) not in (1, 2):
-        print("usage: python scripts/merge_results.py RETURNED.json [INTO.json]", file=sys.stderr)
+        print("usage: python scripts/merge_results.py FROM.json [INTO.json]", file=sys.stderr)
         return 2
     source, into = argv[0], argv[1] if len(argv) > 1 else "results/h200.json"
     try:
         if not Path(source).is_file():
-            raise ResultsFileError(f"{source} does not exist; give the results file a device call returned")
+            raise ResultsFileError(f"{source} does not exist; give the results file to merge from")
         merged, stale = merge(source, into)
         print(f"merged {merged} entries of {source} into {into}"
               + (f"; skipped {stale} that {into} has replaced since" if stale else ""))

@@ -3,11 +3,11 @@
 #     bash scripts/reproduce_h200.sh PART... [-- RESULTS_FILE]      # default RESULTS_FILE: out/h200/results.json
 # Parts, in the document's order, with their time on one H200 (warm compiler caches; cold adds about 20 s per
 # compiled shape): ceilings (1 min), current (8 min), accumulation (2 min), loss (2 min), matched (5 min, then
-# compare.py with no GPU), tune (15 min), levers (12 min), all (about 45 min). Merge what comes back into
+# compare.py with no GPU), tune (15 min), levers (12 min), all (about 45 min). Merge the results file into
 # results/h200.json with scripts/merge_results.py. Needs data/cache/gutenberg; flash-attn-4 for the fa4 rows
 # (pip install -r requirements-gpu.txt), which are skipped without it.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
 parts=()
 R=out/h200/results.json
 while [ $# -gt 0 ]; do
