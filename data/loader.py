@@ -51,6 +51,11 @@ class TokenCache:
         except (ValueError, KeyError, TypeError) as exc:
             raise CacheError(f"{meta_path} is unreadable or incomplete ({type(exc).__name__}: {exc}); "
                              f"prepare the cache again") from None
+        tokens_in_tokenizer = tokenizer_size(self.path) if verify else None
+        if tokens_in_tokenizer not in (None, self.vocab_size):  # else a model would be sized by a wrong number
+            raise CacheError(f"{meta_path} says vocab_size {self.vocab_size} but the cache's tokenizer has "
+                             f"{tokens_in_tokenizer} tokens: meta.json disagrees with its tokenizer (edited, or "
+                             f"mixed with another cache's files); prepare the cache again")
         for split in ("train", "val"):
             path = self.path / f"{split}.bin"
             if not path.is_file():
@@ -71,6 +76,19 @@ class TokenCache:
                 raise CacheError(f"{path} holds token id {int(tokens.max())}, outside its vocabulary of "
                                  f"{self.vocab_size}; prepare the cache again")
             setattr(self, split, tokens)
+
+
+def tokenizer_size(folder):
+    """The size of the tokenizer saved in a cache folder (len() of the loaded tokenizer), or None without a
+    tokenizer.json (a cache written by hand, as the tests do)."""
+    path = Path(folder) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+    try:
+        return Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    except Exception:  # unreadable: loading the tokenizer (sample.py) says so, with the reason
+        return None
 
 
 def prepare_command(out, vocab_size=0):

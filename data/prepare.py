@@ -9,28 +9,23 @@ document (column "text"). A folder with train/ and val/ (or validation/) keeps t
 documents are held out by a hash of their text, so no document is in both splits. The .bin files are flat
 token ids (uint16, or uint32 for vocabularies over 65536), each document followed by the end-of-text token.
 meta.json is written last and the folder is swapped in atomically, so a cache that has a meta.json is whole.
-See docs/DATA.md.
-
-Test hook: TINY_LLM_PREPARE_CRASH_AFTER=train.bin|val.bin|meta.json|rename makes the process die
-(os._exit(1)) right after that step, to test that a killed run never leaves a half-written cache.
+data/sources.py finds, reads and splits the documents; data/diagnose.py says why an input is refused. See
+docs/DATA.md.
 """
 import argparse
-import codecs
 import contextlib
 import datetime
 import glob
 import hashlib
-import importlib.util
-import io
-import itertools
 import json
+import multiprocessing
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -38,98 +33,26 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script too
 import env  # noqa: E402
-from data.loader import sha256_file  # noqa: E402  (the loader verifies what this hashes)
+from data import diagnose, sources  # noqa: E402
+from data.diagnose import PrepareError  # noqa: E402  (prepare's one error type; callers catch it from here)
+from data.sources import find_local, parse_hf  # noqa: E402,F401  (callers and tests reach them here)
+from data.loader import tokenizer_size  # noqa: E402
 from results import atomic_write_text  # noqa: E402
 
 FORMAT = 1
 EOT = "<|endoftext|>"
-BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # datasets builders
-COMPRESSIONS = ("", ".gz", ".bz2", ".xz", ".zst")  # decompressed by datasets' download manager
-SUPPORTED = ".txt, .jsonl or .json, each optionally compressed as .gz, .bz2, .xz or .zst, or .parquet"
-CRASH_ENV = "TINY_LLM_PREPARE_CRASH_AFTER"
 BATCH = 64  # documents per map batch: whole books are ~0.5 MB each, so this bounds memory per worker
+# BPE training time grows with the square of the longest piece the pre-tokenizer leaves (a run of letters, digits,
+# symbols or whitespace): a run of 100,000 letters (DNA, a long base64 or JSON value) adds seconds, one of 1,000,000
+# minutes, with no progress shown. So runs of LONG_RUN or more characters without whitespace (or all whitespace)
+# reach the trainer in pieces of LONG_RUN, with one note; the tokenizer still encodes them whole. No word of prose
+# comes near LONG_RUN, so other corpora train exactly as before.
+LONG_RUN = 10_000
+WHITESPACE = np.array([9, 10, 11, 12, 13, 32, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x2028, 0x2029, 0x202F,
+                       0x205F, 0x3000])  # Unicode's White_Space, which the pre-tokenizer's \s matches
 
 
-class PrepareError(ValueError):
-    """Bad input to prepare(): the message is one sentence naming the input and what is accepted."""
-
-
-def crash_point(step):
-    if os.environ.get(CRASH_ENV) == step:
-        os._exit(1)
-
-
-# ----------------------------------------------------------------------------- local sources
-
-def builder_of(path):
-    name = path.name.lower()
-    compressed = False
-    for c in COMPRESSIONS[1:]:
-        if name.endswith(c):
-            name, compressed = name[: -len(c)], True
-            break
-    builder = BUILDERS.get(os.path.splitext(name)[1])
-    # datasets reads parquet by its footer, which a compressed file hides (parquet compresses inside anyway)
-    return None if compressed and builder == "parquet" else builder
-
-
-def data_files_in(folder):
-    """Supported files under `folder`, sorted. Other files (README, MANIFEST.tsv) are skipped with a note."""
-    files, others = [], []
-    for p in sorted(folder.rglob("*")):
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts):
-            (files if builder_of(p) else others).append(p)
-    if not files:
-        raise PrepareError(f"folder {str(folder)!r} holds no data files; supported: {SUPPORTED}")
-    if others:
-        print(f"note: skipping {len(others)} files of other types in {folder} ({', '.join(p.name for p in others[:3])}"
-              f"{', ...' if len(others) > 3 else ''})")
-    return files
-
-
-def find_local(source):
-    """({split: [files]}, base folder for relative names, split rule or None for a held-out split, builder)."""
-    rule = None
-    if glob.has_magic(source):
-        files = sorted(Path(f) for f in glob.glob(source, recursive=True) if os.path.isfile(f))
-        if not files:
-            raise PrepareError(f"--source {source!r} is a glob that matches no file")
-        # names are made relative to the glob's folder part before the first wildcard
-        prefix = source[: min(source.find(c) for c in "*?[" if c in source)]
-        base = Path(prefix) if prefix.endswith(os.sep) else Path(prefix).parent
-        split_files = {"corpus": files}
-    else:
-        path = Path(source)
-        if not path.exists():
-            raise PrepareError(f"--source {source!r} does not exist; give a folder, a file or a glob of "
-                               f"{', '.join(BUILDERS)} files, or hf:NAME[:CONFIG][@SPLIT]")
-        if path.is_file():
-            base, split_files = path.parent, {"corpus": [path]}
-        else:
-            base = path
-            val_dir = next((path / v for v in ("val", "validation") if (path / v).is_dir()), None)
-            if (path / "train").is_dir() and val_dir is not None:
-                split_files = {"train": data_files_in(path / "train"), "val": data_files_in(val_dir)}
-                rule = f"folders train/ and {val_dir.name}/"
-            else:
-                split_files = {"corpus": data_files_in(path)}
-    files = [f for fs in split_files.values() for f in fs]
-    bad = [f.name for f in files if builder_of(f) is None]
-    if bad:
-        raise PrepareError(f"--source {source!r} has files of an unsupported type ({', '.join(bad[:3])}); "
-                           f"supported: {SUPPORTED}")
-    builders = sorted({builder_of(f) for f in files})
-    if len(builders) > 1:
-        raise PrepareError(f"--source {source!r} mixes file types ({' and '.join(builders)}); "
-                           f"use one type (.txt, or .jsonl/.json, or .parquet) per corpus")
-    if any(f.name.endswith(".zst") for f in files):
-        if importlib.util.find_spec("zstandard") is None:  # datasets needs it for .zst
-            raise PrepareError(f"--source {source!r} has .zst files, which need the zstandard package "
-                               f"(pip install zstandard)")
-    return split_files, base, rule, builders[0]
-
-
-# ----------------------------------------------------------------------------- Hugging Face sources
+# ----------------------------------------------------------------------------- tokenizer
 
 def hub_reachable():
     """A fast check: offline, the hub clients retry for ~30 s before failing; a DNS lookup fails at once."""
@@ -142,39 +65,6 @@ def hub_reachable():
     except OSError:
         return False
 
-
-def parse_hf(source):
-    """hf:NAME[:CONFIG][@SPLIT] -> (name, config or None, split or None)."""
-    spec = source[3:]
-    spec, _, split = spec.partition("@")
-    name, _, config = spec.partition(":")
-    if not name:
-        raise PrepareError(f"--source {source!r} names no dataset; the syntax is hf:NAME[:CONFIG][@SPLIT]")
-    return name, config or None, split or None
-
-
-def open_hub(source, streaming):
-    """({"train": ds, "val": ds or None}, split rule or None). Streaming gives IterableDatasets."""
-    import datasets
-    name, config, split = parse_hf(source)
-    if not hub_reachable():
-        raise PrepareError(f"cannot reach the Hugging Face hub to load dataset {name!r}; hf: sources need "
-                           f"internet (or HF_HUB_OFFLINE=1 with the dataset already in the local datasets cache)")
-    try:
-        dd = datasets.load_dataset(name, config, streaming=streaming)
-    except Exception as e:
-        raise PrepareError(f"could not load Hugging Face dataset {name!r}"
-                           f"{f' config {config!r}' if config else ''}: {str(e).splitlines()[0][:300]}") from None
-    train_split = split or "train"
-    if train_split not in dd:
-        raise PrepareError(f"Hugging Face dataset {name!r} has no split {train_split!r} (it has {', '.join(dd)}); "
-                           f"pick one with hf:NAME[:CONFIG]@SPLIT")
-    val_split = next((s for s in ("validation", "val", "test") if s in dd and s != train_split), None)
-    splits = {"train": dd[train_split], "val": dd[val_split] if val_split else None}
-    return splits, (f"dataset split {val_split}" if val_split else None)
-
-
-# ----------------------------------------------------------------------------- tokenizer
 
 def load_tokenizer(spec, vocab_size):
     """A loaded transformers tokenizer, or None when no tokenizer is given and a BPE is to be trained."""
@@ -211,40 +101,48 @@ def train_bpe(train_ds, vocab_size):
     # EOT is the only special token, so it gets id 0; the full byte alphabet means any text can be encoded
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=True,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    batches = (b["text"] for b in train_ds.iter(batch_size=16))
-    tok.train_from_iterator(batches, trainer, length=len(train_ds))
+    tok.train_from_iterator(bpe_training_texts(train_ds), trainer, length=len(train_ds))
     if tok.get_vocab_size() < vocab_size:  # every word of the documents is one token: nothing is left to merge
         print(f"note: the BPE stopped at {tok.get_vocab_size():,} tokens, short of --vocab_size {vocab_size:,}, as "
               f"the training documents have no more pairs to merge; the cache's vocab_size is {tok.get_vocab_size():,}")
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOT, clean_up_tokenization_spaces=False)
 
 
-def tokenizer_files_sha256(folder, names):
+def long_runs(text):
+    """(start, end) of each run of LONG_RUN or more characters that are all whitespace or all not."""
+    if len(text) < LONG_RUN:
+        return []
+    space = np.isin(np.frombuffer(text.encode("utf-32-le"), np.uint32), WHITESPACE, kind="table")
+    ends = np.concatenate(([0], np.flatnonzero(space[1:] != space[:-1]) + 1, [len(space)]))
+    return [(int(a), int(b)) for a, b in zip(ends[:-1], ends[1:]) if b - a >= LONG_RUN]
+
+
+def bpe_training_texts(train_ds):
+    """Batches of training documents for the BPE trainer, each long run cut into pieces of LONG_RUN
+    characters (see LONG_RUN); a note names the first document that has one."""
+    n, noted = 0, False
+    for batch in train_ds.iter(batch_size=16):
+        texts = []
+        for text in batch["text"]:
+            n, runs = n + 1, long_runs(text)
+            if runs and not noted:
+                print(diagnose.long_run_note(n, text, runs, LONG_RUN))
+                noted = True
+            cuts = [c for a, b in runs for c in range(a + LONG_RUN, b, LONG_RUN)]
+            texts += [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
+        yield texts
+
+
+def save_tokenizer(tok, folder):
+    """Save into `folder`; returns the sha256 over the saved files (name + bytes, sorted by name)."""
     h = hashlib.sha256()
-    for name in sorted(names):
+    for name in sorted(Path(p).name for p in tok.save_pretrained(folder)):
         h.update(name.encode() + b"\0")
         h.update((Path(folder) / name).read_bytes())
     return h.hexdigest()
 
 
-def save_tokenizer(tok, folder):
-    """Save into `folder`; returns the sha256 over the saved files (name + bytes, sorted by name)."""
-    names = [Path(p).name for p in tok.save_pretrained(folder)]
-    return tokenizer_files_sha256(folder, names)
-
-
-# ----------------------------------------------------------------------------- dataset passes (run in workers)
-
-def scan_batch(batch, seed):
-    """Per document: keep (not blank) and u = first 8 bytes of sha256(text) / 2**64, the held-out draw."""
-    salt = f"{seed}:".encode() if seed else b""
-    keep, u = [], []
-    for text in batch["text"]:
-        keep.append(bool(text and text.strip()))
-        digest = hashlib.sha256(salt + (text or "").encode("utf-8")).digest()
-        u.append(int.from_bytes(digest[:8], "big") / 2**64)
-    return {"keep": keep, "u": u}
-
+# ----------------------------------------------------------------------------- tokens
 
 def encode_batch(batch, tok, eot):
     # split_special_tokens: a literal "<|endoftext|>" inside a document is text, not a document boundary
@@ -271,27 +169,6 @@ def write_bin(ds, path, dtype):
 
 # ----------------------------------------------------------------------------- prepare
 
-def check_arguments(out, val_fraction, max_documents, num_proc):
-    """The arguments that would fail or mean nothing, refused before any work; returns the process count."""
-    if not 0 < val_fraction < 1:
-        raise PrepareError(f"--val_fraction {val_fraction} must lie strictly between 0 and 1")
-    if max_documents is not None and max_documents < 1:
-        raise PrepareError(f"--max_documents {max_documents} must be at least 1")
-    num_proc = num_proc or os.cpu_count() or 1
-    if num_proc < 1:
-        raise PrepareError(f"--num_proc {num_proc} must be at least 1")
-    if out.exists() and not (out / "meta.json").exists() and (not out.is_dir() or any(out.iterdir())):
-        # the cache replaces --out whole: never a folder (or file) that holds something else
-        raise PrepareError(f"--out {str(out)!r} exists and is not a token cache; give a new folder, an empty one, "
-                           f"or an existing cache")
-    try:  # before any tokenizing: the cache and its lock file go beside --out
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise PrepareError(f"--out {str(out)!r}: its folder {str(out.parent)!r} cannot be made ({exc.strerror}); "
-                           f"give a path in a writable folder") from None
-    return num_proc
-
-
 def tokenizer_identity(tokenizer, vocab_size, max_vocab):
     """(loaded tokenizer or None for a BPE to train, its name, its size, its files' hash or None)."""
     tok = load_tokenizer(tokenizer, vocab_size)
@@ -315,17 +192,9 @@ def prepare(source, out, tokenizer=None, vocab_size=32000, val_fraction=0.01, nu
     """Build (or find up to date) the token cache `out` from `source`; returns its meta dict."""
     t0 = time.time()
     source, out = str(source), Path(out)
-    num_proc = check_arguments(out, val_fraction, max_documents, num_proc)
+    num_proc = diagnose.check_arguments(out, val_fraction, max_documents, num_proc)
     # 1. what the inputs are, hashed before any work, so an up-to-date cache is found without tokenizing
-    hub = source.startswith("hf:")
-    if hub:
-        hub_splits, rule = open_hub(source, streaming)
-        source_sha = env.hash_json({"hf": source, "max_documents": max_documents})
-    else:
-        split_files, base, rule, builder = find_local(source)
-        listing = sorted([str(f.relative_to(base)), f.stat().st_size, sha256_file(f)]
-                         for fs in split_files.values() for f in fs)
-        source_sha = env.hash_json(listing if max_documents is None else [listing, max_documents])
+    read, rule, source_sha = sources.find_source(source, streaming, max_documents, hub_reachable)
     if rule is None:
         rule = f"held-out fraction {val_fraction} by document sha256" + (f" seed {seed}" if seed else "")
     tok, tok_name, tok_vocab, tok_files = tokenizer_identity(tokenizer, vocab_size, max_vocab)
@@ -344,14 +213,10 @@ def prepare(source, out, tokenizer=None, vocab_size=32000, val_fraction=0.01, nu
         if meta is not None:
             print(f"cache {out} is up to date (identity {identity[:16]})")
             return meta
-        tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
+        tmp = build_folder(out)
         try:
             tmp.mkdir()
-            if hub:
-                splits = hub_to_datasets(hub_splits, streaming, max_documents, tmp)
-            else:
-                splits = local_to_datasets(source, split_files, builder, max_documents, tmp)
-            meta = build(source, splits, tok, tok_name, vocab_size, val_fraction, num_proc, seed, rule, tmp)
+            meta = build(source, read(tmp), tok, tok_name, vocab_size, val_fraction, num_proc, seed, rule, tmp)
             meta.update(source_sha256=source_sha, inputs_identity=identity, seconds=round(time.time() - t0, 1))
             meta["cache_identity"] = env.hash_json([meta["tokenizer_files_sha256"], source_sha, rule,
                                                   meta["train_sha256"], meta["val_sha256"]])
@@ -362,6 +227,11 @@ def prepare(source, out, tokenizer=None, vocab_size=32000, val_fraction=0.01, nu
           f"{meta['val_tokens']:,} val tokens ({meta['val_documents']} documents), vocabulary {meta['vocab_size']}, "
           f"{meta['seconds']:.1f} s")
     return meta
+
+
+def build_folder(out):
+    """Where this process builds the cache `out`: beside it (the swap is a rename), named by the process id."""
+    return out.parent / f"{out.name}.tmp-{os.getpid()}"
 
 
 def recover_or_find(out, identity):
@@ -382,13 +252,18 @@ def recover_or_find(out, identity):
 def swap_in(tmp, out, meta):
     """meta.json written last (a folder with one is complete), then the new folder renamed over the old."""
     atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1, sort_keys=True) + "\n")
-    crash_point("meta.json")
+    old = move_aside(out)
+    os.rename(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def move_aside(out):
+    """Rename the previous cache, if any, to DIR.old-<pid>: a run killed before the next rename leaves it
+    there whole, and the next run puts it back."""
     old = out.parent / f"{out.name}.old-{os.getpid()}"
     if out.exists():
         os.rename(out, old)
-    crash_point("rename")
-    os.rename(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+    return old
 
 
 def up_to_date(out, identity):
@@ -398,200 +273,14 @@ def up_to_date(out, identity):
         itemsize = np.dtype(meta["dtype"]).itemsize
         ok = (meta.get("inputs_identity") == identity and (out / "tokenizer_config.json").exists()
               and (out / "train.bin").stat().st_size == meta["train_tokens"] * itemsize
-              and (out / "val.bin").stat().st_size == meta["val_tokens"] * itemsize)
+              and (out / "val.bin").stat().st_size == meta["val_tokens"] * itemsize
+              and tokenizer_size(out) in (None, meta["vocab_size"]))  # an edited meta.json is no cache
         return meta if ok else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def need_text(columns, what):
-    if "text" not in columns:
-        raise PrepareError(f"{what} has no 'text' column (its columns: {', '.join(columns)}); "
-                           f"documents are read from a column named 'text'")
-
-
-@contextlib.contextmanager
-def quiet_datasets():
-    """datasets' progress bars off for a while: reading local files, it labels them "Downloading data"."""
-    import datasets
-    was_disabled = datasets.are_progress_bars_disabled()
-    with warnings.catch_warnings():  # HF_DATASETS_DISABLE_PROGRESS_BARS=0 wins, with a warning we don't need
-        warnings.simplefilter("ignore")
-        datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if not was_disabled:
-            datasets.enable_progress_bars()
-
-
-def local_to_datasets(source, split_files, builder, max_documents, tmp):
-    """{"train", "val"} or {"corpus"} -> datasets.Dataset with one "text" column, one row per document."""
-    import datasets
-    files = [f for fs in split_files.values() for f in fs]
-    size = sum(f.stat().st_size for f in files)
-    print(f"reading {len(files)} files ({f'{size / 1e6:,.1f} MB' if size >= 10**5 else f'{size:,} bytes'}) "
-          f"of --source {source}")
-    kwargs = {"sample_by": "document"} if builder == "text" else {}
-    try:  # datasets' cache (decompressed files, arrow) goes into the tmp folder and leaves with it
-        with quiet_datasets():
-            dd = datasets.load_dataset(builder, data_files={k: [str(f) for f in v] for k, v in split_files.items()},
-                                       cache_dir=str(tmp / "hf_cache"), **kwargs)
-    except Exception as e:
-        check_local_text(builder, files)  # names the file and place where it can find them
-        raise PrepareError(f"could not read --source {source!r} as {builder} files: {str(e).splitlines()[0][:300]}") from None
-    splits = {}
-    for k in split_files:
-        need_text(dd[k].column_names, f"--source {source!r}")
-        if not holds_strings(dd[k].features["text"]):
-            check_local_text(builder, split_files[k])
-            raise PrepareError(f"the 'text' column of --source {source!r} holds {dd[k].features['text']}, not "
-                               f"strings; each document's 'text' must be a string")
-        ds = dd[k].select_columns(["text"])
-        splits[k] = ds.select(range(min(max_documents, len(ds)))) if max_documents else ds
-    return splits
-
-
-# ----------------------------------------------------------------------------- what the text is (error path only)
-
-JSON_TYPES = {bool: "a boolean", int: "a number", float: "a number", list: "an array", dict: "an object"}
-
-
-def holds_strings(feature):
-    """A "text" feature of strings; "null" is a column of nulls only, read as empty documents."""
-    import datasets
-    return isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string", "null")
-
-
-def open_local(path):
-    """A corpus file as a binary stream, decompressed as datasets decompresses it."""
-    import bz2
-    import gzip
-    import lzma
-    suffix = path.suffix.lower()
-    if suffix == ".zst":
-        import zstandard
-        return zstandard.open(path, "rb")
-    return {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(suffix, open)(path, "rb")
-
-
-def check_local_text(builder, files):
-    """Raise the PrepareError naming the first file, and place in it, whose text datasets cannot take as
-    documents: a byte that is not UTF-8 in a .txt, a 'text' that is not a string in a jsonl/json/parquet row.
-    Returns when it finds none (the caller then reports datasets' own error)."""
-    for path in files:
-        if builder == "text":
-            bad = first_non_utf8(path)
-            if bad is not None:
-                where = " of its decompressed text" if path.suffix.lower() in (".gz", ".bz2", ".xz", ".zst") else ""
-                raise PrepareError(f"--source file {str(path)!r} is not UTF-8: byte offset {bad[0]:,}{where} "
-                                   f"(0x{bad[1]:02x}) is not valid UTF-8; .txt files must be UTF-8 text "
-                                   f"(iconv -f LATIN1 -t UTF-8 converts Latin-1)")
-            continue
-        found = first_non_string_parquet(path) if builder == "parquet" else first_non_string_json(path)
-        if found is not None:
-            where, what = found
-            raise PrepareError(f"--source file {str(path)!r} {where} has a 'text' that is {what}, not a string; "
-                               f"each document's 'text' must be a string (or null, read as an empty document)")
-
-
-def first_non_utf8(path):
-    """(offset, value) of the first byte that is not UTF-8 (counted in the decompressed bytes), or None."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    done = 0  # bytes fed to the decoder so far; it holds back the start of a character cut by a chunk
-    with open_local(path) as f:
-        while True:
-            chunk = f.read(1 << 20)
-            held = len(decoder.getstate()[0])
-            try:
-                decoder.decode(chunk, final=not chunk)
-            except UnicodeDecodeError as e:
-                return done - held + e.start, e.object[e.start]
-            if not chunk:
-                return None
-            done += len(chunk)
-
-
-def first_non_string_json(path):
-    """("line N" or "row N", what it holds) of the first row whose "text" is neither a string nor null, or None."""
-    with io.TextIOWrapper(open_local(path), encoding="utf-8", errors="replace") as f:
-        head = f.read(1 << 16)
-        if head.lstrip().startswith("["):  # one JSON array of rows, which datasets too reads whole
-            try:
-                rows = enumerate(json.loads(head + f.read()))
-            except ValueError:
-                return None
-            return next(((f"row {i + 1:,}", what) for i, row in rows if (what := non_string_text(row))), None)
-        # split at "\n" alone: a JSON string may hold U+2028 and the like, which splitlines() would cut at
-        first = (head + f.readline()).removesuffix("\n").split("\n")
-        lines = itertools.chain(first, (line.removesuffix("\n") for line in f))
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError:
-                return None  # not JSON lines after all: datasets' own error says more
-            if what := non_string_text(row):
-                return f"line {n:,}", what
-    return None
-
-
-def non_string_text(row):
-    """What a row's "text" is when it is neither a string nor null (JSON's name for it), else None."""
-    text = row.get("text") if isinstance(row, dict) else None
-    if text is None or isinstance(text, str):
-        return None
-    return JSON_TYPES.get(type(text), type(text).__name__)
-
-
-def first_non_string_parquet(path):
-    """("row N", its arrow type) of the first non-null "text" of a column that is not strings, or None."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    try:
-        column = pq.read_table(path, columns=["text"]).column("text")
-    except (OSError, KeyError, pa.ArrowException):
-        return None
-    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type) or pa.types.is_null(column.type):
-        return None
-    valid = np.flatnonzero(column.is_valid().to_numpy(zero_copy_only=False))
-    return (f"row {int(valid[0]) + 1:,}", f"of type {column.type}") if len(valid) else None
-
-
-def hub_to_datasets(hub_splits, streaming, max_documents, tmp):
-    import datasets
-    if hub_splits["val"] is None:
-        hub_splits = {"corpus": hub_splits["train"]}  # no validation split: hold documents out by hash
-    splits = {}
-    for k, ds in hub_splits.items():
-        if ds.column_names is not None:  # a streamed dataset may only know its columns from its rows
-            need_text(ds.column_names, "the Hugging Face dataset")
-            ds = ds.select_columns(["text"])
-        if streaming:  # stream to a local jsonl (bounded memory), then read it back as a regular dataset
-            path = tmp / f"stream-{k}.jsonl"
-            with open(path, "w") as f:
-                for n, row in enumerate(ds.take(max_documents) if max_documents else ds, 1):
-                    need_text(list(row), "the Hugging Face dataset")
-                    if what := non_string_text(row):
-                        raise hub_text_error(k, f"row {n:,} of", f"has a 'text' that is {what}, not a string")
-                    f.write(json.dumps({"text": row["text"]}) + "\n")
-            with quiet_datasets():  # a local file: no "Downloading data"
-                ds = datasets.load_dataset("json", data_files=str(path), cache_dir=str(tmp / "hf_cache"))["train"]
-        else:
-            if not holds_strings(ds.features["text"]):
-                raise hub_text_error(k, "the 'text' column of", f"holds {ds.features['text']}, not strings")
-            if max_documents:
-                ds = ds.select(range(min(max_documents, len(ds))))
-        splits[k] = ds
-    return splits
-
-
-def hub_text_error(split, where, found):
-    split = "train" if split == "corpus" else split  # held out by hash: the corpus is the train split
-    return PrepareError(f"{where} the Hugging Face dataset's {split} split {found}; each document's 'text' must "
-                        f"be a string")
-
+# ----------------------------------------------------------------------------- build
 
 def build(source, splits, tok, tok_name, vocab_size, val_fraction, num_proc, seed, rule, tmp):
     """Split, train the tokenizer if needed, tokenize and write the bins into tmp; returns most of the meta."""
@@ -606,27 +295,8 @@ def build(source, splits, tok, tok_name, vocab_size, val_fraction, num_proc, see
                       new_fingerprint=name, load_from_cache_file=False, desc=name, **kw)
 
     # blank documents are dropped; held-out documents are drawn by their text's hash, never by position
-    scans = {k: run_map(ds, scan_batch, f"scan-{k}", fn_kwargs={"seed": seed}) for k, ds in splits.items()}
-    keep = {k: np.asarray(s.data.column("keep").to_numpy(zero_copy_only=False), dtype=bool) for k, s in scans.items()}
-    if sum(int(m.sum()) for m in keep.values()) == 0:
-        raise PrepareError(f"--source {source!r} holds no documents with text "
-                           f"({sum(len(m) for m in keep.values())} documents, all empty or blank)")
-    if "corpus" in splits:
-        u = scans["corpus"].data.column("u").to_numpy()
-        is_val = keep["corpus"] & (u < val_fraction)
-        if not is_val.any() and keep["corpus"].sum() >= 2:  # a tiny corpus still gets one val document,
-            # with its copies: identical texts hash alike, and one on each side would be val text seen in training
-            is_val = keep["corpus"] & (u == u[keep["corpus"]].min())
-        index = {"train": np.flatnonzero(keep["corpus"] & ~is_val), "val": np.flatnonzero(is_val)}
-        splits = {k: splits["corpus"].select(v) for k, v in index.items()}
-    else:
-        splits = {k: splits[k].select(np.flatnonzero(keep[k])) for k in ("train", "val")}
-    for k in ("train", "val"):
-        if len(splits[k]) == 0:
-            hint = ("give at least 2 different documents with text, or a smaller --val_fraction"
-                    if rule.startswith("held-out") else f"put documents with text in its {k} split")
-            raise PrepareError(f"the {k} split of --source {source!r} is empty under the rule '{rule}'; {hint}")
-
+    scans = {k: run_map(ds, sources.scan_batch, f"scan-{k}", fn_kwargs={"seed": seed}) for k, ds in splits.items()}
+    splits = sources.split_documents(source, splits, scans, val_fraction, rule)
     requested = vocab_size if tok is None else None  # a given tokenizer's size is its own, not asked for
     if tok is None:
         tok = train_bpe(splits["train"], vocab_size)
@@ -644,11 +314,41 @@ def build(source, splits, tok, tok_name, vocab_size, val_fraction, num_proc, see
         ids = run_map(splits[k], encode_batch, f"tokenize-{k}", fn_kwargs={"tok": tok, "eot": eot}, features=features)
         meta[f"{k}_tokens"], meta[f"{k}_sha256"] = write_bin(ids, tmp / f"{k}.bin", dtype)
         meta[f"{k}_documents"] = len(ids)
-        crash_point(f"{k}.bin")
     del scans, splits, ids  # release the memory-mapped arrow files before their folders go
     shutil.rmtree(work, ignore_errors=True)
     shutil.rmtree(tmp / "hf_cache", ignore_errors=True)
     return meta
+
+
+# ----------------------------------------------------------------------------- command line
+
+@contextlib.contextmanager
+def stopped_by_signals(out):
+    """While the command runs, SIGTERM or SIGINT ends it whole: the tokenizing workers are killed (each works
+    through a whole shard, GBs for minutes, and would run on alone), the unfinished build is removed, and the
+    process exits with 128 + the signal's number. No unwinding through datasets' pools, which can hang on a
+    killed worker. The handler runs when the main thread next runs Python, which a BPE training or a
+    one-process tokenizing batch can delay. A forked worker dies of the signal as if no handler were set."""
+    import multiprocess  # datasets' pools, a fork of multiprocessing
+    main_pid = os.getpid()
+
+    def stop(signum, frame):
+        if os.getpid() != main_pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        for child in multiprocess.active_children() + multiprocessing.active_children():
+            child.kill()
+        shutil.rmtree(build_folder(out), ignore_errors=True)
+        # os.write: the main thread may be inside a write to stderr; "\n" ends a progress bar's line
+        os.write(2, f"\nerror: stopped by {signal.Signals(signum).name}; the unfinished build was removed\n".encode())
+        os._exit(128 + signum)
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def main(argv=None):
@@ -665,9 +365,10 @@ def main(argv=None):
     ap.add_argument("--max_vocab", type=int, help="fail if the tokenizer has more than N tokens (the model's vocabulary)")
     args = ap.parse_args(argv)
     try:
-        meta = prepare(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size or 32000,
-                       val_fraction=args.val_fraction, num_proc=args.num_proc, seed=args.seed,
-                       streaming=args.streaming, max_documents=args.max_documents, max_vocab=args.max_vocab)
+        with stopped_by_signals(Path(args.out)):
+            meta = prepare(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size or 32000,
+                           val_fraction=args.val_fraction, num_proc=args.num_proc, seed=args.seed,
+                           streaming=args.streaming, max_documents=args.max_documents, max_vocab=args.max_vocab)
     except PrepareError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

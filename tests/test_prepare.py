@@ -1,11 +1,15 @@
 """data/prepare.py on a few truncated books of the shared corpus and on small made-up corpora (CPU, no network)."""
 import gzip
 import hashlib
+import itertools
 import json
+import multiprocessing
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -179,28 +183,46 @@ def test_compressed_parquet_is_refused_in_one_line(tmp_path):
         prepare(tmp_path / "rows.parquet.gz", tmp_path / "cache", vocab_size=300, num_proc=1)
 
 
-def run_cli(*args, crash=None):
-    env = dict(os.environ, **({prep.CRASH_ENV: crash} if crash else {}))
+def run_cli(*args):
     return subprocess.run([sys.executable, str(ROOT / "data" / "prepare.py"), *map(str, args)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
-def test_killed_run_leaves_old_cache_or_none(books, tmp_path):
+def killed_after(monkeypatch, name, when, *args, **kwargs):
+    """Exit code of prepare(*args, **kwargs) run in a forked process that dies (os._exit(1): no finally, no
+    cleanup, as when killed) right after data.prepare.<name> returns for arguments that `when` accepts."""
+    real = getattr(prep, name)
+
+    def then_die(*a, **k):
+        result = real(*a, **k)
+        if when(*a, **k):
+            os._exit(1)
+        return result
+    with monkeypatch.context() as patch:
+        patch.setattr(prep, name, then_die)
+        child = multiprocessing.get_context("fork").Process(target=prepare, args=args, kwargs=kwargs)
+        child.start()
+        child.join(120)
+    return child.exitcode
+
+
+def test_killed_run_leaves_old_cache_or_none(books, tmp_path, monkeypatch):
     src, _ = books
     out = tmp_path / "cache"
+    after_train_bin = ("write_bin", lambda ds, path, dtype: path.name == "train.bin")
     # no previous cache: a run killed after writing train.bin leaves no DIR (only a tmp folder)
-    r = run_cli("--source", src, "--out", out, "--vocab_size", VOCAB, "--num_proc", 1, crash="train.bin")
-    assert r.returncode == 1 and not out.exists() and list(tmp_path.glob("cache.tmp-*"))
+    assert killed_after(monkeypatch, *after_train_bin, src, out, vocab_size=VOCAB, num_proc=1) == 1
+    assert not out.exists() and list(tmp_path.glob("cache.tmp-*"))
     meta = prepare(src, out, vocab_size=VOCAB, num_proc=1)  # the next run succeeds and removes the leftover
     assert not list(tmp_path.glob("cache.tmp-*"))
     meta_text, mtime = (out / "meta.json").read_text(), (out / "train.bin").stat().st_mtime_ns
 
     # a previous cache: killed mid-build of other inputs, the old cache is untouched
-    r = run_cli("--source", src, "--out", out, "--vocab_size", VOCAB + 64, "--num_proc", 1, crash="train.bin")
-    assert r.returncode == 1 and (out / "meta.json").read_text() == meta_text
+    assert killed_after(monkeypatch, *after_train_bin, src, out, vocab_size=VOCAB + 64, num_proc=1) == 1
+    assert (out / "meta.json").read_text() == meta_text
     # killed between moving the old cache aside and moving the new one in: the next run puts the old one back
-    r = run_cli("--source", src, "--out", out, "--vocab_size", VOCAB + 64, "--num_proc", 1, crash="rename")
-    assert r.returncode == 1 and not out.exists() and list(tmp_path.glob("cache.old-*"))
+    assert killed_after(monkeypatch, "move_aside", lambda out: True, src, out, vocab_size=VOCAB + 64, num_proc=1) == 1
+    assert not out.exists() and list(tmp_path.glob("cache.old-*"))
     assert prepare(src, out, vocab_size=VOCAB, num_proc=1) == meta  # recovered, up to date, no work done
     assert (out / "meta.json").read_text() == meta_text and (out / "train.bin").stat().st_mtime_ns == mtime
     assert not list(tmp_path.glob("cache.tmp-*")) and not list(tmp_path.glob("cache.old-*"))
@@ -471,3 +493,137 @@ def test_a_local_source_shows_its_own_progress_and_no_download(tmp_path, capfd):
     out, err = capfd.readouterr()
     assert "Downloading" not in out + err and "Generating" not in out + err, out + err
     assert "reading 20 files" in out and "tokenize-train" in err  # our line, and our bars
+
+
+def process_state(pid):
+    """(state letter, parent pid) of a process from /proc, or (None, None) when it is gone."""
+    try:
+        after_name = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None, None
+    return after_name[0], int(after_name[1])
+
+
+def alive(pid):
+    return process_state(pid)[0] not in (None, "Z", "X")  # a zombie has ended; only its exit status is left
+
+
+def descendants(pid):
+    found, parents = set(), {pid}
+    while parents:
+        children = {int(p.name) for p in Path("/proc").glob("[0-9]*") if process_state(p.name)[1] in parents}
+        parents = {c for c in children if alive(c)} - found
+        found |= parents
+    return found
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_ends_the_tokenizing_workers_and_removes_the_partial_build(built, tmp_path, signum):
+    """Stopped with SIGTERM, prepare died alone: its workers tokenized on, each through its whole shard (~2 GB)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(40):  # ~6 MB: each of the 2 workers tokenizes for well over the 5 s this test waits
+        (src / f"d{i:02d}.txt").write_text(" ".join(f"word{(i * 7919 + j) % 5003} and {j}" for j in range(7000)))
+    out = tmp_path / "cache"
+    run = subprocess.Popen([sys.executable, str(ROOT / "data" / "prepare.py"), "--source", str(src), "--out", str(out),
+                            "--tokenizer", str(built[0]), "--num_proc", "2"],
+                           cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    workers, deadline = set(), time.time() + 90
+    while len(workers) < 2 and run.poll() is None and time.time() < deadline:
+        if list(tmp_path.glob("cache.tmp-*/tokenizer.json")):  # saved just before the tokenizing pool starts
+            workers = descendants(run.pid)
+        time.sleep(0.02)
+    assert len(workers) >= 2, f"no tokenizing workers seen; exit code {run.poll()}"
+    time.sleep(0.5)
+    workers |= descendants(run.pid)  # the pool's workers and the process that collects their progress
+    run.send_signal(signum)
+    deadline = time.time() + 5
+    while (run.poll() is None or any(map(alive, workers))) and time.time() < deadline:
+        time.sleep(0.05)
+    left = [pid for pid in workers if alive(pid)]
+    for pid in left + ([run.pid] if run.poll() is None else []):
+        os.kill(pid, signal.SIGKILL)
+    err = run.communicate(timeout=30)[1]
+    assert not left, f"{len(left)} of {len(workers)} workers outlived prepare"
+    assert run.returncode == 128 + signum and "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1] == f"error: stopped by {signal.Signals(signum).name}; the unfinished build was removed"
+    assert not out.exists() and not list(tmp_path.glob("cache.tmp-*"))
+
+
+def test_a_long_run_without_whitespace_is_noted_and_trained_in_pieces(tmp_path, capsys):
+    """BPE training time grows with the square of such a run: a million characters took minutes, silently."""
+    import random
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = random.Random(0)
+    run = "".join(rng.choice("ACGT") for _ in range(prep.LONG_RUN * 2 + 345))
+    texts = [f"Document {i}: the quick brown fox jumps over the lazy dog. " * 20 for i in range(4)]
+    texts[2] += f"sequence {run} ends here."
+    for i, text in enumerate(texts):
+        (src / f"d{i}.txt").write_text(text)
+    meta = prepare(src, tmp_path / "cache", vocab_size=300, val_fraction=0.001, num_proc=1)
+    notes = [line for line in capsys.readouterr().out.splitlines() if "run of" in line]
+    assert len(notes) == 1 and f"holds a run of {len(run):,} characters without whitespace" in notes[0], notes
+    assert f"in pieces of {prep.LONG_RUN:,}" in notes[0]
+    # the tokenizer still encodes the run whole: the cache decodes back to the documents
+    docs = decode_docs(tmp_path / "cache", "train", meta) + decode_docs(tmp_path / "cache", "val", meta)
+    assert sorted(docs) == sorted(texts)
+    # what the trainer sees: the same text, no piece of the run longer than LONG_RUN
+    import datasets
+    batches = list(prep.bpe_training_texts(datasets.Dataset.from_dict({"text": texts})))
+    pieces = [p for batch in batches for p in batch]
+    assert "".join(pieces) == "".join(texts) and max(map(len, pieces)) <= len(texts[2]) - len(run) + prep.LONG_RUN
+    assert max(len(p) for p in pieces if set(p) <= set("ACGT")) <= prep.LONG_RUN
+
+    capsys.readouterr()
+    for i in (2, 3):
+        (src / f"d{i}.txt").unlink()
+    prepare(src, tmp_path / "plain", vocab_size=300, num_proc=1)  # prose alone: no note
+    assert "run of" not in capsys.readouterr().out
+
+
+def documents_drawn_below(fraction, n):
+    """n different short texts whose held-out draws all fall below `fraction` (all go to val)."""
+    texts = (f"Short document number {i}, with a few words in it." for i in itertools.count())
+    return list(itertools.islice((t for t in texts if in_val(t, fraction)), n))
+
+
+@pytest.mark.parametrize("texts, words", [
+    (documents_drawn_below(0.5, 2), ["train split", "all 2 documents with text drew a held-out hash below "
+                                     "--val_fraction 0.5", "at least 1 document on each side", "give a --val_fraction of at most 0."]),
+    (["One document alone."], ["holds 1 document with text", "at least 2 different documents, 1 for train and 1 for val"]),
+    (["The same text.", "The same text."], ["holds 2 documents with text, all copies of one text,", "2 different"]),
+])
+def test_an_empty_split_says_what_the_inputs_lack(tmp_path, capsys, texts, words):
+    """2 different documents at --val_fraction 0.5 were told to "give at least 2 different documents"."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i, text in enumerate(texts):
+        (src / f"d{i}.txt").write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
+        prepare_main(["--source", str(src), "--out", str(tmp_path / "cache"), "--vocab_size", "300", "--num_proc", "1",
+                      "--val_fraction", "0.5"])
+    err = capsys.readouterr().err  # the scan's progress bar, then the error
+    assert exit_info.value.code == 2 and "Traceback" not in err and err.count("error: ") == 1, err
+    error = err.splitlines()[-1]
+    assert error.startswith("error: ") and all(w in error for w in words), error
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_cache_whose_meta_disagrees_with_its_tokenizer_must_be_prepared_again(books, built, tmp_path):
+    """An edited meta.json vocab_size led train.py to advise a vocab_size past the tokenizer's size."""
+    from data.loader import CacheError, TokenCache
+    out, meta = built
+    cache = tmp_path / "cache"
+    shutil.copytree(out, cache)
+    edited = dict(meta, vocab_size=VOCAB + 88)
+    (cache / "meta.json").write_text(json.dumps(edited))
+    with pytest.raises(CacheError) as e:
+        TokenCache(cache)
+    message = str(e.value)
+    assert f"says vocab_size {VOCAB + 88} but the cache's tokenizer has {VOCAB} tokens" in message, message
+    assert "meta.json disagrees with its tokenizer" in message and "prepare the cache again" in message
+    assert "\n" not in message
+    # and preparing it again does rebuild it: the edited cache is not taken as up to date
+    assert prepare(books[0], cache, vocab_size=VOCAB, num_proc=1)["vocab_size"] == VOCAB
+    assert TokenCache(cache).vocab_size == VOCAB

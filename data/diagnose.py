@@ -1,0 +1,202 @@
+"""Why data/prepare.py refuses an input: the one-line PrepareError for a bad argument or corpus.
+
+The checks here that prepare runs on every call are cheap (arguments, file names and types). The rest runs
+only when something is wrong: after datasets has failed to read a corpus, the diagnosis reads the files again
+to name the file and the line, row or byte offset at fault, which datasets' own errors do not; and a note
+names a document whose long run of text would make BPE training slow.
+"""
+import codecs
+import importlib.util
+import io
+import itertools
+import json
+import os
+
+import numpy as np
+
+SUPPORTED = ".txt, .jsonl or .json, each optionally compressed as .gz, .bz2, .xz or .zst, or .parquet"
+JSON_TYPES = {bool: "a boolean", int: "a number", float: "a number", list: "an array", dict: "an object"}
+
+
+class PrepareError(ValueError):
+    """Bad input to prepare(): the message is one sentence naming the input and what is accepted."""
+
+
+# ----------------------------------------------------------------------------- refusals before any work
+
+def check_arguments(out, val_fraction, max_documents, num_proc):
+    """The arguments that would fail or mean nothing, refused before any work; returns the process count."""
+    if not 0 < val_fraction < 1:
+        raise PrepareError(f"--val_fraction {val_fraction} must lie strictly between 0 and 1")
+    if max_documents is not None and max_documents < 1:
+        raise PrepareError(f"--max_documents {max_documents} must be at least 1")
+    num_proc = num_proc or os.cpu_count() or 1
+    if num_proc < 1:
+        raise PrepareError(f"--num_proc {num_proc} must be at least 1")
+    if out.exists() and not (out / "meta.json").exists() and (not out.is_dir() or any(out.iterdir())):
+        # the cache replaces --out whole: never a folder (or file) that holds something else
+        raise PrepareError(f"--out {str(out)!r} exists and is not a token cache; give a new folder, an empty one, "
+                           f"or an existing cache")
+    try:  # before any tokenizing: the cache and its lock file go beside --out
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PrepareError(f"--out {str(out)!r}: its folder {str(out.parent)!r} cannot be made ({exc.strerror}); "
+                           f"give a path in a writable folder") from None
+    return num_proc
+
+
+def check_file_types(source, files, builders):
+    """Refuse a file of no supported type (builder None), a mix of types, and .zst files without zstandard."""
+    bad = [f.name for f, builder in zip(files, builders) if builder is None]
+    if bad:
+        raise PrepareError(f"--source {source!r} has files of an unsupported type ({', '.join(bad[:3])}); "
+                           f"supported: {SUPPORTED}")
+    kinds = sorted(set(builders))
+    if len(kinds) > 1:
+        raise PrepareError(f"--source {source!r} mixes file types ({' and '.join(kinds)}); "
+                           f"use one type (.txt, or .jsonl/.json, or .parquet) per corpus")
+    if any(f.name.endswith(".zst") for f in files):
+        if importlib.util.find_spec("zstandard") is None:  # datasets needs it for .zst
+            raise PrepareError(f"--source {source!r} has .zst files, which need the zstandard package "
+                               f"(pip install zstandard)")
+
+
+# ----------------------------------------------------------------------------- splits that come out empty
+
+def empty_split_error(source, split, rule, draws, val_fraction):
+    """The error for an empty train or val split. `draws`: the held-out draws of the documents with text
+    (None when the split is the source's own), as copies of one text draw alike and stay together."""
+    if draws is None:
+        return PrepareError(f"the {split} split of --source {source!r} is empty under the rule '{rule}'; "
+                            f"put documents with text in its {split} split")
+    n, different = len(draws), len(np.unique(draws))
+    documents = f"{n:,} document{'' if n == 1 else 's'} with text"
+    if split == "val" or different < 2:
+        copies = ", all copies of one text," if n > 1 and different == 1 else ""
+        return PrepareError(f"--source {source!r} holds {documents}{copies} but a held-out split needs at least "
+                            f"2 different documents, 1 for train and 1 for val (copies stay together); give more "
+                            f"documents, or a folder with train/ and val/ subfolders")
+    largest = np.floor(draws.max() * 100) / 100  # any --val_fraction up to the largest draw leaves train one
+    fix = f"a --val_fraction of at most {largest:g}" if largest > 0 else "a smaller --val_fraction"
+    return PrepareError(f"the train split of --source {source!r} is empty: all {documents} drew a held-out hash "
+                        f"below --val_fraction {val_fraction}, so all went to val, and the split needs at least 1 "
+                        f"document on each side; give {fix}, or more documents")
+
+
+# ----------------------------------------------------------------------------- text that is not a string
+
+def json_type(value):
+    """JSON's name for what a row's "text" holds."""
+    return JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def non_string_text(row):
+    """What a row's "text" is when it is neither a string nor null (JSON's name for it), else None."""
+    text = row.get("text") if isinstance(row, dict) else None
+    return None if text is None or isinstance(text, str) else json_type(text)
+
+
+def hub_text_error(split, where, found):
+    split = "train" if split == "corpus" else split  # held out by hash: the corpus is the train split
+    return PrepareError(f"{where} the Hugging Face dataset's {split} split {found}; each document's 'text' must "
+                        f"be a string")
+
+
+def check_local_text(builder, files):
+    """Raise the PrepareError naming the first file, and place in it, whose text datasets cannot take as
+    documents: a byte that is not UTF-8 in a .txt, a 'text' that is not a string in a jsonl/json/parquet row.
+    Returns when it finds none (the caller then reports datasets' own error)."""
+    for path in files:
+        if builder == "text":
+            bad = first_non_utf8(path)
+            if bad is not None:
+                where = " of its decompressed text" if path.suffix.lower() in (".gz", ".bz2", ".xz", ".zst") else ""
+                raise PrepareError(f"--source file {str(path)!r} is not UTF-8: byte offset {bad[0]:,}{where} "
+                                   f"(0x{bad[1]:02x}) is not valid UTF-8; .txt files must be UTF-8 text "
+                                   f"(iconv -f LATIN1 -t UTF-8 converts Latin-1)")
+            continue
+        found = first_non_string_parquet(path) if builder == "parquet" else first_non_string_json(path)
+        if found is not None:
+            where, what = found
+            raise PrepareError(f"--source file {str(path)!r} {where} has a 'text' that is {what}, not a string; "
+                               f"each document's 'text' must be a string (or null, read as an empty document)")
+
+
+def open_local(path):
+    """A corpus file as a binary stream, decompressed as datasets decompresses it."""
+    import bz2
+    import gzip
+    import lzma
+    suffix = path.suffix.lower()
+    if suffix == ".zst":
+        import zstandard
+        return zstandard.open(path, "rb")
+    return {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(suffix, open)(path, "rb")
+
+
+def first_non_utf8(path):
+    """(offset, value) of the first byte that is not UTF-8 (counted in the decompressed bytes), or None."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    done = 0  # bytes fed to the decoder so far; it holds back the start of a character cut by a chunk
+    with open_local(path) as f:
+        while True:
+            chunk = f.read(1 << 20)
+            held = len(decoder.getstate()[0])
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as e:
+                return done - held + e.start, e.object[e.start]
+            if not chunk:
+                return None
+            done += len(chunk)
+
+
+def first_non_string_json(path):
+    """("line N" or "row N", what it holds) of the first row whose "text" is neither a string nor null, or None."""
+    with io.TextIOWrapper(open_local(path), encoding="utf-8", errors="replace") as f:
+        head = f.read(1 << 16)
+        if head.lstrip().startswith("["):  # one JSON array of rows, which datasets too reads whole
+            try:
+                rows = enumerate(json.loads(head + f.read()))
+            except ValueError:
+                return None
+            return next(((f"row {i + 1:,}", what) for i, row in rows if (what := non_string_text(row))), None)
+        # split at "\n" alone: a JSON string may hold U+2028 and the like, which splitlines() would cut at
+        first = (head + f.readline()).removesuffix("\n").split("\n")
+        lines = itertools.chain(first, (line.removesuffix("\n") for line in f))
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                return None  # not JSON lines after all: datasets' own error says more
+            if what := non_string_text(row):
+                return f"line {n:,}", what
+    return None
+
+
+def first_non_string_parquet(path):
+    """("row N", its arrow type) of the first non-null "text" of a column that is not strings, or None."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    try:
+        column = pq.read_table(path, columns=["text"]).column("text")
+    except (OSError, KeyError, pa.ArrowException):
+        return None
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type) or pa.types.is_null(column.type):
+        return None
+    valid = np.flatnonzero(column.is_valid().to_numpy(zero_copy_only=False))
+    return (f"row {int(valid[0]) + 1:,}", f"of type {column.type}") if len(valid) else None
+
+
+# ----------------------------------------------------------------------------- text that trains slowly
+
+def long_run_note(n, text, runs, piece):
+    """One line about the longest of `runs` ((start, end) in training document n), which the BPE trains on in
+    pieces of `piece` characters (data/prepare.py says why at LONG_RUN)."""
+    start, end = max(runs, key=lambda run: run[1] - run[0])
+    what = "whitespace characters" if text[start].isspace() else "characters without whitespace"
+    return (f"note: training document {n:,} holds a run of {end - start:,} {what} (at character {start:,}: "
+            f"{text[start:start + 20]!r}...); the BPE trains on runs of {piece:,} characters or more in pieces of "
+            f"{piece:,}, as its training time grows with the square of a run's length")

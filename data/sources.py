@@ -1,0 +1,252 @@
+"""The documents of a --source for data/prepare.py: found (local files, or a Hugging Face dataset), read into
+datasets with one "text" column and one row per document, and split into train and val by whole documents.
+"""
+import contextlib
+import functools
+import glob
+import hashlib
+import json
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+import env
+from data import diagnose
+from data.diagnose import PrepareError
+from data.loader import sha256_file
+
+BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # datasets builders
+COMPRESSIONS = ("", ".gz", ".bz2", ".xz", ".zst")  # decompressed by datasets' download manager
+
+
+def find_source(source, streaming, max_documents, hub_reachable):
+    """What `source` holds, found before any reading: (read(tmp) -> its datasets, split rule or None, the
+    sha256 that identifies it). hub_reachable() says whether an hf: source can be loaded."""
+    if source.startswith("hf:"):
+        name = parse_hf(source)[0]
+        if not hub_reachable():
+            raise PrepareError(f"cannot reach the Hugging Face hub to load dataset {name!r}; hf: sources need "
+                               f"internet (or HF_HUB_OFFLINE=1 with the dataset already in the local datasets cache)")
+        hub_splits, rule = open_hub(source, streaming)
+        read = functools.partial(hub_to_datasets, hub_splits, streaming, max_documents)
+        return read, rule, env.hash_json({"hf": source, "max_documents": max_documents})
+    split_files, base, rule, builder = find_local(source)
+    listing = sorted([str(f.relative_to(base)), f.stat().st_size, sha256_file(f)]
+                     for fs in split_files.values() for f in fs)
+    read = functools.partial(local_to_datasets, source, split_files, builder, max_documents)
+    return read, rule, env.hash_json(listing if max_documents is None else [listing, max_documents])
+
+
+# ----------------------------------------------------------------------------- local files
+
+def builder_of(path):
+    name = path.name.lower()
+    compressed = False
+    for c in COMPRESSIONS[1:]:
+        if name.endswith(c):
+            name, compressed = name[: -len(c)], True
+            break
+    builder = BUILDERS.get(os.path.splitext(name)[1])
+    # datasets reads parquet by its footer, which a compressed file hides (parquet compresses inside anyway)
+    return None if compressed and builder == "parquet" else builder
+
+
+def data_files_in(folder):
+    """Supported files under `folder`, sorted. Other files (README, MANIFEST.tsv) are skipped with a note."""
+    files, others = [], []
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts):
+            (files if builder_of(p) else others).append(p)
+    if not files:
+        raise PrepareError(f"folder {str(folder)!r} holds no data files; supported: {diagnose.SUPPORTED}")
+    if others:
+        print(f"note: skipping {len(others)} files of other types in {folder} ({', '.join(p.name for p in others[:3])}"
+              f"{', ...' if len(others) > 3 else ''})")
+    return files
+
+
+def find_local(source):
+    """({split: [files]}, base folder for relative names, split rule or None for a held-out split, builder)."""
+    rule = None
+    if glob.has_magic(source):
+        files = sorted(Path(f) for f in glob.glob(source, recursive=True) if os.path.isfile(f))
+        if not files:
+            raise PrepareError(f"--source {source!r} is a glob that matches no file")
+        # names are made relative to the glob's folder part before the first wildcard
+        prefix = source[: min(source.find(c) for c in "*?[" if c in source)]
+        base = Path(prefix) if prefix.endswith(os.sep) else Path(prefix).parent
+        split_files = {"corpus": files}
+    else:
+        path = Path(source)
+        if not path.exists():
+            raise PrepareError(f"--source {source!r} does not exist; give a folder, a file or a glob of "
+                               f"{', '.join(BUILDERS)} files, or hf:NAME[:CONFIG][@SPLIT]")
+        if path.is_file():
+            base, split_files = path.parent, {"corpus": [path]}
+        else:
+            base = path
+            val_dir = next((path / v for v in ("val", "validation") if (path / v).is_dir()), None)
+            if (path / "train").is_dir() and val_dir is not None:
+                split_files = {"train": data_files_in(path / "train"), "val": data_files_in(val_dir)}
+                rule = f"folders train/ and {val_dir.name}/"
+            else:
+                split_files = {"corpus": data_files_in(path)}
+    files = [f for fs in split_files.values() for f in fs]
+    builders = [builder_of(f) for f in files]
+    diagnose.check_file_types(source, files, builders)
+    return split_files, base, rule, builders[0]
+
+
+def local_to_datasets(source, split_files, builder, max_documents, tmp):
+    """{"train", "val"} or {"corpus"} -> datasets.Dataset with one "text" column, one row per document."""
+    import datasets
+    files = [f for fs in split_files.values() for f in fs]
+    size = sum(f.stat().st_size for f in files)
+    print(f"reading {len(files)} files ({f'{size / 1e6:,.1f} MB' if size >= 10**5 else f'{size:,} bytes'}) "
+          f"of --source {source}")
+    kwargs = {"sample_by": "document"} if builder == "text" else {}
+    try:  # datasets' cache (decompressed files, arrow) goes into the tmp folder and leaves with it
+        with quiet_datasets():
+            dd = datasets.load_dataset(builder, data_files={k: [str(f) for f in v] for k, v in split_files.items()},
+                                       cache_dir=str(tmp / "hf_cache"), **kwargs)
+    except Exception as e:
+        diagnose.check_local_text(builder, files)  # names the file and place where it can find them
+        raise PrepareError(f"could not read --source {source!r} as {builder} files: {str(e).splitlines()[0][:300]}") from None
+    splits = {}
+    for k in split_files:
+        need_text(dd[k].column_names, f"--source {source!r}")
+        if not holds_strings(dd[k].features["text"]):
+            diagnose.check_local_text(builder, split_files[k])
+            raise PrepareError(f"the 'text' column of --source {source!r} holds {dd[k].features['text']}, not "
+                               f"strings; each document's 'text' must be a string")
+        ds = dd[k].select_columns(["text"])
+        splits[k] = ds.select(range(min(max_documents, len(ds)))) if max_documents else ds
+    return splits
+
+
+# ----------------------------------------------------------------------------- Hugging Face datasets
+
+def parse_hf(source):
+    """hf:NAME[:CONFIG][@SPLIT] -> (name, config or None, split or None)."""
+    spec = source[3:]
+    spec, _, split = spec.partition("@")
+    name, _, config = spec.partition(":")
+    if not name:
+        raise PrepareError(f"--source {source!r} names no dataset; the syntax is hf:NAME[:CONFIG][@SPLIT]")
+    return name, config or None, split or None
+
+
+def open_hub(source, streaming):
+    """({"train": ds, "val": ds or None}, split rule or None). Streaming gives IterableDatasets. The caller has
+    checked that the hub can be reached."""
+    import datasets
+    name, config, split = parse_hf(source)
+    try:
+        dd = datasets.load_dataset(name, config, streaming=streaming)
+    except Exception as e:
+        raise PrepareError(f"could not load Hugging Face dataset {name!r}"
+                           f"{f' config {config!r}' if config else ''}: {str(e).splitlines()[0][:300]}") from None
+    train_split = split or "train"
+    if train_split not in dd:
+        raise PrepareError(f"Hugging Face dataset {name!r} has no split {train_split!r} (it has {', '.join(dd)}); "
+                           f"pick one with hf:NAME[:CONFIG]@SPLIT")
+    val_split = next((s for s in ("validation", "val", "test") if s in dd and s != train_split), None)
+    splits = {"train": dd[train_split], "val": dd[val_split] if val_split else None}
+    return splits, (f"dataset split {val_split}" if val_split else None)
+
+
+def hub_to_datasets(hub_splits, streaming, max_documents, tmp):
+    import datasets
+    if hub_splits["val"] is None:
+        hub_splits = {"corpus": hub_splits["train"]}  # no validation split: hold documents out by hash
+    splits = {}
+    for k, ds in hub_splits.items():
+        if ds.column_names is not None:  # a streamed dataset may only know its columns from its rows
+            need_text(ds.column_names, "the Hugging Face dataset")
+            ds = ds.select_columns(["text"])
+        if streaming:  # stream to a local jsonl (bounded memory), then read it back as a regular dataset
+            path = tmp / f"stream-{k}.jsonl"
+            with open(path, "w") as f:
+                for n, row in enumerate(ds.take(max_documents) if max_documents else ds, 1):
+                    need_text(list(row), "the Hugging Face dataset")
+                    if not isinstance(row["text"], (str, type(None))):
+                        raise diagnose.hub_text_error(k, f"row {n:,} of", f"has a 'text' that is "
+                                                      f"{diagnose.json_type(row['text'])}, not a string")
+                    f.write(json.dumps({"text": row["text"]}) + "\n")
+            with quiet_datasets():  # a local file: no "Downloading data"
+                ds = datasets.load_dataset("json", data_files=str(path), cache_dir=str(tmp / "hf_cache"))["train"]
+        else:
+            if not holds_strings(ds.features["text"]):
+                raise diagnose.hub_text_error(k, "the 'text' column of", f"holds {ds.features['text']}, not strings")
+            if max_documents:
+                ds = ds.select(range(min(max_documents, len(ds))))
+        splits[k] = ds
+    return splits
+
+
+# ----------------------------------------------------------------------------- both
+
+def need_text(columns, what):
+    if "text" not in columns:
+        raise PrepareError(f"{what} has no 'text' column (its columns: {', '.join(columns)}); "
+                           f"documents are read from a column named 'text'")
+
+
+def holds_strings(feature):
+    """A "text" feature of strings; "null" is a column of nulls only, read as empty documents."""
+    import datasets
+    return isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string", "null")
+
+
+@contextlib.contextmanager
+def quiet_datasets():
+    """datasets' progress bars off for a while: reading local files, it labels them "Downloading data"."""
+    import datasets
+    was_disabled = datasets.are_progress_bars_disabled()
+    with warnings.catch_warnings():  # HF_DATASETS_DISABLE_PROGRESS_BARS=0 wins, with a warning we don't need
+        warnings.simplefilter("ignore")
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            datasets.enable_progress_bars()
+
+
+# ----------------------------------------------------------------------------- train and val
+
+def scan_batch(batch, seed):
+    """Per document: keep (not blank) and u = first 8 bytes of sha256(text) / 2**64, the held-out draw."""
+    salt = f"{seed}:".encode() if seed else b""
+    keep, u = [], []
+    for text in batch["text"]:
+        keep.append(bool(text and text.strip()))
+        digest = hashlib.sha256(salt + (text or "").encode("utf-8")).digest()
+        u.append(int.from_bytes(digest[:8], "big") / 2**64)
+    return {"keep": keep, "u": u}
+
+
+def split_documents(source, splits, scans, val_fraction, rule):
+    """{"train", "val"} datasets of the documents with text: the source's own split, or the held-out rule's.
+    `scans`: per split, scan_batch's columns."""
+    keep = {k: np.asarray(s.data.column("keep").to_numpy(zero_copy_only=False), dtype=bool) for k, s in scans.items()}
+    if sum(int(m.sum()) for m in keep.values()) == 0:
+        raise PrepareError(f"--source {source!r} holds no documents with text "
+                           f"({sum(len(m) for m in keep.values())} documents, all empty or blank)")
+    draws = None
+    if "corpus" in splits:  # held out by hash, never by position
+        u = scans["corpus"].data.column("u").to_numpy()
+        draws, is_val = u[keep["corpus"]], keep["corpus"] & (u < val_fraction)
+        if not is_val.any() and keep["corpus"].sum() >= 2:  # a tiny corpus still gets one val document,
+            # with its copies: identical texts hash alike, and one on each side would be val text seen in training
+            is_val = keep["corpus"] & (u == draws.min())
+        index = {"train": np.flatnonzero(keep["corpus"] & ~is_val), "val": np.flatnonzero(is_val)}
+        splits = {k: splits["corpus"].select(v) for k, v in index.items()}
+    else:
+        splits = {k: splits[k].select(np.flatnonzero(keep[k])) for k in ("train", "val")}
+    for k in ("train", "val"):
+        if len(splits[k]) == 0:
+            raise diagnose.empty_split_error(source, k, rule, draws, val_fraction)
+    return splits
