@@ -6,6 +6,7 @@
 (forward, backward, clipping, optimizer). The headline is the median window's tokens/s. The entry goes to
 benchmarks.NAME in the results file. Under torchrun, tokens/s are totals over all GPUs and per GPU.
 """
+import dataclasses
 import os
 import statistics
 import sys
@@ -20,26 +21,36 @@ import env
 import model as model_lib
 import train
 from data.loader import CacheError, Prefetcher, TokenCache, TrainData
-from configurator import ConfigError, load_config
+import settings
+from configurator import ConfigError
+from settings import TrainSettings, run_name_problem, setting
 from results import check_writable, lookup, record
 from trainer import Trainer, all_reduce_sum, distributed, peak_memory_bytes
 
-# ---------------------------------------------------------------- defaults (plus everything train.py takes)
-warmup = 20
-steps = 100
-windows = 3
-data_mode = "real"             # real: the token cache; synthetic: random tokens, no dataset needed (the
-                               # vocabulary still follows a cache at data_dir when there is one, else 32,000)
-profile = False                # GPU kernel time by category over profile_updates updates, in profiles.NAME
-profile_updates = 3
-cold = False                   # compile with fresh, empty inductor and Triton caches
-partial_probe = False          # time single updates of 32, 11, 25 and 32 sequences
-presets = ""                   # e.g. "20m,50m,90m": run each preset, shown beside its previous entry
-scaling_reference = ""         # a one-GPU benchmarks entry to compute scaling efficiency against
+# ---------------------------------------------------------------- settings (train.py's, plus the protocol's)
 
-BENCH_KEYS = ("warmup", "steps", "windows", "data_mode", "profile", "profile_updates", "cold", "partial_probe",
-              "presets", "scaling_reference")
-DEFAULTS = dict(train.DEFAULTS, name="bench", **{k: globals()[k] for k in BENCH_KEYS})
+@dataclasses.dataclass
+class BenchSettings(TrainSettings):
+    name: str = setting("bench", "entry name under benchmarks. in the results file", rule=run_name_problem)
+    warmup: int = setting(20, "updates before the timed windows (the first one compiles)", bounds=">= 1")
+    steps: int = setting(100, "updates in each timed window", bounds=">= 1")
+    windows: int = setting(3, "timed windows; the headline is the median window's tokens/s", bounds=">= 1")
+    data_mode: str = setting("real", "real: the token cache; synthetic: random tokens, no dataset needed (the "
+                                     "vocabulary still follows a cache at data_dir when there is one, else 32,000)",
+                             choices=("real", "synthetic"))
+    profile: bool = setting(False, "GPU kernel time by category over profile_updates updates, in profiles.NAME")
+    profile_updates: int = setting(3, "updates the profiler records", bounds=">= 1")
+    cold: bool = setting(False, "compile with fresh, empty inductor and Triton caches")
+    partial_probe: bool = setting(False, "time single updates of 32, 11, 25 and 32 sequences")
+    presets: str = setting("", 'e.g. "20m,50m,90m": run each preset, shown beside its previous entry')
+    scaling_reference: str = setting("", "a one-GPU benchmarks entry to compute scaling efficiency against")
+
+    @staticmethod
+    def rules(cfg):
+        check_protocol(cfg)
+
+
+DEFAULTS = settings.defaults(BenchSettings)
 
 # Kernel-name patterns by category, first match wins (order matters: attention before softmax, etc.).
 CATEGORIES = [
@@ -161,13 +172,43 @@ def device_used_bytes(device):
     return total - free
 
 
+# What a preset fixes; its vocabulary follows the data.
+PRESET_SHAPE_KEYS = ("dim", "n_layers", "n_heads", "hidden_dim")
+
+
 def check_protocol(cfg):
-    """The bench keys' own checks (tune.py runs them too, before its sweep)."""
-    if cfg.data_mode not in ("real", "synthetic"):
-        raise ConfigError(f"data_mode {cfg.data_mode!r} is not one of real, synthetic")
-    for key in ("warmup", "steps", "windows", "profile_updates"):
-        if cfg[key] < 1:
-            raise ConfigError(f"{key} must be at least 1, got {cfg[key]}")
+    """The bench keys' combinations (their own bounds and choices are declared in BenchSettings)."""
+    if cfg.presets:
+        check_presets(cfg)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.scaling_reference and world_size == 1:  # run_protocol computes it only over several processes
+        raise ConfigError(f"scaling_reference={cfg.scaling_reference} compares several processes with that "
+                          f"one-GPU entry, and this is one process; run under torchrun --nproc_per_node=N, or "
+                          f"drop scaling_reference")
+    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    if cfg.profile and on_cpu:
+        raise ConfigError("profile records GPU kernel time, and this runs on the CPU (where it would record CPU "
+                          "operator time as kernel_ms); profile on a GPU, or drop profile")
+
+
+def preset_names(cfg):
+    return [p.strip() for p in cfg.presets.split(",") if p.strip()]
+
+
+def check_presets(cfg):
+    """Known preset names, and no shape key beside them: run() gives each preset its own shape, so a dim or
+    n_heads given with presets would be dropped without a word."""
+    if not preset_names(cfg):
+        raise ConfigError(f"presets={cfg.presets!r} names no preset; valid: {', '.join(model_lib.PRESETS)}")
+    for preset in preset_names(cfg):
+        try:
+            model_lib.get_preset(preset)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    shape = [f"{k}={cfg[k]}" for k in PRESET_SHAPE_KEYS if cfg[k]]
+    if shape:
+        raise ConfigError(f"presets={cfg.presets} runs each preset in its own shape, so {', '.join(shape)} would be "
+                          f"ignored; leave them at 0 with presets, or drop presets to time this shape")
 
 
 def cache_and_model(cfg):
@@ -258,16 +299,18 @@ def run_protocol(cfg):
     trainer = None
     try:
         check_protocol(cfg)
-        device = train.resolve_device(cfg, local_rank)
+        device = settings.resolve_device(cfg, local_rank)
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
         sequences_per_update = train.check_execution(cfg, world_size)
+        attention = settings.check_device(cfg, torch.device(device))
         data, make, mcfg, entry["protocol"]["cache_identity"] = protocol_data(cfg, sequences_per_update, rank,
                                                                               world_size)
         total = cfg.warmup + cfg.windows * cfg.steps + (cfg.profile_updates if cfg.profile else 1)
         say(cfg, f"building the {cfg.preset} model on {device}")
         used_before = device_used_bytes(torch.device(device))
-        trainer = Trainer(cfg, mcfg, device, total_updates=total, world_size=world_size, local_rank=local_rank)
+        trainer = Trainer(cfg, mcfg, device, total_updates=total, world_size=world_size, local_rank=local_rank,
+                          attention=attention)
         entry["parameters"] = sum(p.numel() for p in trainer.raw_model.parameters())
         entry["attention"] = trainer.attention  # what "auto" ran as here
         say(cfg, f"attention {trainer.attention} ({trainer.attention_reason})")
@@ -345,21 +388,12 @@ def record_entry(cfg, entry):
 def run(cfg):
     """Run the protocol (once, or per preset) and record it; returns the entries."""
     rank = int(os.environ.get("RANK", "0"))
+    check_protocol(cfg)  # on the settings as given: each preset's run below has the preset's shape
     check_writable(cfg.results_file)  # before any measurement, not after it
     runs = [(cfg.name, cfg)]
-    if cfg.presets:
-        names = [p.strip() for p in cfg.presets.split(",") if p.strip()]
-        if not names:
-            raise ConfigError(f"presets={cfg.presets!r} names no preset; valid: {', '.join(model_lib.PRESETS)}")
-        runs = []
-        for preset in names:
-            try:
-                model_lib.get_preset(preset)  # unknown names fail here, before any run
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
-            # each preset's own shape: a config's dim, n_layers, ... would make every preset the same model
-            shape = dict.fromkeys(("dim", "n_layers", "n_heads", "hidden_dim"), 0)
-            runs.append((f"{cfg.name}-{preset}", train.Config(cfg, preset=preset, name=f"{cfg.name}-{preset}", **shape)))
+    if cfg.presets:  # each preset in its own shape (check_presets refused shape keys beside them)
+        runs = [(f"{cfg.name}-{preset}", train.Config(cfg, preset=preset, name=f"{cfg.name}-{preset}"))
+                for preset in preset_names(cfg)]
     entries = []
     fingerprint = None
     for name, run_cfg in runs:
@@ -395,7 +429,7 @@ def print_table(entries):
 
 def main(argv):
     try:
-        cfg = train.Config(load_config(DEFAULTS, argv))
+        cfg = settings.resolve(BenchSettings, argv)
         entries = run(cfg)
     except train.USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)

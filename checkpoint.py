@@ -2,6 +2,7 @@
 export, and the RNG states that make a resumed run continue exactly as an uninterrupted one."""
 import dataclasses
 import hashlib
+import json
 import random
 from pathlib import Path
 
@@ -27,6 +28,26 @@ def read(path, device="cpu"):
     except Exception as exc:  # a truncated or foreign file: say which, not a traceback
         raise ValueError(f"checkpoint {path} could not be loaded ({type(exc).__name__}: {exc}); "
                          f"is it a train.py checkpoint?") from None
+
+
+def to_resume(path, device, recipe, fields):
+    """The checkpoint at path, if train.py wrote it (it holds `fields` of the run's state) for this recipe; else a
+    ValueError saying what to do."""
+    try:
+        ckpt = read(path, device)
+    except ValueError as exc:
+        raise ValueError(f"{exc} Move it away to start afresh, or resume from another --out_dir") from None
+    missing = [k for k in ("recipe", "model", "optimizer", "step", "rng", *fields)
+               if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise ValueError(f"checkpoint {path} is not one train.py wrote (it lacks {', '.join(missing[:4])}); move it "
+                         f"away to start afresh, or resume from another --out_dir")
+    from settings import recipe_differences
+    differ = recipe_differences(ckpt["recipe"], recipe)
+    if differ:
+        raise ValueError(f"checkpoint {path} was trained with another recipe; fields that differ: "
+                         f"{', '.join(differ)}. Resume with the same recipe, or start a new --name")
+    return ckpt
 
 
 def load_model(path):
@@ -77,7 +98,10 @@ class InitialWeights:
     config: ModelConfig
     state: dict
     sha256: str
-    source: str
+    source: str                   # "checkpoint" or "transformers"
+    path: Path = None             # the checkpoint file, or the transformers folder
+    cache_identity: str = None    # a checkpoint's: the token cache it was trained on, as recorded (None if not)
+    data_dir: Path = None         # and that cache's folder
 
 
 def initial_weights(path):
@@ -87,16 +111,18 @@ def initial_weights(path):
     path = Path(path)
     if path.is_dir() and (path / "ckpt.pt").is_file():
         path = path / "ckpt.pt"
+    recorded = {}
     if path.is_file():
-        model, _ = load_model(path)
+        model, ckpt = load_model(path)
         source = "checkpoint"
+        recorded = dict(cache_identity=(ckpt.get("recipe") or {}).get("cache_identity"), data_dir=run_data_dir(ckpt))
     elif path.is_dir() and (path / "config.json").is_file():
         model, source = _from_transformers(path), "transformers"
     else:
         raise ValueError(f"init_from {str(path)!r} is neither a transformers Llama folder (with config.json) nor a "
                          f"train.py checkpoint (out/NAME/ckpt.pt or its folder)")
     state = {k: v.detach().float().contiguous() for k, v in model.state_dict().items()}
-    return InitialWeights(model.config, state, weights_sha256(state), source)
+    return InitialWeights(model.config, state, weights_sha256(state), source, path, **recorded)
 
 
 def _from_transformers(folder):
@@ -113,11 +139,23 @@ def _from_transformers(folder):
         hf.config_from_hf(config)
     except ValueError as exc:
         raise ValueError(f"init_from {str(folder)!r}: {exc}") from None
+    shapes = hf.stored_shapes(folder)
+    problem = hf.weights_mismatch(config, shapes) if shapes is not None else None
+    if problem:  # transformers would drop the weights config.json has no place for, or fail on a width
+        raise ValueError(f"init_from {str(folder)!r}: {problem}")
+    # A copy of the embedding saved as lm_head.weight is loaded untied, so that it can be compared: tying would
+    # silently drop it, and a head that differs is a model outside the family.
+    untied = dict(tie_word_embeddings=False) if shapes and "lm_head.weight" in shapes else {}
     try:
-        weights = LlamaForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+        weights = LlamaForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32, **untied)
     except Exception as exc:  # missing or truncated weight files beside a good config.json
         raise ValueError(f"init_from {str(folder)!r}: its weights could not be loaded "
                          f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
+    if untied:
+        if not torch.equal(weights.lm_head.weight, weights.model.embed_tokens.weight):
+            raise ValueError(f"init_from {str(folder)!r}: its lm_head.weight differs from model.embed_tokens.weight "
+                             f"although config.json ties them; the tiny-llm family ties its embeddings")
+        weights.config.tie_word_embeddings = True
     return hf.from_hf(weights)
 
 
@@ -129,3 +167,96 @@ def weights_sha256(state):
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}\0".encode())
         digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return digest.hexdigest()
+
+
+# ------------------------------------------------- do these weights know the token cache's tokenizer?
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# Text to tokenize with both tokenizers: words, digits, punctuation, spacing and non-ASCII characters.
+PROBE_TEXT = "It was the best of times, it was the worst of times.\n  1984: naïve café, 東京 - “quotes” <b>\t!"
+
+
+def _meta(folder):
+    """A token cache folder's meta.json as a dict ({} when it has none or it cannot be read)."""
+    try:
+        meta = json.loads((Path(folder) / "meta.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def has_tokenizer(folder):
+    return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def same_tokenizer(a, b):
+    """Whether the tokenizers saved in folders a and b give every text the same token ids (the same vocabulary,
+    and the same ids for a probe text); None when either folder holds no tokenizer that loads."""
+    hashes = [_meta(f).get("tokenizer_files_sha256") for f in (a, b)]
+    if hashes[0] and hashes[0] == hashes[1]:
+        return True  # data/prepare.py saved the very same files into both
+    if not (has_tokenizer(a) and has_tokenizer(b)):
+        return None
+    from transformers import AutoTokenizer
+    try:
+        first, second = (AutoTokenizer.from_pretrained(str(f), local_files_only=True) for f in (a, b))
+    except Exception:  # a damaged tokenizer: whoever loads it to use it says why
+        return None
+    return first.get_vocab() == second.get_vocab() and \
+        first.encode(PROBE_TEXT, add_special_tokens=False) == second.encode(PROBE_TEXT, add_special_tokens=False)
+
+
+def _same_folder(a, b):
+    return Path(a).resolve() == Path(b).resolve()
+
+
+def tokenizer_mismatch(what, recorded_identity, recorded_dir, folder, fix):
+    """None when the token cache at `folder` tokenizes text as the cache `what` was trained on did (recorded:
+    its cache_identity and folder); else one line saying why not and what to do, `fix` being the caller's own
+    way out (another cache).
+
+    The same identity is the same cache. Another cache is fine when the one trained on is still there as it was
+    and both hold the same tokenizer (another corpus, say), or either holds none (nothing to compare, as for a
+    transformers folder without one). The identity alone does not say which tokenizer it was, so a cache
+    prepared again since, or gone, leaves nothing to compare with and is refused."""
+    if not recorded_identity:
+        return None  # a checkpoint that recorded none: nothing to check against
+    identity = _meta(folder).get("cache_identity")
+    if identity == recorded_identity:
+        return None
+    trained_on_is_there = _meta(recorded_dir).get("cache_identity") == recorded_identity
+    if trained_on_is_there and not _same_folder(recorded_dir, folder):
+        if same_tokenizer(recorded_dir, folder) is not False:  # the same, or no tokenizer to compare (None)
+            return None
+        return (f"{what} was trained on the token cache {recorded_dir}, whose tokenizer differs from the one in "
+                f"{folder}: the weights' token ids would mean other text; use {recorded_dir}, or {fix}")
+    again = "again as it was (the same source, tokenizer and vocab_size)"
+    if _same_folder(recorded_dir, folder):
+        now = f"its cache_identity is now {identity[:12]}" if identity else "its meta.json is gone or unreadable"
+        return (f"{what} was trained on the token cache {folder} (cache_identity {recorded_identity[:12]}), which "
+                f"was prepared again since ({now}): its tokenizer may not be the one the weights know; prepare it "
+                f"{again}, or {fix}")
+    now = f"cache_identity {identity[:12]}" if identity else "no readable meta.json"
+    return (f"{what} was trained on the token cache {recorded_dir} (cache_identity {recorded_identity[:12]}), not "
+            f"{folder} ({now}), and {recorded_dir} no longer holds that cache to compare their tokenizers with; "
+            f"prepare {recorded_dir} {again}, or {fix}")
+
+
+def cache_mismatch(initial, cache):
+    """For train.py's setup with init_from: None when the initial weights (InitialWeights) know the token ids of
+    `cache` (a data.loader.TokenCache), else one line to refuse the run with.
+
+    A train.py checkpoint must have been trained on this cache (the same cache_identity), or on one still there
+    as it was with the same tokenizer (tokenizer_mismatch says which cases pass). A transformers folder's
+    tokenizer, when it holds one, must be the cache's; without one, or a cache without one, there is nothing to
+    compare (None)."""
+    if initial is None:
+        return None
+    if initial.source == "transformers":
+        if same_tokenizer(initial.path, cache.path) is False:
+            return (f"init_from {initial.path} holds a tokenizer that differs from the one of the token cache "
+                    f"{cache.path}: its weights' token ids would mean other text; prepare a cache with its tokenizer "
+                    f"(data/prepare.py --tokenizer {initial.path} ...) and train on that")
+        return None
+    return tokenizer_mismatch(f"init_from {initial.path}", initial.cache_identity, initial.data_dir, cache.path,
+                              "train on a cache prepared with its tokenizer (data/prepare.py --tokenizer FOLDER ...)")

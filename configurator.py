@@ -1,6 +1,7 @@
 """nanoGPT-style configuration: a script's defaults, then config files (plain Python assignments), then
---key=value overrides, each checked against the default's type."""
+--key=value overrides, each checked against the declared type (settings.py declares the keys)."""
 import ast
+import dataclasses
 import difflib
 import os
 import sys
@@ -18,8 +19,7 @@ class ConfigError(ValueError):
 RENAMED_KEYS = {"sdpa_backend": "attention_backend"}
 
 
-def _parse_value(key, text, default):
-    kind = type(default)
+def _parse_value(key, text, default, kind):
     if kind is bool:
         low = text.strip().lower()
         if low in ("true", "1", "yes", "on"):
@@ -33,11 +33,10 @@ def _parse_value(key, text, default):
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
         raise ConfigError(f"--{key}={text}: expected {kind.__name__}, like the default {default!r}") from None
-    return _check_type(key, value, default, f"--{key}={text}")
+    return _check_type(key, value, default, kind, f"--{key}={text}")
 
 
-def _check_type(key, value, default, where):
-    kind = type(default)
+def _check_type(key, value, default, kind, where):
     if kind is float and type(value) is int:
         return float(value)
     if type(value) is not kind:
@@ -51,30 +50,48 @@ def _unknown_key(key, defaults, where):
         return ConfigError(f"{where}: config key {key!r} is now called {RENAMED_KEYS[key]!r}; use "
                            f"{RENAMED_KEYS[key]} = ... (or --{RENAMED_KEYS[key]}=...) with the same values")
     close = difflib.get_close_matches(key, list(defaults), n=3, cutoff=0.5)
-    hint = f"closest valid keys: {', '.join(close)}" if close else "see the defaults at the top of train.py"
+    hint = f"closest valid keys: {', '.join(close)}" if close else "--help lists every key"
     return ConfigError(f"{where}: unknown config key {key!r}; {hint}")
 
 
-def print_usage(defaults):
-    """--help: the running script's docstring, then every config key with its default."""
+def _declared(settings):
+    """(defaults, types, help) of a settings class (settings.py), or of a plain dict of defaults."""
+    if isinstance(settings, dict):
+        return dict(settings), {k: type(v) for k, v in settings.items()}, {}
+    found = dataclasses.fields(settings)
+    return ({f.name: f.default for f in found}, {f.name: f.type for f in found},
+            {f.name: f.metadata for f in found})
+
+
+def print_usage(settings):
+    """--help: the running script's docstring, then every key by role: default, help, choices."""
     import __main__
-    print((__main__.__doc__ or "").strip() + "\n\nconfig keys and their defaults (what each means: the comments at the "
-          "top of train.py and of the script):")
-    for key, value in defaults.items():
-        print(f"  --{key}={value!r}" if isinstance(value, str) else f"  --{key}={value}")
+    defaults, _, meta = _declared(settings)
+    print((__main__.__doc__ or "").strip() + "\n\nsettings (config files assign them; --key=value overrides):")
+    for role in ("model", "recipe", "weights", "execution", None):
+        keys = [k for k in defaults if (meta.get(k) or {}).get("role") == role]
+        if keys:
+            print(f"\n{role or 'other'}:")
+        for key in keys:
+            m = meta.get(key) or {}
+            extra = f" [{' | '.join(m['choices'])}]" if m.get("choices") else ""
+            extra += " (in the recipe only off its default)" if m.get("later") else ""
+            print(f"  {f'--{key}={defaults[key]!r}':<34} {m.get('help', '')}{extra}")
 
 
-def load_config(defaults, argv):
+def load_config(settings, argv):
     """nanoGPT-style configuration: defaults <- config files (plain assignments) <- --key=value overrides.
 
-    argv holds config file paths and overrides in order; overrides are `--key=value` or `--key value`.
-    Every key must exist in `defaults` and keep its type. Returns a new dict; defaults is not changed.
+    settings: a settings class (settings.py), or a dict of defaults whose values give the types (compare.py
+    layers a config over another this way). argv holds config file paths and overrides in order; overrides are
+    `--key=value` or `--key value`. Every key must be declared and keep its type. Returns a new dict.
     """
+    defaults, kinds, _ = _declared(settings)
     config = dict(defaults)
     args = list(argv)
     if "-h" in args or "--help" in args:
         try:
-            print_usage(defaults)
+            print_usage(settings)
             sys.stdout.flush()
         except BrokenPipeError:
             # the reader stopped early (`--help | head`): no traceback, and none at exit when Python flushes again
@@ -89,15 +106,15 @@ def load_config(defaults, argv):
                 raise _unknown_key(key, defaults, f"--{key}")
             if not eq:  # --key value, or a bare --flag for a boolean
                 takes_next = args and not args[0].startswith("--")
-                if takes_next and type(defaults[key]) is bool:
+                if takes_next and kinds[key] is bool:
                     takes_next = args[0].strip().lower() in ("true", "false", "1", "0", "yes", "no", "on", "off")
                 if takes_next:
                     text = args.pop(0)
-                elif type(defaults[key]) is bool:
+                elif kinds[key] is bool:
                     text = "True"
                 else:
                     raise ConfigError(f"--{key} needs a value: --{key}=VALUE")
-            config[key] = _parse_value(key, text, defaults[key])
+            config[key] = _parse_value(key, text, defaults[key], kinds[key])
         else:
             path = Path(arg)
             if not path.is_file():
@@ -117,7 +134,7 @@ def load_config(defaults, argv):
                     continue  # `import math`, `from math import sqrt`, a helper function: not settings
                 if key not in defaults:
                     raise _unknown_key(key, defaults, f"config file {arg}")
-                config[key] = _check_type(key, value, defaults[key], f"config file {arg}")
+                config[key] = _check_type(key, value, defaults[key], kinds[key], f"config file {arg}")
     return config
 
 

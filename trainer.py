@@ -12,8 +12,8 @@ import torch
 import torch._functorch.config  # activation_memory_budget
 
 import model as model_lib
-from configurator import ConfigError
-from kernels.attention import CUDA_ONLY_BACKENDS, fa4_problem, resolve_backend
+import optim
+from kernels.attention import resolve_backend
 
 
 # ---------------------------------------------------------------- distributed
@@ -57,13 +57,15 @@ def micro_steps(cfg, world_size=1):
 class Trainer:
     """Model, optimizer and schedule, with the one update step that train.py runs and bench.py times."""
 
-    def __init__(self, cfg, mcfg, device, total_updates, world_size=1, local_rank=0, initial_state=None):
+    def __init__(self, cfg, mcfg, device, total_updates, world_size=1, local_rank=0, initial_state=None,
+                 attention=None):
+        """cfg has passed settings.check and settings.check_device, which returned `attention` (the backend
+        that runs here, and why); without it, the setting's backend is resolved here."""
         self.cfg, self.device, self.world_size = cfg, torch.device(device), world_size
         self.total_updates = total_updates
         if cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
-        self.check_attention_device()
-        self.check_fp8_device()
+        self.attention, self.attention_reason = attention or resolve_backend(cfg.attention_backend, self.device)
         torch.manual_seed(cfg.seed)
         # the backend resolved here, once: "auto" inside compiled code would trace the package lookup
         self.raw_model = model_lib.Transformer(mcfg, attention_backend=self.attention, loss_impl=cfg.loss_impl,
@@ -80,12 +82,7 @@ class Trainer:
         self.eval_model = self.model  # evaluation needs no gradient sync, so never the DDP wrapper
         if world_size > 1:
             self.model = self.data_parallel(self.model, local_rank)
-        decay = [p for p in self.raw_model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.raw_model.parameters() if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
-            fused=self.device.type == "cuda")
+        self.optimizer = optim.build_optimizer(self.raw_model, cfg, self.device)
         self.step = 0
         # bf16 autocast on the GPU; None (float32) on the CPU. A test turns it on there too.
         self.autocast_dtype = torch.bfloat16 if self.device.type == "cuda" else None
@@ -99,28 +96,6 @@ class Trainer:
         PyTorch's own advice for gradient accumulation under CUDA graphs. The sum is the same."""
         for p in self.raw_model.parameters():
             p.grad = torch.zeros_like(p)
-
-    def check_attention_device(self):
-        """A backend asked for where it cannot run is refused (auto falls back to SDPA and says so instead):
-        fa4 where flash-attn-4 cannot run, and SDPA's memory-efficient and cuDNN kernels off CUDA, where SDPA
-        would fail in the first forward with "No viable backend"."""
-        self.attention, self.attention_reason = resolve_backend(self.cfg.attention_backend, self.device)
-        problem = fa4_problem(self.device) if self.attention == "fa4" else None
-        if problem:
-            raise ConfigError(f"attention_backend 'fa4': {problem}; choose auto, sdpa, flash, efficient, cudnn or math")
-        if self.attention in CUDA_ONLY_BACKENDS and self.device.type != "cuda":
-            raise ConfigError(f"attention_backend {self.attention!r} runs only on CUDA GPUs, not on "
-                              f"{self.device.type}; choose auto, sdpa, flash or math")
-
-    def check_fp8_device(self):
-        """lm_head_fp8 on a GPU without FP8 tensor cores is refused here, not in the first update."""
-        if not self.cfg.lm_head_fp8 or self.device.type != "cuda":
-            return
-        capability = torch.cuda.get_device_capability(self.device)
-        if capability < (8, 9):
-            raise ConfigError(f"lm_head_fp8 needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, "
-                              f"Blackwell); {torch.cuda.get_device_name(self.device)} has "
-                              f"{capability[0]}.{capability[1]}; set lm_head_fp8=False")
 
     def compiled(self, model):
         """The model under torch.compile: whole, or (compile_scope=blocks) each block and the loss head apart."""
@@ -152,21 +127,16 @@ class Trainer:
                               enabled=enabled and self.autocast_dtype is not None)
 
     def lr_at(self, step):
-        """Linear warmup to learning_rate, then cosine decay to min_lr at the last update."""
+        """The schedule's learning rate (the AdamW groups' peak is learning_rate) of update `step`."""
         cfg = self.cfg
-        if step < cfg.warmup_updates:
-            return cfg.learning_rate * (step + 1) / cfg.warmup_updates
-        progress = (step - cfg.warmup_updates) / max(1, self.total_updates - cfg.warmup_updates)
-        progress = min(progress, 1.0)
-        return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
+        return optim.lr_at(step, self.total_updates, cfg.learning_rate, cfg.min_lr, cfg.warmup_updates,
+                           cfg.lr_schedule, cfg.cooldown_fraction)
 
     def update(self, micro_batches, n_tokens):
         """One optimizer update over this rank's micro-batches; n_tokens counts the update's targets on all
         ranks. Returns (sum of this rank's token losses, gradient norm before clipping) as device tensors:
         no host sync here, the caller reads them when it logs."""
-        lr = self.lr_at(self.step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        optim.set_lr(self.optimizer, self.lr_at(self.step), self.cfg.learning_rate)
         # Each micro-step adds sum(token losses) / n_tokens, so the update's gradient is the mean over its
         # tokens whatever the micro-batch size; DDP averages over ranks, hence the world_size factor.
         scale = self.world_size / n_tokens
@@ -194,11 +164,15 @@ class Trainer:
         return loss_sum, grad_norm
 
     @torch.no_grad()
-    def evaluate(self, batches):
-        """Mean token loss over batches, with the per-token standard deviation and the token count."""
+    def evaluate(self, batches, stopped=None):
+        """Mean token loss over batches, with the per-token standard deviation and the token count; None when
+        stopped() turns true between batches (a signal: the pass is abandoned, not cut short and reported)."""
         self.eval_model.eval()
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)
         for x, y in batches:
+            if stopped and stopped():
+                self.eval_model.train()
+                return None
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             if self.cudagraphs:
                 torch.compiler.cudagraph_mark_step_begin()

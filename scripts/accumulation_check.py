@@ -8,6 +8,7 @@ the mean token loss of the last five. The noise floor is the difference between 
 (micro-batch 8 and 32: the same math summed in another order in bf16); a variant passes when it lies within
 max(3 x that floor, 0.01) of eager micro-batch 32. Exit status 1 if any variant fails or errors.
 """
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -16,14 +17,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import env  # noqa: E402
+import settings  # noqa: E402
 import train  # noqa: E402
-from configurator import load_config  # noqa: E402
 from results import record  # noqa: E402
 from trainer import Trainer  # noqa: E402
 
 VARIANTS = [("eager", 32), ("eager", 8), ("default", 32), ("default", 16), ("default", 8),
             ("reduce-overhead", 32), ("reduce-overhead", 16), ("reduce-overhead", 8)]
-DEFAULTS = dict(train.DEFAULTS, updates=20)
+
+
+@dataclasses.dataclass
+class AccumulationSettings(settings.TrainSettings):
+    updates: int = settings.setting(20, "updates compared between the variants", bounds=">= 1")
 
 
 def losses_of(cfg, mode, micro, updates):
@@ -33,7 +38,7 @@ def losses_of(cfg, mode, micro, updates):
     sequences = train.check_execution(run_cfg)
     cache, mcfg, _ = train.setup(run_cfg)
     data = train.training_data(run_cfg, cache, sequences)
-    trainer = Trainer(run_cfg, mcfg, train.resolve_device(run_cfg), total_updates=data.updates_per_epoch)
+    trainer = Trainer(run_cfg, mcfg, settings.resolve_device(run_cfg), total_updates=data.updates_per_epoch)
     losses = []
     for u in range(updates):
         batches, n_tokens = data.micro_batches(0, u, micro)
@@ -48,8 +53,8 @@ def losses_of(cfg, mode, micro, updates):
 
 def main(argv):
     try:
-        cfg = train.Config(load_config(DEFAULTS, argv))
-        train.resolve_device(cfg)
+        cfg = settings.resolve(AccumulationSettings, argv)
+        settings.resolve_device(cfg)
         train.setup(cfg)  # a missing cache or a bad setting: one line now, not a failed variant each
     except train.USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)

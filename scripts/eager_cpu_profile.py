@@ -14,14 +14,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench  # noqa: E402
+import settings  # noqa: E402
 import train  # noqa: E402
-from configurator import load_config  # noqa: E402
 from trainer import Trainer  # noqa: E402
 
 
 def main(argv, updates=10, top=25):
-    cfg = train.Config(load_config(bench.DEFAULTS, argv))
-    device = train.resolve_device(cfg)
+    cfg = settings.resolve(bench.BenchSettings, argv)
+    device = settings.resolve_device(cfg)
     sequences_per_update = train.check_execution(cfg)
     _, mcfg = bench.cache_and_model(train.Config(cfg, data_mode="synthetic"))  # synthetic tokens, as bench's
     _, make = bench.synthetic_batches(cfg, mcfg.vocab_size, sequences_per_update, 0, 1)

@@ -9,6 +9,7 @@ to the GPU itself); "prefetched" builds and pins them on a background thread fir
 are; "prefetched-2x" does so with twice the eval batch size. On the H200 all three run at the same speed, with
 the GPU busy 95% of each pass: evaluation waits on its kernels, not on the host.
 """
+import dataclasses
 import statistics
 import sys
 import time
@@ -17,13 +18,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench  # noqa: E402
 import env  # noqa: E402
+import settings  # noqa: E402
 import train  # noqa: E402
 from data.loader import Prefetcher, eval_batches  # noqa: E402
-from configurator import ConfigError, load_config  # noqa: E402
+from configurator import ConfigError  # noqa: E402
 from results import read_results, record  # noqa: E402
 from trainer import Trainer  # noqa: E402
 
-DEFAULTS = dict(train.DEFAULTS, name="eval-speed", passes=3)
+
+
+@dataclasses.dataclass
+class EvalSpeedSettings(settings.TrainSettings):
+    name: str = settings.setting("eval-speed", "the results entry", rule=settings.run_name_problem)
+    passes: int = settings.setting(3, "timed passes (after one that compiles)", bounds=">= 1")
 
 
 def timed_passes(trainer, make_batches, passes):
@@ -45,14 +52,12 @@ def kernel_ms(trainer, make_batches):
 
 
 def main(argv):
-    cfg = train.Config(load_config(DEFAULTS, argv))
-    device = train.resolve_device(cfg)
+    cfg = settings.resolve(EvalSpeedSettings, argv)
+    device = settings.resolve_device(cfg)
     if device != "cuda":
         raise ConfigError(f"eval_speed.py times passes on the GPU; --device={cfg.device} gives the CPU"
                               if cfg.device == "cpu" else
                               "eval_speed.py times passes on the GPU, and PyTorch sees no CUDA GPU here")
-    if cfg.passes < 1:
-        raise ConfigError(f"passes must be at least 1, got {cfg.passes}")
     read_results(cfg.results_file)  # a broken results file fails now, not after the work
     cache, mcfg, _ = train.setup(cfg)
 

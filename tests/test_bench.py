@@ -3,6 +3,7 @@ import json
 import statistics
 
 import pytest
+import torch
 
 from results import read_results
 import trainer as trainer_lib
@@ -33,7 +34,7 @@ def test_window_arithmetic_and_median():
 
 
 def test_protocol_entry_real_data(tmp_path, text_cache):
-    code, results = run_bench(tmp_path, text_cache, "--name=cpu-real", "--profile=True", "--partial_probe=True")
+    code, results = run_bench(tmp_path, text_cache, "--name=cpu-real", "--partial_probe=True")
     assert code == 0
     entry = results["benchmarks"]["cpu-real"]
     assert entry["status"] == "ok"
@@ -44,7 +45,7 @@ def test_protocol_entry_real_data(tmp_path, text_cache):
                   "environment"):
         assert field in entry, field
     assert entry["protocol"] == {"version": 2, "warmup": 2, "steps": 3, "windows": 3, "data_mode": "real",
-                                 "profile": True, "cache_identity": json.loads((text_cache / "meta.json")
+                                 "profile": False, "cache_identity": json.loads((text_cache / "meta.json")
                                                                                .read_text())["cache_identity"]}
     windows = entry["measurements"]
     assert [w["window"] for w in windows] == [0, 1, 2]
@@ -60,12 +61,7 @@ def test_protocol_entry_real_data(tmp_path, text_cache):
     assert set(entry["compiler_cache"]) == {"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"}
     # the loss falls over the windows: these are real training updates, not a replay of one
     assert windows[-1]["loss"] < windows[0]["loss"]
-    # profile categories partition the total
-    profile = results["profiles"]["cpu-real"]
-    assert set(profile["kernel_ms_by_category"]) == set(bench.PROFILE_CATEGORIES)
-    assert sum(profile["kernel_ms_by_category"].values()) == pytest.approx(profile["kernel_ms"])
-    assert sum(profile["kernel_count_by_category"].values()) == profile["kernel_count"]
-    assert profile["kernel_ms_by_category"]["matmul"] > 0
+    assert "profile" not in entry and "profiles" not in results  # a GPU measurement (test_profile_is_refused_on_a_cpu)
     probes = results["partial-probe"]["probes"]
     assert [p["sequences"] for p in probes] == [8, 2, 6, 8]  # 32, 11, 25, 32 scaled to 8 sequences per update
     assert all(p["seconds"] > 0 and 0 < p["loss"] < 10 for p in probes)  # each probe ran a training update
@@ -105,9 +101,10 @@ def test_error_is_recorded_not_lost(tmp_path, text_cache, monkeypatch):
 
 
 @pytest.mark.parametrize("args, words", [(["--data_mode=imaginary"], ["data_mode", "synthetic"]),
-                                         (["--data_mode=synthetic", "--preset=bogus"], ["unknown", "'bogus'"]),
+                                         (["--data_mode=synthetic", "--preset=bogus"], ["'bogus'", "20m, 50m, 90m"]),
                                          (["--data_mode=synthetic", "--n_heads=7"], ["64", "7"]),
-                                         (["--presets=20m,bogus"], ["unknown", "'bogus'"])])
+                                         (["--presets=20m,bogus", "--dim=0", "--n_layers=0", "--n_heads=0",
+                                           "--hidden_dim=0"], ["unknown", "'bogus'"])])
 def test_user_mistake_is_one_line_and_no_result(tmp_path, text_cache, capsys, args, words):
     """A bad model shape in synthetic mode was recorded as a failed measurement, with a traceback."""
     code, results = run_bench(tmp_path, text_cache, "--name=bad", *args)
@@ -119,7 +116,7 @@ def test_user_mistake_is_one_line_and_no_result(tmp_path, text_cache, capsys, ar
 def test_presets_print_before_and_after(tmp_path, text_cache, capsys):
     argv = ["--name=reg", "--presets=20m,50m", "--warmup=1", "--steps=1", "--windows=1", "--data_mode=synthetic",
             "--vocab_size=512"]
-    base = [a for a in TINY if not a.startswith("--preset=")]  # SHAPE stays: each preset must use its own shape
+    base = [a for a in TINY if not a.startswith("--preset=") and a not in SHAPE]  # presets fix the shapes
     assert run_bench(tmp_path, text_cache, *argv, base=base)[0] == 0
     first = read_results(tmp_path / "results.json")["benchmarks"]
     assert set(first) == {"reg-20m", "reg-50m"}
@@ -133,6 +130,45 @@ def test_presets_print_before_and_after(tmp_path, text_cache, capsys):
     assert before in table  # the previous entry's figure is shown beside the new one
     history = read_results(tmp_path / "results.json")["history"]
     assert {tuple(h["path"]) for h in history} == {("benchmarks", "reg-20m"), ("benchmarks", "reg-50m")}
+
+
+def test_shape_keys_beside_presets_are_refused(tmp_path, text_cache, capsys):
+    """--presets=20m,50m --dim=... --n_heads=... timed each preset in its own shape and dropped the keys unsaid."""
+    base = [a for a in TINY if not a.startswith("--preset=") and a not in SHAPE]
+    code, results = run_bench(tmp_path, text_cache, "--name=p", "--presets=20m,50m", "--dim=128", "--n_heads=2",
+                              base=base)
+    assert code == 2 and not results
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "presets=20m,50m" in err[0] and "dim=128, n_heads=2 would be ignored" in err[0], err
+
+
+def test_a_scaling_reference_with_one_process_is_refused(tmp_path, text_cache, capsys, monkeypatch):
+    """Scaling efficiency is computed over several processes only: with one, the key was ignored unsaid."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    code, results = run_bench(tmp_path, text_cache, "--name=s", "--scaling_reference=one-gpu")
+    assert code == 2 and not results
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "scaling_reference=one-gpu" in err[0] and "torchrun" in err[0], err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for runs on the CPU")
+@pytest.mark.parametrize("device", ["cpu", "auto"])
+def test_profile_is_refused_on_a_cpu(tmp_path, text_cache, capsys, device):
+    """On a CPU the profile recorded the CPU operators' time as kernel_ms, beside GPU profiles of that name."""
+    code, results = run_bench(tmp_path, text_cache, "--name=prof", "--profile=True", f"--device={device}")
+    assert code == 2 and not results
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "profile" in err[0] and "on the CPU" in err[0] and "kernel_ms" in err[0], err
+
+
+def test_a_profile_goes_to_its_own_section(tmp_path):
+    """record_entry (the GPU's profiles, which the CPU cannot make) puts profiles.NAME beside benchmarks.NAME."""
+    cfg = bench.train.Config(name="gpu-run", results_file=str(tmp_path / "r.json"))
+    breakdown = bench.kernel_breakdown([("nvjet_tst_128x64", 8, 3.0), ("cross_entropy_rows_kernel", 4, 2.0)])
+    bench.record_entry(cfg, {"run_id": "r1", "status": "ok", "profile": dict(breakdown, device="cuda")})
+    results = read_results(tmp_path / "r.json")
+    assert results["profiles"]["gpu-run"]["run_id"] == "r1" and results["profiles"]["gpu-run"]["kernel_ms"] == 5.0
+    assert results["benchmarks"]["gpu-run"]["status"] == "ok"
 
 
 @pytest.mark.parametrize("name,category", [

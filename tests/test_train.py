@@ -20,6 +20,7 @@ from results import lookup, read_results
 import trainer as trainer_lib
 import env
 import model as model_lib
+import settings
 import train
 from data.loader import IGNORE, TokenCache, TrainData
 from tests.conftest import flash_attn_4_installed, write_cache
@@ -358,11 +359,13 @@ def test_the_order_depends_on_seed_and_epoch(text_cache, tmp_path):
 
 # ---------------------------------------------------------------- kill and resume
 
-def test_stop_and_resume_is_bitwise_identical(text_cache, tmp_path):
-    straight = small_config(text_cache, tmp_path, name="straight", out_dir=str(tmp_path / "straight"))
+@pytest.mark.parametrize("recipe", [{}, dict(optimizer="muon", muon_lr=0.01, lr_schedule="wsd", cooldown_fraction=0.5)],
+                         ids=["adamw-cosine", "muon-wsd"])
+def test_stop_and_resume_is_bitwise_identical(text_cache, tmp_path, recipe):
+    straight = small_config(text_cache, tmp_path, name="straight", out_dir=str(tmp_path / "straight"), **recipe)
     full = train.train(straight)
 
-    cfg = small_config(text_cache, tmp_path, name="resumed", out_dir=str(tmp_path / "resumed"))
+    cfg = small_config(text_cache, tmp_path, name="resumed", out_dir=str(tmp_path / "resumed"), **recipe)
     # session 1 stops mid-epoch; session 2 resumes mid-epoch and stops after an epoch's end; session 3 finishes
     first = train.train(train.Config(cfg, stop_after_updates=2))
     assert first["status"] == "interrupted" and first["step"] == 2 and first["tokens"] == 16 * SEQ_LEN
@@ -469,13 +472,18 @@ RECIPE_KEYS = {"preset", "vocab_size", "dim", "n_layers", "n_heads", "hidden_dim
                "val_subset_tokens", "full_validation", "seed", "epochs", "tokens_per_update", "learning_rate",
                "min_lr", "warmup_updates", "weight_decay", "beta1", "beta2", "adam_eps", "grad_clip",
                "init_from",  # as the hash of the weights it names
-               "residual_dtype", "lm_head_fp8"}  # only off their defaults, float32 and False
+               "residual_dtype", "lm_head_fp8",  # only off their defaults, float32 and False
+               # the time-to-quality recipe keys, also only off their defaults
+               "optimizer", "muon_lr", "muon_momentum", "muon_ns_steps", "muon_adjust_lr", "lr_schedule",
+               "cooldown_fraction"}
 
 
 def test_every_default_is_classified():
-    assert train.EXECUTION_KEYS <= set(train.DEFAULTS)
-    assert not train.EXECUTION_KEYS & RECIPE_KEYS
-    assert train.EXECUTION_KEYS | RECIPE_KEYS == set(train.DEFAULTS), "classify the new key here and in train.py"
+    """The declared roles are the ones this list pins: a key that moves between recipe and execution changes
+    which runs count as the same recipe."""
+    execution = settings.execution_keys()
+    assert not execution & RECIPE_KEYS
+    assert execution | RECIPE_KEYS == set(train.DEFAULTS), "classify the new key here and in settings.py"
 
 
 def recipe_id(cfg, cache_identity="cache"):
@@ -616,7 +624,7 @@ def test_bad_execution_keys_are_refused_before_any_work(text_cache, tmp_path, ca
 def test_fa4_without_flash_attn_4_is_refused_before_any_work(text_cache, tmp_path, capsys):
     cfg = small_config(text_cache, tmp_path, attention_backend="fa4")
     with pytest.raises(configurator.ConfigError, match="needs the flash-attn-4 package"):
-        train.check_execution(cfg)
+        settings.check_device(cfg, torch.device("cpu"))
     assert train.main(cli_args(cfg)) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: attention_backend: ") and "Traceback" not in err
@@ -694,6 +702,7 @@ def free_port():
 DDP_WORKER = """
 import json, os, sys
 import torch
+import settings
 import train
 import trainer as trainer_lib
 from data.loader import TokenCache, TrainData

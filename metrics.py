@@ -1,0 +1,204 @@
+"""The run's accounting, as torchtitan's metrics processor: the training clock (what counts as training time and
+what is a pause), the log line and the dashboards, the validation points and the target, the results entry and
+the closing summary. train.py's loop calls it; nothing here changes what is trained."""
+import math
+import time
+
+import torch
+
+import env
+from dashboard import Dashboards
+from results import record
+from trainer import all_reduce_sum, peak_memory_bytes
+
+
+def format_seconds(seconds):
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+class Metrics:
+    """Counts, times and reports one run. `state` is the run's RunState (train.py), which the checkpoint keeps;
+    `facts` what does not change while it trains (parameters, flops, recipe, fingerprint, ...)."""
+
+    def __init__(self, cfg, state, trainer, facts):
+        self.cfg, self.state, self.trainer, self.facts = cfg, state, trainer, facts
+        self.main = facts["main_process"]
+        self.world_size = facts["world_size"]
+        self.session_start = time.time()
+        self.dashboards = None
+        self.interval_tokens, self.loss_total = 0, None
+        self.segment_start = self.interval_start = time.time()
+
+    def open_dashboards(self, out_dir):
+        if self.main:
+            self.dashboards = Dashboards(self.cfg, self.state.run_id, out_dir)
+
+    def synchronize(self):
+        if self.facts["device"].startswith("cuda"):
+            torch.cuda.synchronize()
+
+    # -- the training clock: updates count, evaluations, checkpoints and records do not
+
+    def start_clock(self):
+        """Training time starts now (the GPU synchronized first, so no earlier work is counted)."""
+        self.synchronize()
+        self.segment_start = self.interval_start = time.time()
+        self.interval_tokens, self.loss_total = 0, None
+
+    def pause_clock(self):
+        """Training time stops: the segment so far is added; returns when the pause began."""
+        self.synchronize()
+        segment = time.time() - self.segment_start
+        self.state.training_seconds += segment
+        self.state.training_elapsed_seconds += segment
+        return time.time()
+
+    def resume_clock(self, pause_start):
+        paused = time.time() - pause_start
+        self.state.training_elapsed_seconds += paused
+        self.interval_start += paused  # a mid-interval pause is not training time
+        self.segment_start = time.time()
+
+    def training_seconds_now(self):
+        return self.state.training_seconds + time.time() - self.segment_start
+
+    # -- updates and the log line
+
+    def count(self, loss_sum, n_tokens):
+        """One update's tokens and loss; the first update's time (compile included) is measured and printed."""
+        state = self.state
+        if state.first_update_seconds is None:
+            self.synchronize()
+            state.first_update_seconds = time.time() - self.segment_start
+            if self.main:
+                print(f"first update: {state.first_update_seconds:.1f} s"
+                      + (" (compile included)" if self.cfg.compile else ""), flush=True)
+        self.loss_total = loss_sum if self.loss_total is None else self.loss_total + loss_sum
+        state.tokens += n_tokens
+        self.interval_tokens += n_tokens
+
+    def log(self, grad_norm):
+        """The interval's mean training loss, learning rate and gradient norm: printed, recorded in the
+        training curve, and sent to the dashboards."""
+        trainer, state = self.trainer, self.state
+        loss = all_reduce_sum(self.loss_total.detach().clone(), self.world_size).item() / self.interval_tokens
+        now = time.time()
+        rate = self.interval_tokens / (now - self.interval_start)
+        lr, norm = trainer.lr_at(trainer.step - 1), grad_norm.item()
+        state.interval_tokens_per_second.append(rate)
+        state.training_curve.append({"update": trainer.step, "tokens": state.tokens, "loss": loss, "lr": lr,
+                                     "grad_norm": norm, "training_seconds": self.training_seconds_now()})
+        if self.main:
+            self.dashboards.log(trainer.step, {"train/loss": loss, "train/lr": lr, "train/grad_norm": norm,
+                                               "train/tokens_per_second": rate})
+            mfu = env.mfu(self.facts["flops"], rate / self.world_size, self.facts["gpu_name"])
+            mfu = f"{100 * mfu:.1f}%" if mfu else "n/a"
+            eta = (self.facts["total_updates"] - trainer.step) * self.cfg.tokens_per_update / rate
+            print(f"update {trainer.step}/{self.facts['total_updates']} | epoch {state.epoch + 1} | loss {loss:.4f} | "
+                  f"grad norm {norm:.3f} | lr {lr:.2e} | {rate / 1e3:,.1f}K tok/s | MFU {mfu} | "
+                  f"ETA {format_seconds(eta)}", flush=True)
+        self.interval_start, self.interval_tokens, self.loss_total = now, 0, None
+
+    # -- validation points and the target
+
+    def add_validation(self, result, epoch, seconds, epoch_end):
+        """One validation-subset point (at an epoch's end, or every eval_interval updates): the curve, the best
+        loss, and the first time the target was reached. Returns whether this point reached the target first."""
+        state, step = self.state, self.trainer.step
+        point = {"epoch": epoch, "update": step, "tokens": state.tokens, "loss": result["loss"], "seconds": seconds,
+                 "training_seconds": state.training_seconds}
+        state.validation_curve.append(point)
+        if state.best_subset_loss is None or result["loss"] < state.best_subset_loss:
+            state.best_subset_loss, state.best_epoch = result["loss"], epoch
+        first = bool(self.cfg.target_loss) and state.target_reached is None and result["loss"] <= self.cfg.target_loss
+        if first:
+            state.target_reached = {k: point[k] for k in ("update", "tokens", "training_seconds", "loss", "epoch")}
+        if self.main:
+            self.dashboards.log(step, {"val/subset_loss": result["loss"]})
+            where = f"epoch {epoch}" if epoch_end else f"update {step}"
+            print(f"{where}: validation-subset loss {result['loss']:.4f} over {result['tokens']:,} tokens"
+                  + (f"; target {self.cfg.target_loss} reached after {state.training_seconds:.1f} training s"
+                     if first else ""), flush=True)
+        return first
+
+    def add_final_validation(self, result):
+        self.state.final_validation = result
+        if self.main:
+            self.dashboards.log(self.trainer.step, {"val/loss": result["loss"], "val/perplexity": result["perplexity"]})
+            print(f"full validation: loss {result['loss']:.4f}, perplexity {result['perplexity']:.2f}, "
+                  f"{result['tokens']:,} tokens in {result['seconds']:.1f} s")
+
+    # -- the results entry
+
+    def entry(self, status):
+        """The run's results entry: the reference's fields, then this project's."""
+        s, cfg, facts = self.state, self.cfg, self.facts
+        seconds, elapsed = s.training_seconds, s.training_elapsed_seconds
+        rates = sorted(s.interval_tokens_per_second)
+        tokens_per_second = s.tokens / seconds if seconds else None
+        return {
+            "status": status, "run_id": s.run_id, "parameters": facts["parameters"], "tokens": s.tokens,
+            "step": self.trainer.step, "total_updates": facts["total_updates"], "epochs": s.epoch,
+            "best_subset_loss": s.best_subset_loss, "best_epoch": s.best_epoch,
+            "final_validation": s.final_validation, "seconds_this_session": time.time() - self.session_start,
+            "training_seconds": seconds, "training_elapsed_seconds": elapsed,
+            "training_tokens_per_second": tokens_per_second,
+            "elapsed_tokens_per_second": s.tokens / elapsed if elapsed else None,
+            "median_training_tokens_per_second": rates[len(rates) // 2] if rates else None,
+            "first_update_seconds": s.first_update_seconds,
+            "mfu": env.mfu(facts["flops"], tokens_per_second / self.world_size if seconds else None, facts["gpu_name"]),
+            "flops_per_token": facts["flops"], "peak_memory_bytes": peak_memory_bytes(facts["device"]),
+            "world_size": self.world_size, "sessions": s.sessions, "attention": self.trainer.attention,
+            "recipe_identity": facts["recipe_id"], "recipe": facts["recipe"], "config": dict(cfg),
+            "config_identity": env.config_identity(dict(cfg)), "validation_curve": s.validation_curve,
+            "interval_tokens_per_second": s.interval_tokens_per_second, "training_curve": s.training_curve,
+            **({"target": {"loss": cfg.target_loss, "reached": s.target_reached, "stop_at_target": cfg.stop_at_target}}
+               if cfg.target_loss else {}),
+            "environment": facts["fingerprint"],
+        }
+
+    def record(self, status, **extra):
+        if self.main:
+            record(self.cfg.results_file, [self.cfg.name], dict(self.entry(status), **extra))
+
+    def close(self, status):
+        """The final entry, recorded (with SLURM's accounting when under SLURM) and summarized."""
+        result = self.entry(status)
+        if self.main:
+            self.close_dashboards()
+            record(self.cfg.results_file, [self.cfg.name], result)
+            usage = env.allocation_usage()
+            if usage:
+                record(self.cfg.results_file, ["allocation-usage"], usage)
+            print_summary(result)
+        return result
+
+    def close_dashboards(self):
+        if self.dashboards:
+            self.dashboards.close()
+            self.dashboards = None
+
+
+def final_validation_result(result, seconds):
+    return dict(result, perplexity=math.exp(result["loss"]), seconds=seconds, split="full", validation_complete=True,
+                tokens_per_second=result["tokens"] / seconds)
+
+
+def print_summary(entry):
+    """The run's closing table: status, updates, tokens, losses, speed, MFU and peak memory."""
+    fv, best, rate = entry["final_validation"] or {}, entry["best_subset_loss"], entry["training_tokens_per_second"]
+    target = (entry.get("target") or {}).get("reached")
+    rows = [("status", entry["status"]), ("updates", f"{entry['step']}/{entry['total_updates']}"),
+            ("tokens", f"{entry['tokens']:,}"),
+            ("best subset loss", f"{best:.4f} (epoch {entry['best_epoch']})" if best else "-"),
+            ("final validation", f"{fv['loss']:.4f} (ppl {fv['perplexity']:.2f})" if fv else "-"),
+            ("training tokens/s", f"{rate:,.0f}" if rate else "-"),
+            ("training seconds", f"{entry['training_seconds']:.1f} of {entry['training_elapsed_seconds']:.1f} elapsed"),
+            ("MFU", f"{100 * entry['mfu']:.1f}%" if entry["mfu"] else "n/a"),
+            ("peak memory", f"{entry['peak_memory_bytes'] / 2**30:.2f} GiB")]
+    if entry.get("target"):
+        rows.append(("target", f"{entry['target']['loss']} reached at update {target['update']}, "
+                               f"{target['training_seconds']:.1f} training s" if target else
+                     f"{entry['target']['loss']} not reached"))
+    print("\n".join(f"{k:>20}: {v}" for k, v in rows))

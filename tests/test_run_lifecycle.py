@@ -1,0 +1,121 @@
+"""A run's lifecycle beyond its updates: validation every eval_interval updates, the target and stop_at_target,
+signals (acknowledged at once, a validation stopped early, a second signal never recorded as a checkpointed stop),
+and one process per run folder."""
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import train
+import trainer as trainer_lib
+from results import lookup, read_results
+from tests.test_train import REPO, checkpoint_parameters, cli_args, small_config
+
+INTERVAL = dict(eval_interval=1, full_validation=False)
+
+
+def test_eval_interval_records_each_point_and_the_first_time_the_target_is_reached(text_cache, tmp_path):
+    free = train.train(small_config(text_cache, tmp_path, name="free", out_dir=str(tmp_path / "free"), **INTERVAL))
+    curve = free["validation_curve"]
+    # one point after every update, the epoch ends' too (3 updates per epoch, 2 epochs), none twice
+    assert [p["update"] for p in curve] == list(range(1, 7))
+    assert [p["epoch"] for p in curve] == [1, 1, 1, 2, 2, 2]
+    assert all(p["training_seconds"] > 0 and p["seconds"] > 0 for p in curve)
+    target = sorted(p["loss"] for p in curve)[2]  # the third lowest loss: reached, but not at the first point
+    first = next(p for p in curve if p["loss"] <= target)
+
+    run = train.train(small_config(text_cache, tmp_path, name="target", out_dir=str(tmp_path / "target"),
+                                   target_loss=target, **INTERVAL))
+    assert [p["loss"] for p in run["validation_curve"]] == [p["loss"] for p in curve]  # evaluations change nothing
+    reached = run["target"]["reached"]
+    assert reached["update"] == first["update"] and reached["loss"] == first["loss"]
+    assert reached["tokens"] == first["tokens"] and reached["training_seconds"] > 0
+    assert run["step"] == 6 and run["status"] == "complete"
+
+    stopped = train.train(small_config(text_cache, tmp_path, name="stop", out_dir=str(tmp_path / "stop"),
+                                       target_loss=target, stop_at_target=True, **INTERVAL))
+    assert stopped["status"] == "complete" and stopped["step"] == first["update"]
+    assert stopped["target"]["reached"]["update"] == first["update"] and stopped["target"]["stop_at_target"]
+    assert stopped["training_seconds"] <= run["training_seconds"]
+    ckpt = checkpoint_parameters(tmp_path / "stop")  # checkpointed where it stopped
+    assert ckpt and lookup(stopped["config"]["results_file"], ["stop", "step"]) == first["update"]
+
+
+def test_a_target_never_reached_is_recorded_as_such(text_cache, tmp_path):
+    run = train.train(small_config(text_cache, tmp_path, target_loss=0.01, stop_at_target=True, **INTERVAL))
+    assert run["target"] == {"loss": 0.01, "reached": None, "stop_at_target": True} and run["step"] == 6
+
+
+def signalling_evaluate(monkeypatch, signals):
+    """Trainer.evaluate that signals this process `signals` times as the first validation-subset pass starts."""
+    real = trainer_lib.Trainer.evaluate
+    calls = []
+
+    def evaluate(self, batches, stopped=None):
+        calls.append(1)
+        if len(calls) == 1:
+            for _ in range(signals):
+                os.kill(os.getpid(), signal.SIGINT)
+        return real(self, batches, stopped)
+    monkeypatch.setattr(trainer_lib.Trainer, "evaluate", evaluate)
+    monkeypatch.setattr(train.StopRequest, "SAME_STOP_SECONDS", 0.0)  # the second signal is a second one
+
+
+def test_a_signal_during_validation_is_acknowledged_and_the_resumed_run_validates_that_epoch(text_cache, tmp_path,
+                                                                                             monkeypatch, capfd):
+    straight = train.train(small_config(text_cache, tmp_path, name="straight", out_dir=str(tmp_path / "straight")))
+    cfg = small_config(text_cache, tmp_path, name="signalled", out_dir=str(tmp_path / "signalled"))
+    signalling_evaluate(monkeypatch, signals=1)
+    stopped = train.train(cfg)
+    err = capfd.readouterr().err
+    assert "SIGINT received: stopping at the next update with a checkpoint" in err
+    # the epoch's updates are done, its validation was stopped: not counted, and checkpointed
+    assert stopped["status"] == "interrupted" and stopped["epochs"] == 0 and stopped["validation_curve"] == []
+    assert stopped["step"] == 3 and (tmp_path / "signalled" / "ckpt.pt").exists()
+    monkeypatch.undo()
+    resumed = train.train(train.Config(cfg, resume=True))
+    assert resumed["status"] == "complete" and resumed["epochs"] == 2
+    assert [p["loss"] for p in resumed["validation_curve"]] == [p["loss"] for p in straight["validation_curve"]]
+    assert resumed["final_validation"]["loss"] == straight["final_validation"]["loss"]
+
+
+def test_a_second_signal_ends_the_run_and_it_is_not_recorded_as_checkpointed(text_cache, tmp_path, monkeypatch,
+                                                                            capsys):
+    cfg = small_config(text_cache, tmp_path, epochs=1)
+    signalling_evaluate(monkeypatch, signals=2)
+    assert train.main(cli_args(cfg)) == 130
+    entry = read_results(cfg.results_file)["t"]
+    assert entry["status"] == "aborted" and "second signal" in entry["error"]
+    assert "the start (no checkpoint was written)" in entry["error"]  # the first epoch's checkpoint never came
+
+
+def test_two_processes_of_one_run_are_refused(text_cache, tmp_path, capsys):
+    cfg = small_config(text_cache, tmp_path)
+    (tmp_path / "out").mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from filelock import FileLock; "
+                               f"lock = FileLock({str(tmp_path / 'out' / 'run.lock')!r}); lock.acquire(); print('held', flush=True); "
+                               "time.sleep(60)"], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert train.main(cli_args(cfg)) == 2
+        err = capsys.readouterr().err
+        assert "another train.py is running 't'" in err and err.count("\n") == 1
+        assert not (tmp_path / "out" / "ckpt.pt").exists() and not (tmp_path / "results.json").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert train.main(cli_args(cfg)) == 0  # the lock goes with its process
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+def test_the_entry_logs_the_schedule_it_trained_with(text_cache, tmp_path, schedule):
+    run = train.train(small_config(text_cache, tmp_path, lr_schedule=schedule, cooldown_fraction=0.5, log_interval=1))
+    lrs = [p["lr"] for p in run["training_curve"]]
+    assert lrs[1] == pytest.approx(3e-3)  # warmup 2, then the peak
+    if schedule == "wsd":  # 6 updates: 2 warmup, 1 stable, 3 of cooldown, the last at the floor
+        assert lrs[2] == pytest.approx(3e-3) and lrs[3] < 3e-3 and lrs[-1] == pytest.approx(3e-4)
+    else:  # cosine decays from the end of warmup and reaches the floor one update after the last
+        assert lrs[2] == pytest.approx(3e-3) and lrs[3] < lrs[2] and lrs[-1] > 3e-4
+    assert run["recipe"].get("lr_schedule") == (None if schedule == "cosine" else "wsd")
