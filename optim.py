@@ -1,0 +1,299 @@
+"""The optimizers and learning-rate schedules that trainer.py uses.
+
+    lr_at(step, ...)                      the learning rate of one update: cosine (the default) or wsd
+    Muon                                  torch.optim.Muon's update, batched over matrices of one shape
+    build_optimizer(model, settings, dev) AdamW alone (the default), or Muon on the blocks' matrices + AdamW
+    set_lr(optimizer, lr, learning_rate)  every group's learning rate for one update
+"""
+import math
+from collections.abc import Mapping
+
+import torch
+
+OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "wsd")
+MUON_ADJUST = ("original", "match_rms_adamw")
+
+# torch.optim.Muon's defaults (Keller Jordan's quintic Newton-Schulz coefficients and its epsilon)
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_EPS = 1e-7
+
+
+# ---------------------------------------------------------------- schedules
+
+def lr_at(step, total_updates, learning_rate, min_lr, warmup_updates, schedule="cosine", cooldown_fraction=0.2):
+    """The learning rate of update `step` (0-based) of `total_updates`.
+
+    Both schedules warm up linearly: update s < warmup_updates gets learning_rate * (s + 1) / warmup_updates.
+    cosine: then cosine decay from learning_rate to min_lr, reached at update total_updates (the formula of
+        trainer.py's Trainer.lr_at, the same float operations, so old runs' rates are bit for bit the same).
+    wsd (warmup-stable-decay, the trapezoid of the modded-nanogpt speedrun records): then learning_rate flat,
+        then a linear decay over the last round(cooldown_fraction * total_updates) updates (Python's round: half
+        to even), each a step lower, so that the last update (total_updates - 1) gets exactly min_lr and the
+        first of them is the first below learning_rate. The decay never overlaps the warmup: cooldown_fraction 1
+        decays from the end of the warmup; cooldown_fraction 0 (or a cooldown that rounds to no update, or a
+        warmup as long as the run) never decays, so min_lr is unused. Past the end the rate stays the last one.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown lr schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
+    if step < warmup_updates:
+        return learning_rate * (step + 1) / warmup_updates
+    if schedule == "cosine":
+        progress = (step - warmup_updates) / max(1, total_updates - warmup_updates)
+        progress = min(progress, 1.0)
+        return min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (learning_rate - min_lr)
+    cooldown = max(min(round(cooldown_fraction * total_updates), total_updates - warmup_updates), 0)
+    if cooldown == 0 or step < total_updates - cooldown:
+        return learning_rate
+    # counted from the end, so that the last update is min_lr exactly (min_lr + difference x 0)
+    remaining = max(total_updates - 1 - step, 0) / cooldown
+    return min_lr + (learning_rate - min_lr) * remaining
+
+
+# ---------------------------------------------------------------- Muon
+
+def orthogonalize(grads, buffers, momentum, nesterov, coefficients, ns_steps, eps):
+    """Momentum and Newton-Schulz for matrices of one shape: the float32 updates, stacked (n, rows, cols).
+
+    torch.optim.Muon's math (_single_tensor_muon and _zeropower_via_newtonschulz) with each matrix product
+    batched over the stack. Updates the momentum buffers in place; uses no learning rate, so that compiled it
+    is one graph per shape whatever the schedule does."""
+    torch._foreach_lerp_(buffers, grads, 1 - momentum)
+    updates = torch._foreach_lerp(grads, buffers, momentum) if nesterov else buffers
+    x = torch.stack(updates).bfloat16()
+    tall = x.size(-2) > x.size(-1)
+    if tall:  # the Gram matrix of the short side: fewer FLOPs
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # spectral norm at most 1, per matrix
+    a, b, c = coefficients
+    for _ in range(ns_steps):
+        gram = x @ x.mT
+        gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, gram_update, x, beta=a)
+    if tall:
+        x = x.mT
+    # float32 and contiguous: the parameters' dtype and layout, so the foreach add below takes its fast path
+    return x.to(torch.float32, memory_format=torch.contiguous_format)
+
+
+_compiled_orthogonalize = None
+
+
+def compiled_orthogonalize():
+    """orthogonalize under torch.compile, made on first use (importing this module compiles nothing)."""
+    global _compiled_orthogonalize
+    if _compiled_orthogonalize is None:
+        _compiled_orthogonalize = torch.compile(orthogonalize, fullgraph=True, dynamic=False)
+    return _compiled_orthogonalize
+
+
+def adjusted_ratio(adjust_lr_fn, shape):
+    """torch.optim.Muon's _adjust_lr factor: the learning rate of a (rows, cols) matrix is lr x this."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return math.sqrt(max(1, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return 1.0
+
+
+def apply_updates(params, updates, lr, weight_decay, ratio):
+    """Decoupled weight decay, then params -= lr x ratio x updates, with foreach ops over the shape group.
+
+    lr may be a float or a 0-dim tensor: both take the same ops (the update scaled, then added), so they give
+    the same bits when the tensor holds the float (a float64 tensor does exactly), and a tensor is never read
+    on the host."""
+    if weight_decay != 0:
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
+    updates.mul_(-(lr * ratio))
+    torch._foreach_add_(params, updates.unbind(0))
+
+
+class Muon(torch.optim.Optimizer):
+    """torch.optim.Muon's update, with the matrices of one shape orthogonalized together.
+
+    Why our own: torch.optim.Muon runs Newton-Schulz one matrix at a time in eager Python, 5 iterations of 3
+    small matmuls for each of the 32 block matrices of the 20m model (56 were wqkv and w13 not fused), and the
+    GPU waits on Python's launches: about 10 ms of a 17 ms update on an H200. Here the parameters of a group
+    are grouped by shape (4 shapes in a Llama block), and each shape group takes one stack, one batched
+    Newton-Schulz (bmm and baddbmm in bf16) and a few torch._foreach_* ops that apply the decay and the update:
+    about 35 kernel launches a shape, where torch launches about 35 a matrix. Measured on an H200 (torch 2.11),
+    the 20m model's 32 matrices: torch.optim.Muon 19.2 ms a step, this one 3.4 ms; a whole 20m update (4 x 8 x
+    1024 tokens, eager model): AdamW 70.7 ms, torch.optim.Muon 97.3 ms, this one 69.2 ms.
+
+    compile=True runs the per-shape math under torch.compile (fullgraph, static shapes: one graph per shape,
+    compiled on the first step, about 6 s) where the parameters are on CUDA; on the CPU it always runs eagerly.
+    It is off by default because it did not pay there: it cuts the GPU time of a step (0.93 to 0.70 ms) but
+    adds host time (4.3 ms a step against 3.4), and the update is launch-bound; its fused bf16 math also
+    rounds differently from torch's (about one bf16 step of the update), where eager on CUDA matched
+    torch.optim.Muon to the last float32 bit. Nothing in step() syncs with the host: lr may be a float or a
+    0-dim tensor, which is never read back.
+
+    The math is torch.optim.Muon's: momentum buf.lerp_(grad, 1 - momentum), Nesterov grad.lerp(buf, momentum),
+    Newton-Schulz on the bf16 update (transposed when tall, divided by its Frobenius norm clamped at eps),
+    param *= 1 - lr x weight_decay, param -= lr x adjust(shape) x update. A batched bf16 matmul may round a
+    product differently from torch's single one, so the two agree closely, not always bit for bit
+    (tests/test_optim.py). The state is per parameter (state[p]["momentum_buffer"]), so state_dict() and
+    load_state_dict() are torch's, and a resumed run continues bit for bit.
+    """
+
+    def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
+                 ns_coefficients=NS_COEFFICIENTS, eps=NS_EPS, ns_steps=5, adjust_lr_fn=None, compile=False):
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Muon: a tensor lr must have one element")
+        if not (lr >= 0 and momentum >= 0 and weight_decay >= 0):
+            raise ValueError(f"Muon: lr, momentum and weight_decay must be >= 0, got {lr}, {momentum}, "
+                             f"{weight_decay}")
+        if adjust_lr_fn is not None and adjust_lr_fn not in MUON_ADJUST:
+            raise ValueError(f"Muon: unknown adjust_lr_fn {adjust_lr_fn!r}; valid: {', '.join(MUON_ADJUST)}")
+        if not 1 <= ns_steps < 100 or len(ns_coefficients) != 3:
+            raise ValueError(f"Muon: ns_steps must be in [1, 100) and ns_coefficients three numbers, got "
+                             f"{ns_steps} and {ns_coefficients!r}")
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                        ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
+                        adjust_lr_fn=adjust_lr_fn)
+        super().__init__(params, defaults)
+        self.compile = compile  # not a group option: how the math runs, not what it is
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim != 2:
+                    raise ValueError(f"Muon takes only 2-D parameters; got one of shape {tuple(p.shape)}")
+
+    def shape_groups(self, group):
+        """The group's parameters that have gradients, as lists of one shape, dtype and device, in order."""
+        by_shape = {}
+        for p in group["params"]:
+            if p.grad is not None:
+                if p.grad.is_sparse or torch.is_complex(p):
+                    raise RuntimeError("Muon supports neither sparse gradients nor complex parameters")
+                by_shape.setdefault((p.shape, p.dtype, p.device), []).append(p)
+        return list(by_shape.values())
+
+    def momentum_buffers(self, params):
+        buffers = []
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+            buffers.append(state["momentum_buffer"])
+        return buffers
+
+    def orthogonalize_fn(self, device):
+        return compiled_orthogonalize() if self.compile and device.type == "cuda" else orthogonalize
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for params in self.shape_groups(group):
+                updates = self.orthogonalize_fn(params[0].device)(
+                    [p.grad for p in params], self.momentum_buffers(params), group["momentum"],
+                    group["nesterov"], group["ns_coefficients"], group["ns_steps"], group["eps"])
+                apply_updates(params, updates, group["lr"], group["weight_decay"],
+                              adjusted_ratio(group["adjust_lr_fn"], params[0].shape))
+        return loss
+
+
+# ---------------------------------------------------------------- Muon and AdamW as one optimizer
+
+class MuonWithAdamW:
+    """Muon on the blocks' matrices and AdamW on the other parameters, as one optimizer for the trainer.
+
+    param_groups lists AdamW's groups, then Muon's (the live dicts: setting group["lr"] sets it); every group
+    holds its peak rate as group["base_lr"]. state_dict() is {"adamw": ..., "muon": ...}."""
+
+    def __init__(self, muon, adamw):
+        self.muon, self.adamw = muon, adamw
+        self.optimizers = (adamw, muon)
+
+    @property
+    def param_groups(self):
+        return [group for optimizer in self.optimizers for group in optimizer.param_groups]
+
+    @property
+    def state(self):
+        return {**self.adamw.state, **self.muon.state}
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for optimizer in self.optimizers:
+            optimizer.step()
+        return loss
+
+    def zero_grad(self, set_to_none=True):
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return {"adamw": self.adamw.state_dict(), "muon": self.muon.state_dict()}
+
+    def load_state_dict(self, state_dict):
+        if set(state_dict) != {"adamw", "muon"}:
+            raise ValueError(f"this optimizer state is not Muon with AdamW (it has {', '.join(map(str, state_dict))}"
+                             f"); was it saved with optimizer=adamw?")
+        self.adamw.load_state_dict(state_dict["adamw"])
+        self.muon.load_state_dict(state_dict["muon"])
+
+    def __repr__(self):
+        return f"MuonWithAdamW(\n{self.muon!r},\n{self.adamw!r})"
+
+
+def setting(settings, key, *default):
+    """settings[key] from a mapping, or the attribute (a settings dataclass such as train.py's cfg); the default,
+    if one is given, where the key is absent."""
+    if isinstance(settings, Mapping):
+        return settings.get(key, *default) if default else settings[key]
+    return getattr(settings, key, *default)
+
+
+def split_by_decay(params, weight_decay, **options):
+    """trainer.py's two AdamW groups: matrices (and the embedding) with weight decay, the rest (norms) without."""
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay, **options},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, **options}]
+
+
+def build_optimizer(model, settings, device):
+    """The optimizer of settings["optimizer"] for model (the raw Transformer, not a compiled or DDP wrapper).
+
+    adamw: torch.optim.AdamW exactly as trainer.py has always built it (the same groups, order and options, so
+        old checkpoints' optimizer states load); its groups carry no base_lr, set_lr needs none.
+    muon: MuonWithAdamW: Muon (lr muon_lr, Nesterov) on the 2-D weights of model.layers, AdamW (lr learning_rate,
+        the same betas, eps and fused rule) on the rest: the tied embedding and LM head with weight decay, the
+        norms without. An optional key muon_compile (default False) is Muon's compile option.
+    """
+    get = lambda key: setting(settings, key)
+    name = get("optimizer")
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
+    adamw_options = dict(lr=get("learning_rate"), betas=(get("beta1"), get("beta2")), eps=get("adam_eps"),
+                         fused=torch.device(device).type == "cuda")
+    params = list(model.parameters())  # the tied embedding and head once
+    if name == "adamw":
+        return torch.optim.AdamW(split_by_decay(params, get("weight_decay")), **adamw_options)
+    matrices = [p for p in model.layers.parameters() if p.dim() == 2]
+    in_muon = {id(p) for p in matrices}  # by identity: `in` on tensors would compare values
+    rest = [p for p in params if id(p) not in in_muon]
+    adamw = torch.optim.AdamW(split_by_decay(rest, get("weight_decay"), base_lr=get("learning_rate")),
+                              **adamw_options)
+    muon = Muon([{"params": matrices, "base_lr": get("muon_lr")}], lr=get("muon_lr"),
+                weight_decay=get("weight_decay"), momentum=get("muon_momentum"), nesterov=True,
+                ns_steps=get("muon_ns_steps"), adjust_lr_fn=get("muon_adjust_lr"),
+                compile=bool(get("compile")))  # compiled with the model: under CUDA graphs the host has time
+    return MuonWithAdamW(muon, adamw)
+
+
+def set_lr(optimizer, lr, learning_rate):
+    """Set every group's learning rate for an update whose schedule gives `lr` (peak: learning_rate).
+
+    AdamW groups get lr itself, so the default run's math is unchanged; Muon groups get base_lr x (lr /
+    learning_rate), the same schedule scaled to their own peak (the ratio first, so the peak is base_lr exactly).
+    """
+    for each in getattr(optimizer, "optimizers", (optimizer,)):
+        for group in each.param_groups:
+            group["lr"] = group["base_lr"] * (lr / learning_rate) if isinstance(each, Muon) else lr
