@@ -1,9 +1,22 @@
-"""Matched runs: prove that a faster execution of a recipe kept its math.
+"""Matched runs: prove that a faster execution of a recipe kept its math. Or (--mode=time-to-target) time a recipe
+to a target loss, as a speed record is timed.
 
     python compare.py config/20m_gh200.py                  # train a plain baseline, its noise run and the config
     python compare.py config/20m_gh200.py --tuned=True      # the optimized side takes tune.py's selected config
     python compare.py config/tiny_cpu.py --full_validation=True --optimized_overrides="--loss_impl=fused"  # a lever
     python compare.py --baseline=NAME --optimized=NAME      # compare two finished runs of the results file
+    python compare.py config/20m_gh200.py --optimizer=muon --name=20m-muon --mode=time-to-target --target_loss=L \\
+        --eval_interval=50 --target_baseline=config/20m_gh200.py    # 5 seeds to L, and the speed-up to it
+
+Time to target (docs/TIME_TO_QUALITY.md): the config is trained at `seeds` seeds (<name>-seed<N>), each to its end
+with train.py's target_loss and eval_interval; it reaches the target when every seed's final validation-subset
+loss is below it and a one-sided one-sample t-test puts their mean below it at p < 0.01; its time is the seeds'
+median training seconds. A baseline recipe (--target_baseline, a config file) is trained at its own seed(s)
+(<name>-target-baseline-seed<N>), stopping at the target; its training seconds when it first reached it, over
+that median, is the speed-up. The verdict goes to results["time-to-target"][name], with a plot of every run's
+validation-subset loss against training seconds. Exit status 0 when the target is reached, 1 when it is missed.
+
+The matched mode (the default):
 
 The baseline runs the same config plainly (eager, micro-batch `baseline_micro_batch_size`, SDPA's attention,
 full loss); the optimized run is the config as given. A speed-up kept the math when both runs have the same recipe
@@ -41,6 +54,7 @@ Exit status: 0 when the comparison is recorded and holds (or is an allowed recip
 run's losses disagree or a training run failed, 2 on a user mistake, 3 when stopped by a signal (SIGINT too)
 or by a run's stop_after_updates: train.py's status for a checkpointed stop (130: Ctrl-C while no run trains).
 """
+import dataclasses
 import math
 import os
 import shlex
@@ -54,27 +68,83 @@ import torch
 
 import env
 import plots
+import time_to_target
 import train
 from data.loader import CacheError
-from configurator import ConfigError, defaults_of, load_config, write_config_file
+import settings
+from configurator import ConfigError, load_config, write_config_file
+from settings import TrainSettings, setting
 from results import check_writable, lookup, read_results, record
 
-# ---------------------------------------------------------------- defaults (train.py's keys are accepted too)
-baseline = ""                    # with optimized: compare these two finished runs, train nothing
-optimized = ""
-tuned = False                    # layer results["tuning"]["selected"]["config_path"] on the optimized side
-optimized_overrides = ""         # space-separated --key=value for the optimized run only (a lever to try)
-allow_recipe_change = False      # compare runs whose recipes differ, labelled "recipe change"
-baseline_micro_batch_size = 8
-plot = ""                        # "" means out/<name>-comparison.png
-rerun = False                    # train again even when a complete run of the same config exists
-noise_seed_runs = 1              # runs of the baseline at seeds seed+1, seed+2, ... (<name>-baseline-seed<N>) whose
-                                 # spread of final validation loss with the baseline's measures training noise;
-                                 # 0: none (then give --noise_runs, or the tolerance counts validation noise only)
-noise_runs = ""                  # comma-separated finished runs (repeats, other seeds) that measure it too, beside
-                                 # the seed runs; each the baseline's recipe, its seed aside, and not a compared run
+# ---------------------------------------------------------------- settings (train.py's keys are accepted too)
 
-DEFAULTS = dict(train.DEFAULTS, **defaults_of(globals()))
+MODES = ("matched", "time-to-target")
+# Each mode's own keys: the other mode refuses them off their defaults.
+MATCHED_KEYS = ("baseline", "optimized", "tuned", "optimized_overrides", "allow_recipe_change",
+                "baseline_micro_batch_size", "noise_seed_runs", "noise_runs")
+TARGET_KEYS = ("seeds", "target_baseline", "target_baseline_seeds")
+
+
+def at_least_two_seeds(seeds):
+    return None if seeds >= 2 else (f"seeds {seeds} cannot pass: the t-test needs at least 2 runs (5 is the "
+                                    f"default)")
+
+
+@dataclasses.dataclass
+class CompareSettings(TrainSettings):
+    mode: str = setting("matched", "matched: a baseline and an optimized run of one recipe, the same math (the keys "
+                                   "below up to noise_runs); time-to-target: the config at several seeds against "
+                                   "target_loss, beside a baseline recipe (seeds, target_baseline, "
+                                   "target_baseline_seeds; docs/TIME_TO_QUALITY.md)", choices=MODES)
+    baseline: str = setting("", "with optimized: compare these two finished runs, train nothing")
+    optimized: str = setting("", "see baseline")
+    tuned: bool = setting(False, 'layer results["tuning"]["selected"]["config_path"] on the optimized side')
+    optimized_overrides: str = setting("", "space-separated --key=value for the optimized run only (a lever to try)")
+    allow_recipe_change: bool = setting(False, 'compare runs whose recipes differ, labelled "recipe change"')
+    baseline_micro_batch_size: int = setting(8, "the plain baseline's micro-batch", bounds=">= 1")
+    plot: str = setting("", '"" means out/<name>-comparison.png (out/<name>-time-to-target.png in that mode)')
+    rerun: bool = setting(False, "train again even when a complete run of the same config exists")
+    noise_seed_runs: int = setting(1, "runs of the baseline at seeds seed+1, seed+2, ... (<name>-baseline-seed<N>) "
+                                      "whose spread of final validation loss with the baseline's measures training "
+                                      "noise; 0: none (then give --noise_runs, or only validation noise counts)",
+                                   bounds=">= 0")
+    noise_runs: str = setting("", "comma-separated finished runs (repeats, other seeds) that measure it too, beside "
+                                  "the seed runs; each the baseline's recipe, its seed aside, and not a compared run")
+    # time-to-target: the config's runs at several seeds, to train.py's target_loss
+    seeds: int = setting(5, "time-to-target: runs of the config at seed, seed+1, ... (<name>-seed<N>), each to its "
+                            "end; the one-sided t-test passes at p < 0.01, which needs a mean 3.7 standard errors "
+                            "below the target with 5 runs, about 7 with 3, 32 with 2", rule=at_least_two_seeds)
+    target_baseline: str = setting("", "time-to-target: the baseline recipe's config file (such as "
+                                       "config/20m_gh200.py), run as it is with this eval_interval and target, "
+                                       "stopping there: its time to the target over the config's median time is "
+                                       "the speed-up (\"\": none)")
+    target_baseline_seeds: int = setting(1, "time-to-target: runs of target_baseline at its seed, seed+1, ... "
+                                            "(<name>-target-baseline-seed<N>)", bounds=">= 1")
+
+    @staticmethod
+    def rules(cfg):
+        """Each mode refuses the other's keys (off their defaults), so that no key is silently ignored."""
+        if cfg.mode == "matched":
+            off = off_defaults(cfg, TARGET_KEYS)
+            if off:
+                raise ConfigError(f"{', '.join(off)} belong to --mode=time-to-target; add it, or drop them")
+            return
+        if not cfg.target_loss:
+            raise ConfigError("--mode=time-to-target needs --target_loss=L > 0: the validation-subset loss the "
+                              "config's seeds must end below")
+        off = off_defaults(cfg, MATCHED_KEYS)
+        if off:
+            raise ConfigError(f"{', '.join(off)} belong to --mode=matched; drop them with --mode=time-to-target")
+        if cfg.stop_at_target:
+            raise ConfigError("stop_at_target is refused with --mode=time-to-target: a seed's time is its whole "
+                              "recipe's training time, as a record's is (the baseline alone stops at the target)")
+
+
+def off_defaults(cfg, keys):
+    return [f"--{k}" for k in keys if cfg[k] != settings.field_of(CompareSettings, k).default]
+
+
+DEFAULTS = settings.defaults(CompareSettings)
 
 # How the baseline executes: the plainest way, whatever the config asks for ("auto" attention can be fa4).
 BASELINE_EXECUTION = {"compile": False, "attention_backend": "sdpa", "loss_impl": "full"}
@@ -171,25 +241,28 @@ def check_before_training(cfg, sides):
         raise CompareError("the verdict compares the full validation losses; set full_validation=True "
                            "(in the config and in any --optimized_overrides)")
     check_plot_path(plot_file(cfg))
-    recipes = []
-    for side, c in zip(("baseline", "optimized"), sides):
-        try:
-            train.resolve_device(c)  # a GPU config without a GPU: one line, before hours of CPU training
-            try:
-                train.check_execution(c)
-            except ConfigError as exc:  # micro-batch, mode and scope: the baseline's come from its own keys
-                hint = " (the baseline's micro-batch is --baseline_micro_batch_size)" if side == "baseline" else ""
-                raise ConfigError(f"{exc}{hint}") from None
-            rec = train.setup(c)[2]
-        except (ConfigError, CacheError) as exc:
-            raise CompareError(f"{side} run: {exc}") from None
-        recipes.append(rec)
+    # micro-batch, mode and scope: the baseline's come from its own keys
+    hint = {"baseline": " (the baseline's micro-batch is --baseline_micro_batch_size)"}
+    recipes = [run_recipe(side, c, hint.get(side, "")) for side, c in zip(("baseline", "optimized"), sides)]
     differ = train.recipe_differences(*recipes)
     if differ and not cfg.allow_recipe_change:
         raise CompareError(refusal(sides[0].name, sides[1].name, differ))
     if differ:
         print(f"recipe change allowed: {', '.join(differ)} differ between the runs")
     return [env.hash_json(rec) for rec in recipes]
+
+
+def run_recipe(side, c, hint=""):
+    """The recipe train.py will record for run c; what train.py would refuse is refused now, in one line."""
+    try:
+        settings.resolve_device(c)  # a GPU config without a GPU: one line, before hours of CPU training
+        try:
+            train.check_execution(c)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc}{hint}") from None
+        return train.setup(c)[2]
+    except (ConfigError, CacheError) as exc:
+        raise CompareError(f"{side} run: {exc}") from None
 
 
 def refusal(baseline_name, optimized_name, differ):
@@ -329,22 +402,32 @@ def stopped_message(side, name, args, code, by, rerun=False):
             f"or failed); {again} to go on (it resumes from the run's last checkpoint, if there is one)")
 
 
-def train_all(cfg, runs):
-    """Train (or reuse, or resume) each (side, config, recipe identity) in turn, passing signals on."""
+def train_all(cfg, runs, keep_going=False):
+    """Train (or reuse, or resume) each (side, config, recipe identity) in turn, passing signals on. With
+    keep_going a failed run is reported and the next one trains (a seed that fails is part of a time-to-target
+    verdict, not the end of it): returns {name: error} of the failed runs."""
+    failed = {}
     with SignalForwarder() as signals:
         for side, c, identity in runs:
             if signals.signal is not None:
                 raise Stopped(f"stopped by {signals.name()} before the {side} run {c.name} began; "
                               f"{go_on(cfg.rerun)} to go on (finished runs are reused)")
-            train_or_reuse(side, c, identity, cfg.rerun, signals)
+            try:
+                train_or_reuse(side, c, identity, cfg.rerun, signals)
+            except RunFailed as exc:
+                if not keep_going:
+                    raise
+                print(f"{side}: {exc}; going on with the next run", flush=True)
+                failed[c.name] = str(exc)
+    return failed
 
 
 # ---------------------------------------------------------------- the comparison
 
 def finished_run(results, name, results_file):
     entry = results.get(name)
-    if name in train.RESERVED_NAMES or not isinstance(entry, dict) or "recipe_identity" not in entry:
-        runs = [k for k in plots.training_runs(results) if k not in train.RESERVED_NAMES]
+    if name in settings.RESERVED_NAMES or not isinstance(entry, dict) or "recipe_identity" not in entry:
+        runs = [k for k in plots.training_runs(results) if k not in settings.RESERVED_NAMES]
         raise CompareError(f"results file {results_file} has no run named {name!r}; runs there: "
                            f"{', '.join(runs) or 'none'}")
     if entry.get("status") != "complete" or not entry.get("final_validation"):
@@ -398,7 +481,7 @@ def training_noise(results, names, results_file, baseline_name, optimized_name):
 def shape_free(recipe):
     """A recipe without the config's model fields, which older runs recorded beside the resolved "model"
     (dim=0 and dim=320 are one model); the resolved model stays."""
-    return {k: v for k, v in recipe.items() if k not in train.MODEL_KEYS} if "model" in recipe else recipe
+    return {k: v for k, v in recipe.items() if k not in settings.keys_of_role(settings.MODEL)} if "model" in recipe else recipe
 
 
 def verdict_tolerance(results, results_file, baseline_name, optimized_name, noise_names):
@@ -566,13 +649,124 @@ def check_plot_path(path):
         raise CompareError(str(exc)) from None
 
 
+# ---------------------------------------------------------------- time to a target (--mode=time-to-target)
+
+# What decides the tokens a validation-subset loss averages (the cache aside): a target is one loss on one set.
+MEASUREMENT_KEYS = ("val_subset_tokens", "seq_len")
+
+
+def target_configs(cfg):
+    """The config's runs at seeds seed .. seed+seeds-1, each under its own name (<name>-seed<N>) and folder, trained
+    to their end with this eval_interval and target_loss: a seed's time is the whole recipe's, as a record's is."""
+    given = {k: cfg[k] for k in train.DEFAULTS}
+    return [train.Config(dict(given, seed=s, name=seed_run_name(cfg.name, s), results_file=cfg.results_file,
+                              **run_folders(cfg, f"seed{s}")))
+            for s in range(cfg.seed, cfg.seed + cfg.seeds)]
+
+
+def target_baseline_configs(cfg):
+    """The baseline recipe's runs: its config file as it is (its execution too), at its seed .. seed +
+    target_baseline_seeds - 1 (<name>-target-baseline-seed<N>), with this eval_interval and target_loss, stopping at
+    the target: its time to first reach it is all that is measured, and the updates after it would not change it."""
+    if not cfg.target_baseline:
+        return []
+    if not Path(cfg.target_baseline).is_file():
+        raise CompareError(f"--target_baseline {cfg.target_baseline} is not a file; give the baseline recipe's "
+                           f"config file, such as config/20m_gh200.py")
+    try:
+        base = load_config(train.DEFAULTS, [cfg.target_baseline])
+    except ConfigError as exc:
+        raise CompareError(f"--target_baseline: {exc}") from None
+    runs = []
+    for s in range(base["seed"], base["seed"] + cfg.target_baseline_seeds):
+        side = f"target-baseline-seed{s}"
+        runs.append(train.Config(dict(base, seed=s, name=f"{cfg.name}-{side}", results_file=cfg.results_file,
+                                      eval_interval=cfg.eval_interval, target_loss=cfg.target_loss,
+                                      stop_at_target=True, **run_folders(cfg, side))))
+    return runs
+
+
+def check_target_runs(cfg, candidates, baselines):
+    """Every run's checks before any trains; returns their recipe identities. A baseline whose validation-subset
+    loss averages other tokens (another cache, subset or context) is refused: its loss is another quantity."""
+    # the baseline's keys are its file's alone: an error about them is fixed there, not on this command line
+    side = f"target baseline (as {cfg.target_baseline} sets it)"
+    recipes = [run_recipe("candidate", c) for c in candidates] + [run_recipe(side, c) for c in baselines]
+    if baselines:
+        c, b = candidates[0], baselines[0]
+        devices = [settings.resolve_device(x) for x in (c, b)]
+        if devices[0] != devices[1]:
+            raise CompareError(f"the config trains on {devices[0]} and --target_baseline {cfg.target_baseline} on "
+                               f"{devices[1]}: times on two devices say nothing of the recipes; set one device")
+        differ = [f"{k} {c[k]} against {b[k]}" for k in MEASUREMENT_KEYS if c[k] != b[k]]
+        if recipes[0]["cache_identity"] != recipes[len(candidates)]["cache_identity"]:
+            differ.insert(0, f"data_dir {c.data_dir} against {b.data_dir} (another cache)")
+        if differ:
+            raise CompareError(f"--target_baseline {cfg.target_baseline} measures the validation-subset loss on "
+                               f"other tokens than the config ({'; '.join(differ)}); give both the same data, "
+                               f"val_subset_tokens and seq_len")
+    return [env.hash_json(rec) for rec in recipes]
+
+
+def target_outcomes(results, configs, failed):
+    """{name: run outcome} of runs just trained or reused; a failed run's entry may be an older run's, so unread."""
+    return {c.name: time_to_target.failed_outcome(c.seed, failed[c.name]) if c.name in failed
+            else time_to_target.run_outcome(results.get(c.name) or {}) for c in configs}
+
+
+def target_section(cfg, results, candidates, baselines, failed, plot):
+    """results["time-to-target"][name]: the seeds' outcomes, the t-test verdict, the median time, the baseline's
+    runs and the speed-up."""
+    runs, base_runs = target_outcomes(results, candidates, failed), target_outcomes(results, baselines, failed)
+    verdict = time_to_target.target_verdict(time_to_target.verdict_losses(runs), cfg.target_loss)
+    section = {"target_loss": cfg.target_loss, "eval_interval": cfg.eval_interval, **verdict,
+               "median_training_seconds": time_to_target.median_seconds(runs), "candidate_runs": runs,
+               "baseline_config": cfg.target_baseline or None, "baseline_runs": base_runs, "speedup": None,
+               "recipe_differences": None, "plot": str(plot), "run_id": env.new_run_id()}
+    if baselines:
+        times = {n: o["training_seconds"] for n, o in runs.items() if o["status"] == "complete"}
+        to_target = {n: o["seconds_to_target"] if o["status"] == "complete" else None for n, o in base_runs.items()}
+        section["speedup"] = time_to_target.speedup(to_target, times)
+        recipes = [(results.get(c.name) or {}).get("recipe") for c in (candidates[0], baselines[0])]
+        if all(recipes):  # what makes the candidate another recipe than the baseline (the seed aside)
+            section["recipe_differences"] = [k for k in train.recipe_differences(*recipes) if k != "seed"]
+    section["verdict"] = time_to_target.verdict_line(section)
+    return section
+
+
+def time_to_target_mode(cfg):
+    """--mode=time-to-target: train the config's seeds, then the baseline's runs, one after the other; record
+    results["time-to-target"][name], print the table and draw the plot; returns the recorded section."""
+    plot = plot_file(cfg)
+    check_writable(cfg.results_file)
+    check_plot_path(plot)
+    candidates, baselines = target_configs(cfg), target_baseline_configs(cfg)
+    identities = check_target_runs(cfg, candidates, baselines)
+    if baselines and not cfg.eval_interval:
+        print("note: eval_interval is 0, so the baseline's time to the target is measured at epoch ends only (an "
+              "upper bound); --eval_interval=N measures it every N updates")
+    sides = ["candidate"] * len(candidates) + ["target baseline"] * len(baselines)
+    failed = train_all(cfg, zip(sides, candidates + baselines, identities), keep_going=True)
+    results = read_results(cfg.results_file)
+    section = target_section(cfg, results, candidates, baselines, failed, plot)
+    record(cfg.results_file, ["time-to-target", cfg.name], section)
+    print("\n".join(time_to_target.table(section)))
+    runs = [(c.name, {} if c.name in failed else results.get(c.name) or {}) for c in candidates + baselines]
+    time_to_target.save_figure(plot, runs, cfg.target_loss,
+                               f"{cfg.name}: validation-subset loss against training time, target {cfg.target_loss:g}")
+    print(f"recorded time-to-target.{cfg.name} in {cfg.results_file}; plot {plot}")
+    return section
+
+
 # ---------------------------------------------------------------- main
 
 def plot_file(cfg):
-    return cfg.plot or f"out/{cfg.name}-comparison.png"
+    return cfg.plot or f"out/{cfg.name}-{'time-to-target' if cfg.mode == 'time-to-target' else 'comparison'}.png"
 
 
 def compare(cfg):
+    if cfg.mode == "time-to-target":
+        return time_to_target_mode(cfg)
     plot = plot_file(cfg)
     check_writable(cfg.results_file)
     if cfg.noise_seed_runs < 0:
@@ -599,7 +793,7 @@ def compare(cfg):
 
 def main(argv):
     try:
-        cfg = train.Config(load_config(DEFAULTS, argv))
+        cfg = settings.resolve(CompareSettings, argv)
         comparison = compare(cfg)
     except (*train.USER_ERRORS, CompareError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -612,6 +806,8 @@ def main(argv):
         return train.EXIT_INTERRUPTED
     except KeyboardInterrupt:
         return 130
+    if "reaches_target" in comparison:  # time-to-target: a miss, whatever its mean, is a failed verdict
+        return 0 if comparison["reaches_target"] else 1
     return 0 if comparison["label"] == "recipe change" or comparison["losses_agree"] else 1
 
 

@@ -1,0 +1,199 @@
+"""compare.py --mode=time-to-target: the t-test verdict, the speed-up and the per-run summary as pure functions,
+the mode's refusals, and one end-to-end run of the mode through real train.py subprocesses on the tiny CPU config."""
+import math
+import statistics
+
+import pytest
+import torch
+from scipy import stats
+
+import compare
+from results import lookup, read_results
+from tests.test_compare import PNG_MAGIC, TINY
+from time_to_target import (failed_outcome, median_seconds, run_outcome, speedup, table, target_verdict,
+                            verdict_line, verdict_losses)
+
+TARGET = 3.28
+
+
+def entry(curve_losses, seconds=60.0, reached=None, status="complete", seed=1, target=TARGET):
+    """A results entry as train.py records one with target_loss set: its validation curve every 10 updates."""
+    curve = [{"epoch": 1, "update": 10 * (i + 1), "tokens": 1000 * (i + 1), "loss": loss, "seconds": 0.1,
+              "training_seconds": seconds * (i + 1) / len(curve_losses)} for i, loss in enumerate(curve_losses)]
+    return {"status": status, "config": {"seed": seed}, "step": 10 * len(curve_losses), "training_seconds": seconds,
+            "validation_curve": curve, "target": {"loss": target, "reached": reached, "stop_at_target": False}}
+
+
+# ---------------------------------------------------------------- the t-test verdict
+
+def test_losses_clearly_below_the_target_reach_it_at_p_below_001():
+    losses = {f"r-seed{i}": loss for i, loss in enumerate((3.200, 3.210, 3.190, 3.205, 3.195))}
+    v = target_verdict(losses, TARGET)
+    assert v["reaches_target"] and v["reasons"] == [] and v["n_runs"] == 5
+    expected = stats.ttest_1samp(list(losses.values()), TARGET, alternative="less")
+    assert v["p_value"] == pytest.approx(expected.pvalue) and v["p_value"] < 0.01
+    assert v["t_statistic"] == pytest.approx(expected.statistic)
+    assert v["mean_loss"] == pytest.approx(3.2) and v["loss_std"] == pytest.approx(statistics.stdev(losses.values()))
+    # two identical losses have no spread (scipy would warn and give nan): certainly below the target
+    same = target_verdict({"a": 3.0, "b": 3.0}, TARGET)
+    assert same["reaches_target"] and same["p_value"] == 0.0
+
+
+def test_a_mean_below_the_target_misses_it_when_too_spread():
+    losses = {"a": 3.270, "b": 3.200, "c": 3.279, "d": 3.100, "e": 3.275}
+    v = target_verdict(losses, TARGET)
+    assert v["mean_loss"] < TARGET and 0.01 <= v["p_value"] < 0.5
+    assert not v["reaches_target"] and len(v["reasons"]) == 1 and "not below 3.28 at p < 0.01" in v["reasons"][0]
+    # with 3 runs the mean must lie about 7 standard errors below (t_2 at 0.99 is 6.96); 6 is not enough
+    se = 0.01 / math.sqrt(3)
+    three = {"a": TARGET - 6 * se - 0.01, "b": TARGET - 6 * se, "c": TARGET - 6 * se + 0.01}
+    assert not target_verdict(three, TARGET)["reaches_target"]
+    assert target_verdict({k: v - se for k, v in three.items()}, TARGET)["reaches_target"]
+
+
+def test_a_seed_at_or_above_the_target_misses_it_whatever_the_t_test_says():
+    # four seeds far below and one above: the t-test alone passes (p = 0.009), the verdict does not
+    losses = {"a": 3.0, "b": 3.0, "c": 3.0, "d": 3.0, "e": 3.29}
+    v = target_verdict(losses, TARGET)
+    assert v["p_value"] < 0.01 and not v["reaches_target"]
+    assert v["reasons"] == ["not below the target 3.28: e 3.2900"]
+    at = target_verdict({"a": 3.0, "b": 3.01, "c": TARGET}, TARGET)
+    assert not at["reaches_target"] and "c 3.2800" in at["reasons"][0]
+
+
+def test_a_run_that_never_reached_or_failed_misses_it():
+    outcomes = {"a": run_outcome(entry([3.5, 3.1], reached={"training_seconds": 50.0})),
+                "b": run_outcome(entry([3.5, 3.1], reached={"training_seconds": 55.0})),
+                "never": run_outcome(entry([3.6, 3.4, 3.35]))}
+    v = target_verdict(verdict_losses(outcomes), TARGET)
+    assert not v["reaches_target"] and v["reasons"][0] == "not below the target 3.28: never 3.3500"
+    outcomes["never"] = failed_outcome(3, "the candidate run r-seed3 exited with status 1")
+    v = target_verdict(verdict_losses(outcomes), TARGET)
+    assert not v["reaches_target"] and "no final loss from never" in v["reasons"][0]
+    # a run stopped on an error keeps its curve, but its last point is not the recipe's result
+    outcomes["never"] = run_outcome(entry([3.5, 3.0], status="failed"))
+    assert verdict_losses(outcomes)["never"] is None
+
+
+def test_fewer_than_two_runs_are_not_a_pass():
+    one = target_verdict({"a": 3.0}, TARGET)
+    assert not one["reaches_target"] and one["reasons"] == ["a t-test needs at least 2 final losses, got 1"]
+    assert one["p_value"] is None and one["mean_loss"] == 3.0 and one["loss_std"] is None
+    none = target_verdict({}, TARGET)
+    assert not none["reaches_target"] and "got 0" in none["reasons"][0] and none["mean_loss"] is None
+    nan = target_verdict({"a": 3.0, "b": float("nan")}, TARGET)
+    assert not nan["reaches_target"] and len(nan["reasons"]) == 2
+
+
+# ---------------------------------------------------------------- the speed-up and the per-run summary
+
+def test_the_speedup_and_its_spread():
+    up = speedup({"b1": 90.0}, {"c1": 30.0, "c2": 45.0, "c3": 60.0})
+    assert up["speedup"] == pytest.approx(2.0) and up["reason"] is None
+    assert (up["baseline_seconds_to_target"], up["candidate_median_seconds"]) == (90.0, 45.0)
+    assert up["over_candidate_seeds"] == pytest.approx([1.5, 3.0]) and up["over_baseline_seeds"] is None
+    two = speedup({"b1": 80.0, "b2": 100.0}, {"c1": 30.0, "c2": 60.0})
+    assert two["speedup"] == pytest.approx(2.0) and two["over_baseline_seeds"] == pytest.approx([80 / 45, 100 / 45])
+    assert two["over_candidate_seeds"] == pytest.approx([1.5, 3.0])
+    never = speedup({"b1": 80.0, "b2": None}, {"c1": 30.0})
+    assert never["speedup"] is None and never["reason"] == "the baseline never reached the target in b2"
+    assert speedup({"b1": 80.0}, {})["reason"] == "no completed candidate run"
+
+
+def test_the_run_summary_reads_the_final_loss_the_training_seconds_and_the_target():
+    reached = {"update": 20, "tokens": 2000, "training_seconds": 31.5, "loss": 3.27, "epoch": 1}
+    o = run_outcome(entry([3.6, 3.27, 3.21], seconds=61.0, reached=reached, seed=7))
+    assert o == {"status": "complete", "seed": 7, "final_loss": 3.21, "training_seconds": 61.0, "updates": 30,
+                 "reached": reached, "seconds_to_target": 31.5}
+    diverged = run_outcome(dict(entry([3.6, None]), target=None))  # results.py writes a NaN loss as null
+    assert diverged["final_loss"] is None and diverged["reached"] is None
+    assert run_outcome({})["final_loss"] is None
+    assert median_seconds({"a": o, "b": dict(o, training_seconds=40.0), "f": failed_outcome(9, "x")}) == 50.5
+
+
+# ---------------------------------------------------------------- the mode
+
+@pytest.fixture
+def tiny(text_cache, tmp_path, monkeypatch):
+    """The tests' tiny CPU config at 1 epoch of 32 updates and a results file, in tmp_path (out/ goes there)."""
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "tiny.py"
+    path.write_text(TINY.format(cache=str(text_cache)) + "epochs = 1\nmicro_batch_size = 4\nfull_validation = False\n")
+    return str(path), str(tmp_path / "results.json")
+
+
+def test_the_mode_refuses_mistakes_in_one_line(tiny, tmp_path, capsys):
+    config, results = tiny
+    mode = [config, f"--results_file={results}", "--mode=time-to-target"]
+    other_tokens = tmp_path / "other.py"
+    other_tokens.write_text(open(config).read() + "val_subset_tokens = 1024\n")
+    gpu = tmp_path / "gpu.py"
+    gpu.write_text(open(config).read() + "device = 'cuda'\n")
+    for argv, words in ((mode, "needs --target_loss=L > 0"),
+                        (mode + ["--target_loss=3", "--tuned=True", "--noise_seed_runs=2"],
+                         "--tuned, --noise_seed_runs belong to --mode=matched"),
+                        ([config, "--seeds=3"], "--seeds belong to --mode=time-to-target"),
+                        (mode + ["--target_loss=3", "--stop_at_target=True"], "stop_at_target is refused"),
+                        (mode + ["--target_loss=3", "--seeds=1"], "the t-test needs at least 2 runs"),
+                        (mode + ["--target_loss=3", "--target_baseline=nope.py"], "nope.py is not a file"),
+                        (mode + ["--target_loss=3", f"--target_baseline={other_tokens}"],
+                         "val_subset_tokens 2048 against 1024"),
+                        (mode + ["--target_loss=3", f"--target_baseline={gpu}"],
+                         "target baseline (as " if not torch.cuda.is_available() else "on cpu and"),
+                        (mode + ["--target_loss=3", "--plot=t.xyz"], "must end in .png")):
+        assert compare.main(argv) == 2, words
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and words in err and err.count("\n") == 1, err
+    assert read_results(results) == {}  # nothing trained
+
+
+def test_the_mode_end_to_end_misses_an_unreachable_target_and_reaches_a_reachable_one(tiny, tmp_path, capsys):
+    config, results = tiny
+    argv = [config, "--name=tt", f"--results_file={results}", "--mode=time-to-target", "--seeds=2",
+            "--eval_interval=8"]
+    assert compare.main(argv + ["--target_loss=1.0"]) == 1
+    out = capsys.readouterr().out
+    assert "[candidate] " in out and "misses the target 1: not below the target 1: tt-seed1337" in out
+    miss = lookup(results, ["time-to-target", "tt"])
+    assert list(miss["candidate_runs"]) == ["tt-seed1337", "tt-seed1338"] and miss["baseline_runs"] == {}
+    assert not miss["reaches_target"] and miss["speedup"] is None and miss["target_loss"] == 1.0
+    assert all(o["reached"] is None and o["final_loss"] > 1.0 for o in miss["candidate_runs"].values())
+
+    # With 2 seeds p < 0.01 needs a mean 32 standard errors below the target, so the target reachable here is
+    # set from the losses just measured (the same seeds train the same math again: target_loss is execution).
+    losses = [o["final_loss"] for o in miss["candidate_runs"].values()]
+    target = round(statistics.mean(losses) + max(0.2, 45 * statistics.stdev(losses) / math.sqrt(2)), 3)
+    baseline = tmp_path / "baseline.py"
+    baseline.write_text(open(config).read())
+    reach = argv + [f"--target_loss={target}", f"--target_baseline={baseline}"]
+    assert compare.main(reach) == 0
+    out = capsys.readouterr().out
+    assert "[target baseline] " in out and f"reaches the target {target:g}" in out and "speed-up" in out
+    s = lookup(results, ["time-to-target", "tt"])
+    runs = read_results(results)
+    assert s["reaches_target"] and s["reasons"] == [] and s["p_value"] < 0.01 and s["n_runs"] == 2
+    assert s["target_loss"] == target and s["eval_interval"] == 8 and s["baseline_config"] == str(baseline)
+    for name, o in s["candidate_runs"].items():
+        run = runs[name]
+        assert o["final_loss"] == run["validation_curve"][-1]["loss"] < target
+        assert o["training_seconds"] == run["training_seconds"] and o["reached"] == run["target"]["reached"]
+        assert run["step"] == run["total_updates"] == 32 and not run["config"]["stop_at_target"]  # to the end
+        assert len(run["validation_curve"]) == 4  # every 8 updates, the last at the epoch's end
+    assert s["mean_loss"] == pytest.approx(statistics.mean(o["final_loss"] for o in s["candidate_runs"].values()))
+    assert s["median_training_seconds"] == pytest.approx(
+        statistics.median(o["training_seconds"] for o in s["candidate_runs"].values()))
+    # the baseline stops at the target: its time to first reach it over the candidate's median is the speed-up
+    b = runs["tt-target-baseline-seed1337"]
+    assert list(s["baseline_runs"]) == ["tt-target-baseline-seed1337"] and b["config"]["stop_at_target"]
+    assert b["status"] == "complete" and b["target"]["reached"]["update"] == b["step"] <= b["total_updates"]
+    assert s["speedup"]["speedup"] == pytest.approx(
+        b["target"]["reached"]["training_seconds"] / s["median_training_seconds"])
+    assert s["recipe_differences"] == [] and s["verdict"] == verdict_line(s)
+    png = (tmp_path / "out" / "tt-time-to-target.png").read_bytes()
+    assert s["plot"] == "out/tt-time-to-target.png" and png.startswith(PNG_MAGIC)
+    assert any(h["path"] == ["time-to-target", "tt"] for h in runs["history"])  # the miss, kept
+    # the printed table: a row per run, then the test, the time, the speed-up and the verdict
+    lines = table(s)
+    assert lines[0].split() == ["run", "status", "final", "loss", "training", "s", "reached", "at", "s"]
+    assert [line.split()[0] for line in lines[1:4]] == ["tt-seed1337", "tt-seed1338", "tt-target-baseline-seed1337"]
+    assert "\n".join(lines) in out
