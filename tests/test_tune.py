@@ -9,43 +9,45 @@ import configurator
 import env
 import train
 import tune
-from results import read_results
+from results import read_results, record
 from tests.conftest import flash_attn_4_installed
 
-# An eager tiny model: screens and confirmations of a few updates, and three levers: a micro-batch size that does
-# not divide the update among them, and cuDNN attention, which has no CPU kernel. Every screen counts as close
-# to the incumbent's (tune_screen_noise), so the confirmed fraction alone decides which go on.
+# An eager tiny model: screens and confirmations of a few updates, and four levers, two of which cannot run: a
+# micro-batch size that does not divide the update, and cuDNN attention, which has no CPU kernel. Every screen
+# counts as close to the incumbent's (tune_screen_noise), so tune_confirm alone decides which go on.
 TINY = ["--preset=20m", "--dim=64", "--n_layers=2", "--n_heads=2", "--hidden_dim=128", "--seq_len=64",
         "--tokens_per_update=512", "--device=cpu", "--cpu_threads=1", "--train_subset_tokens=60000",
         "--warmup=1", "--steps=2", "--windows=1", "--tune_screen_warmup=1", "--tune_screen_steps=2",
         "--tune_compile_modes=eager", "--tune_micro_batch_sizes=2,3", "--tune_backends=auto,cudnn",
-        "--tune_loss_impls=full,chunked", "--tune_confirm_fraction=0.5", "--tune_screen_noise=0.99"]
+        "--tune_loss_impls=full,chunked", "--tune_confirm=1", "--tune_screen_noise=0.99"]
 
 
-def test_cpu_sweep_screens_confirms_selects_reports_and_reuses(tmp_path, text_cache, capsys):
+def test_cpu_sweep_screens_confirms_selects_reports_and_reuses(tmp_path, text_cache, capsys, monkeypatch):
+    monkeypatch.setattr(env, "source_hash", lambda root=env.REPO: "the same code")  # whatever is edited meanwhile
     results = tmp_path / "results.json"
     tuned = tmp_path / "tuned"
     argv = TINY + [f"--data_dir={text_cache}", f"--results_file={results}", f"--tuned_dir={tuned}",
                    "--budget=5", "--name=cpu-tune"]
     assert tune.main(argv) == 0
     out = capsys.readouterr().out
-    assert "skipping micro_batch_size=3" in out  # 3 does not divide the 8 sequences of an update
+    # what cannot run here: one line each, and never a candidate
+    assert "skipping micro_batch_size=3: micro_batch_size 3" in out  # 3 does not divide the 8 sequences of an update
+    assert "skipping attention_backend=cudnn: attention_backend 'cudnn' runs only on CUDA GPUs" in out
     tuning = read_results(results)["tuning"]
     inc, candidates = tuning["incumbent"], tuning["candidates"]
-    assert tune.summary(candidates[0]) == inc and inc["lever"] == "incumbent" and inc["micro_batch_size"] == 8
+    assert [r["change"] for r in tuning["refused"]] == ["micro_batch_size=3", "attention_backend=cudnn"]
+    assert {k: v for k, v in candidates[0].items() if k not in tune.STAGES} == inc
+    assert inc["lever"] == "incumbent" and inc["micro_batch_size"] == 8
     # the machine once for the sweep; each run keeps only what was its own
     assert tuning["environment"]["cache_identity"] and "cache_identity" not in candidates[0]["screen"]["environment"]
     # the incumbent with the confirmation's protocol (bench's keys), every candidate with the screen's
     assert candidates[0]["confirm"]["protocol"]["steps"] == 2 and candidates[0]["confirm"]["status"] == "ok"
     assert inc["tokens_per_second"] == candidates[0]["confirm"]["tokens_per_second"]  # the measured rate
     assert all(c["screen"]["protocol"]["warmup"] == 1 for c in candidates if c["screen"]["status"] == "ok")
-    assert [c["change"] for c in candidates[1:]] == ["loss_impl=chunked", "micro_batch_size=2",
-                                                     "attention_backend=cudnn"]
-    cudnn = candidates[-1]
-    assert cudnn["status"] == "screen: error" and "backend" in cudnn["screen"]["error"] and not cudnn["confirm"]
+    assert [c["change"] for c in candidates[1:]] == ["loss_impl=chunked", "micro_batch_size=2"]
     confirmed = [c for c in candidates if c["confirm"]]
-    best_screen = max(candidates[1:3], key=lambda c: c["screen"]["tokens_per_second"])
-    assert [c["name"] for c in confirmed] == [inc["name"], best_screen["name"]]  # half of the two screened
+    best_screen = max(candidates[1:], key=lambda c: c["screen"]["tokens_per_second"])
+    assert [c["name"] for c in confirmed] == [inc["name"], best_screen["name"]]  # tune_confirm=1 of the screened
     assert all(c["screen"]["status"] == "ok" and c["confirm"]["status"] == "ok" for c in confirmed)
     selected = tuning["selected"]
     assert selected["name"] in [c["name"] for c in confirmed] and selected["status"] == "selected"
@@ -58,7 +60,7 @@ def test_cpu_sweep_screens_confirms_selects_reports_and_reuses(tmp_path, text_ca
 
     # what a person reads: progress while it runs, then the table, the budget and the selected config
     assert any(line.startswith("[screen ") and "min" in line for line in out.splitlines())
-    assert "running loss_impl=chunked: screen" in out
+    assert out.index("running incumbent (the config's own): confirm") < out.index("running loss_impl=chunked: screen")
     for column in ("candidate", "screen tok/s", "x inc", "confirm tok/s", "gain", "compile s", "peak GiB", "status"):
         assert column in out
     assert "budget: " in out and "compiling" in out and f"selected {selected['change']}" in out
@@ -74,16 +76,34 @@ def test_cpu_sweep_screens_confirms_selects_reports_and_reuses(tmp_path, text_ca
                                    full_validation=False, val_subset_tokens=512))
     assert run["status"] == "complete"
 
-    # a rerun with the same code, config and machine measures again only what failed (an error may have been
-    # the budget's cut or a passing fault): here the cuDNN screen, which fails the same way on a CPU
+    # a rerun with the same code, config and machine measures nothing again (errors would be: an error may have
+    # been the budget's cut or a passing fault; test_only_successes_are_reused)
     assert tune.main(argv) == 0
     again = read_results(results)["tuning"]
     assert [c["name"] for c in again["candidates"]] == [c["name"] for c in candidates]
-    fresh = [(c["change"], rung) for c in again["candidates"] for rung in tune.RUNGS
-             if c[rung] and not c[rung]["reused"]]
-    assert fresh == [("attention_backend=cudnn", "screen")]
+    assert [(c["change"], s) for c in again["candidates"] for s in tune.STAGES if c[s] and not c[s]["reused"]] == []
     assert again["selected"]["tokens_per_second"] == selected["tokens_per_second"]
     assert again["environment"] == tuning["environment"]  # reused runs came back with the whole fingerprint
+
+
+def test_only_successes_are_reused(tmp_path, text_cache, monkeypatch):
+    """A rerun reuses an earlier sweep's measurement of the same candidate, protocol, machine and code; never an
+    error, which may have been the budget's cut or a passing fault."""
+    monkeypatch.setattr(env, "source_hash", lambda root=env.REPO: "the same code")
+    results = tmp_path / "results.json"
+    cfg = train.Config(tune.DEFAULTS, data_dir=str(text_cache), results_file=str(results),
+                       tuned_dir=str(tmp_path / "tuned"))
+    runner = tune.BenchRunner(cfg)
+    ok, failed = dict(cfg, micro_batch_size=4), dict(cfg, micro_batch_size=2)
+    protocol = dict(tune.PROTOCOLS["screen"], data_mode="real")
+    run = lambda c, status: {"status": status, "source_hash": runner.source, "tokens_per_second": 1.0,
+                             "candidate_identity": runner.identity(c, protocol), "environment": {"gpu": None}}
+    record(results, ["tuning"], {"environment": {"cpu": "x"},
+                                 "candidates": [{"screen": run(ok, "ok"), "confirm": None},
+                                                {"screen": run(failed, "error"), "confirm": None}]})
+    again = tune.BenchRunner(cfg).previous
+    assert list(again) == [runner.identity(ok, protocol)]
+    assert again[runner.identity(ok, protocol)]["environment"] == {"cpu": "x", "gpu": None}
 
 
 def test_the_tuning_record_states_the_machine_once_and_each_run_keeps_its_own_fields():
@@ -141,23 +161,27 @@ def test_an_unwritable_tuned_dir_is_one_line_before_any_candidate(tmp_path, text
     assert "tuned_dir" in out.err and "cannot be made" in out.err and "running" not in out.out
 
 
-@pytest.mark.parametrize("arg, words", [("--budget=-1", "budget must be a positive"),
-                                        ("--candidate_timeout=0", "candidate_timeout must be a positive"),
+@pytest.mark.parametrize("arg, words", [("--budget=-1", "budget must be positive"),
+                                        ("--budget=1e999", "budget must be a finite number"),
+                                        ("--candidate_timeout=0", "candidate_timeout must be positive"),
+                                        ("--name=tuning", "is a section of the results file"),
                                         ("--tune_compile_modes=,", "tune_compile_modes is empty"),
                                         ("--tune_compile_modes=fast", "'fast' is not one of eager, default"),
                                         ("--tune_loss_impls=liger", "'liger' is not one of full, chunked, fused"),
                                         ("--tune_compile_scopes=layers", "'layers' is not one of model, blocks"),
-                                        ("--tune_activation_memory_budgets=0.8,1.5", "1.5 does not lie in (0, 1]"),
+                                        ("--tune_activation_memory_budgets=0.8,1.5", "must lie in (0, 1], got 1.5"),
                                         ("--tune_micro_batch_sizes=4,x", "list of int"),
+                                        ("--tune_micro_batch_sizes=0", "micro_batch_size must be at least 1"),
                                         ("--tune_screen_warmup=0", "tune_screen_warmup must be at least 1"),
-                                        ("--tune_screen_steps=-1", "tune_screen_steps must be 0"),
-                                        ("--tune_confirm_fraction=0", "tune_confirm_fraction must lie in (0, 1]"),
+                                        ("--tune_screen_steps=-1", "tune_screen_steps must be 0 or more"),
+                                        ("--tune_confirm=0", "tune_confirm must be at least 1"),
+                                        ("--tune_screen_noise=2", "tune_screen_noise must lie in [0, 1]"),
                                         ("--tune_noise=-0.1", "tune_noise must be 0 or more"),
                                         ("--data_mode=bogus", "data_mode 'bogus'"),
                                         ("--warmup=0", "warmup must be at least 1"),
                                         # each would fail every candidate, and the sweep select nothing
                                         ("--data_dir=/nonexistent/cache", "/nonexistent/cache"),
-                                        ("--preset=bogus", "unknown model preset 'bogus'"),
+                                        ("--preset=bogus", "preset 'bogus'"),
                                         ("--micro_batch_size=3", "micro_batch_size 3")])
 def test_sweep_settings_are_checked_before_any_candidate(tmp_path, text_cache, capsys, arg, words):
     results = tmp_path / "results.json"

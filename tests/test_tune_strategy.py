@@ -1,11 +1,13 @@
-"""tune.py's strategy without processes: the search space, and the Sweep driven by a fake clock and a fake
-measurement, so each rule (incumbent first, screen then confirm, the budget) is checked by what it decides."""
+"""tune.py's strategy without processes: the candidates, and the Sweep driven by a fake clock and a fake
+measurement, so each rule of its docstring (the incumbent first, screen every candidate, confirm the best few,
+stop when the budget runs out, select only what was confirmed) is checked by what it decides."""
 import random
 
 import pytest
+import torch
 
 import kernels.attention
-import kernels.cross_entropy
+import settings
 import train
 import tune
 
@@ -35,30 +37,29 @@ def changed(candidate, incumbent):
 
 class FakeBench:
     """Runs a candidate in fake time: outside_s to start, its compile, then each update at per_update_s x 1000 /
-    its speed (ended at the timeout, as the real one is); the speed is set per changed setting and per rung."""
+    its speed (ended at the timeout, as the real one is); the speed is set per changed setting and per stage."""
 
     def __init__(self, clock, incumbent, gains=None, screen_gains=None, compile_s=None, per_update_s=0.2,
-                 outside_s=3.0, fail=None, screen_pace=1.0):
+                 outside_s=3.0, fail=None):
         self.clock, self.incumbent, self.gains = clock, incumbent, gains or {}
         self.screen_gains = screen_gains if screen_gains is not None else self.gains
         self.compile_s = compile_s or (lambda c: 20.0 if c["compile"] else 0.5)
-        self.per_update_s, self.outside_s, self.screen_pace = per_update_s, outside_s, screen_pace
-        self.fail = fail or (lambda c, rung: None)
+        self.per_update_s, self.outside_s = per_update_s, outside_s
+        self.fail = fail or (lambda c, stage: None)
         self.runs, self.timeouts, self.protocols = [], [], []
 
-    def speed(self, candidate, rung):
-        gains = self.screen_gains if rung == "screen" else self.gains
+    def speed(self, candidate, stage):
+        gains = self.screen_gains if stage == "screen" else self.gains
         speed = 1000.0
         for key in changed(candidate, self.incumbent):
             speed *= gains.get((key, candidate[key]), 1.0)
         return speed
 
-    def __call__(self, candidate, rung, protocol, timeout):
-        self.runs.append((rung, candidate))
+    def __call__(self, candidate, stage, protocol, timeout):
+        self.runs.append((stage, candidate))
         self.timeouts.append(timeout)
         self.protocols.append(protocol)
-        first, speed = self.compile_s(candidate), self.speed(candidate, rung)
-        speed /= self.screen_pace if rung == "screen" else 1.0
+        first, speed = self.compile_s(candidate), self.speed(candidate, stage)
         per_update = self.per_update_s * 1000.0 / speed
         warmup = first + (protocol["warmup"] - 1) * per_update
         window = protocol["steps"] * per_update
@@ -67,7 +68,7 @@ class FakeBench:
             self.clock.now += timeout
             return {"status": "error", "error": f"timed out after {timeout / 60:.1f} minutes"}
         self.clock.now += seconds
-        error = self.fail(candidate, rung)
+        error = self.fail(candidate, stage)
         if error:
             return {"status": "error", "error": error, "first_update_seconds": first}
         return {"status": "ok", "tokens_per_second": speed, "first_update_seconds": first, "warmup_seconds": warmup,
@@ -75,14 +76,29 @@ class FakeBench:
 
 
 def sweep_of(bench, budget, incumbent=GPU, space=None, **kw):
-    space = tune.search_space(incumbent, CHOICES, cuda=True) if space is None else space
+    space = tune.search_space(incumbent, CHOICES) if space is None else space
     return tune.Sweep(incumbent, space, bench, budget, clock=bench.clock, **kw)
 
 
-# ---------------------------------------------------------------- the space
+def trial_of(sweep, **change):
+    return next(t for t in sweep.trials if t.candidate == dict(sweep.incumbent.candidate, **change))
+
+
+# With FakeBench's defaults, a GPU run outside its updates takes 3 s plus a 20 s compile, then 0.2 s an update:
+SCREEN_S = 3 + 20 + (3 - 1 + 20) * 0.2        # 27.4 s: 3 warmup updates and one window of 20
+CONFIRM_S = 3 + 20 + (20 - 1 + 3 * 100) * 0.2  # 86.8 s: protocol v2, 20 warmup updates and 3 windows of 100
+
+
+# ---------------------------------------------------------------- the candidates
+
+def test_the_levers_are_execution_keys_only():
+    """A candidate may change how the math runs, never what it is (settings.py declares which keys those are)."""
+    assert set(tune.LEVER_KEYS) <= settings.execution_keys()
+    assert set(tune.LISTS.values()) | {"compile"} == set(tune.LEVER_KEYS)
+
 
 def test_space_changes_one_lever_at_a_time_in_the_documented_order():
-    space = tune.search_space(GPU, CHOICES, cuda=True)
+    space = tune.search_space(GPU, CHOICES)
     candidates = [c for _, c in space]
     assert GPU not in candidates and len(candidates) == len({tune.candidate_name(c) for c in candidates})
     assert len(candidates) >= 12
@@ -90,7 +106,8 @@ def test_space_changes_one_lever_at_a_time_in_the_documented_order():
         assert changed(c, GPU) <= {lever, "compile"}  # one lever (a mode change may switch compile itself)
     assert candidates[0] == dict(GPU, attention_backend="fa4")  # the largest measured gain is screened first
     levers = [lever for lever, _ in space]
-    for earlier, later in [("loss_impl", "compile_scope"), ("compile_scope", "activation_memory_budget"),
+    for earlier, later in [("loss_impl", "compile_mode"), ("compile_mode", "compile_scope"),
+                           ("compile_scope", "activation_memory_budget"),
                            ("activation_memory_budget", "micro_batch_size")]:
         assert levers.index(earlier) < levers.index(later)
     # SDPA's other kernels after the micro-batch neighbours, and the autotuning modes (minutes of compile) last
@@ -100,14 +117,12 @@ def test_space_changes_one_lever_at_a_time_in_the_documented_order():
     assert dict(GPU, compile_scope="blocks") in candidates and dict(GPU, activation_memory_budget=0.8) in candidates
 
 
-def test_no_cuda_graphs_on_the_cpu_and_an_eager_incumbent_is_tried_compiled():
-    space = [c for _, c in tune.search_space(CPU, CHOICES, cuda=False)]
-    assert not [c for c in space if c["compile"] and c["compile_mode"] in tune.CUDA_GRAPH_MODES]
+def test_an_eager_incumbent_has_its_scope_and_activation_memory_tried_compiled():
+    space = [c for _, c in tune.search_space(CPU, dict(CHOICES, compile_mode=["eager", "default"]))]
     compiled = dict(CPU, compile=True)
     assert compiled in space and dict(compiled, compile_scope="blocks") in space
     assert dict(compiled, activation_memory_budget=0.8) in space
-    assert dict(CPU, compile=True, compile_mode="max-autotune-no-cudagraphs") in space
-    # scope and activation memory never on an eager run, where they would change nothing
+    # never on an eager run, where they would change nothing
     assert all(c["compile"] for c in space if c["compile_scope"] != "model" or c["activation_memory_budget"] != 1)
 
 
@@ -115,34 +130,53 @@ def tune_cfg(**overrides):
     return train.Config(dict(tune.DEFAULTS, **overrides))
 
 
-def test_levers_are_read_from_the_kernels_at_run_time(monkeypatch, capsys):
-    monkeypatch.setitem(kernels.attention.ATTENTION_BACKENDS, "xformers", None)
-    monkeypatch.setattr(kernels.cross_entropy, "LOSS_IMPLEMENTATIONS", ("full", "chunked", "fused", "liger"))
-    monkeypatch.setattr(train.model_lib, "LOSS_IMPLEMENTATIONS", kernels.cross_entropy.LOSS_IMPLEMENTATIONS)
+def test_the_levers_values_come_from_their_declarations():
     choices = tune.lever_choices(tune_cfg(device="cpu", micro_batch_size=8), cuda=False)
-    assert "xformers" in choices["attention_backend"] and "liger" in choices["loss_impl"]
+    declared = lambda key: list(settings.field_of(settings.TrainSettings, key).metadata["choices"])
+    assert choices["attention_backend"] == declared("attention_backend")  # plan() says which cannot run here
+    assert choices["loss_impl"] == declared("loss_impl") and choices["compile_scope"] == declared("compile_scope")
+    assert choices["compile_mode"] == ["eager", *settings.COMPILE_MODES]
     assert choices["micro_batch_size"] == [4, 16]  # the config's neighbours
-    assert choices["compile_mode"] == ["eager", *train.COMPILE_MODES]
-    # fa4 cannot run on a CPU: left out of the default list with one line, never a candidate
-    assert "fa4" not in choices["attention_backend"]
-    assert "skipping attention_backend=fa4" in capsys.readouterr().out
+    assert choices["activation_memory_budget"] == [0.8] and choices["cpu_threads"] == []
+
+
+def test_what_cannot_run_here_is_skipped_with_one_line_each(capsys):
+    cfg = tune_cfg(device="cpu", tokens_per_update=8 * 1024, micro_batch_size=8)
+    choices = dict(CHOICES, attention_backend=["auto", "sdpa", "flash", "efficient", "cudnn", "math", "fa4"],
+                   compile_mode=["eager", "default", "reduce-overhead"], micro_batch_size=[3, 4], loss_impl=[])
+    incumbent, space, refused = tune.plan(cfg, choices, torch.device("cpu"))
+    out = capsys.readouterr().out.splitlines()
+    why = {r["change"]: r["error"] for r in refused}
+    # SDPA's CUDA kernels and fa4 need a GPU, as CUDA graphs do; 3 does not divide the 8 sequences of an update;
+    # and auto runs SDPA here, so sdpa would measure the incumbent again
+    assert set(why) == {"attention_backend=efficient", "attention_backend=cudnn", "attention_backend=fa4",
+                        "compile=True, compile_mode=reduce-overhead", "micro_batch_size=3", "attention_backend=sdpa"}
+    assert why["compile=True, compile_mode=reduce-overhead"] == "CUDA graphs need a GPU"
+    assert why["attention_backend=sdpa"] == "what the incumbent's 'auto' runs here"
+    assert all(sum(line.startswith(f"skipping {change}: ") for line in out) == 1 for change in why)
+    assert [c for _, c in space if c["attention_backend"] != "auto"] == [
+        dict(incumbent, attention_backend=b) for b in ("flash", "math")]
+    assert dict(incumbent, micro_batch_size=4) in [c for _, c in space]
 
 
 @pytest.mark.parametrize("fa4_runs, incumbent, left_out", [(True, "auto", "fa4"), (False, "auto", "sdpa"),
                                                              (True, "fa4", "auto"), (False, "sdpa", "auto")])
-def test_the_backend_the_incumbent_runs_is_not_screened_again(monkeypatch, capsys, fa4_runs, incumbent, left_out):
+def test_the_backend_the_incumbent_runs_is_not_screened_again(monkeypatch, capsys, flash_attn_4_stand_in, fa4_runs,
+                                                              incumbent, left_out):
     """auto is fa4 where flash-attn-4 can run, else SDPA: the one of them that auto is here, or auto beside it,
     would measure the incumbent under another name."""
     monkeypatch.setattr(kernels.attention, "fa4_problem", lambda device: None if fa4_runs else "no flash-attn-4")
-    backends = tune.lever_choices(tune_cfg(attention_backend=incumbent), cuda=True)["attention_backend"]
-    assert left_out not in backends and "cudnn" in backends
+    backends = lambda cfg: [lever_and_c[1]["attention_backend"] for lever_and_c in tune.plan(
+        cfg, tune.lever_choices(cfg, cuda=True), torch.device("cuda"))[1] if lever_and_c[0] == "attention_backend"]
+    screened = backends(tune_cfg(attention_backend=incumbent))
+    assert left_out not in screened and "cudnn" in screened
     skipped = f"skipping attention_backend={left_out}: what the incumbent's '{incumbent}' runs here"
     assert skipped in capsys.readouterr().out
-    named = tune.lever_choices(tune_cfg(attention_backend=incumbent, tune_backends=f"{left_out},cudnn"), cuda=True)
-    assert named["attention_backend"] == [left_out, "cudnn"]  # named ones are tried as asked
+    named = backends(tune_cfg(attention_backend=incumbent, tune_backends=f"{left_out},cudnn"))
+    assert named == [left_out, "cudnn"]  # named ones are tried as asked
 
 
-def test_fa4_is_a_lever_where_it_can_run(monkeypatch, flash_attn_4_stand_in):
+def test_fa4_is_a_lever_where_it_can_run_and_named_where_it_cannot_is_refused(monkeypatch):
     monkeypatch.setattr(kernels.attention, "fa4_problem", lambda device: None if device.type == "cuda" else "no GPU")
     # a config that pins SDPA (with auto, fa4 is the incumbent's own attention where it runs)
     assert "fa4" in tune.lever_choices(tune_cfg(attention_backend="sdpa"), cuda=True)["attention_backend"]
@@ -152,181 +186,150 @@ def test_fa4_is_a_lever_where_it_can_run(monkeypatch, flash_attn_4_stand_in):
 
 # ---------------------------------------------------------------- the sweep
 
-def test_incumbent_is_measured_first_with_the_full_protocol_then_screened():
+def test_the_incumbent_is_measured_first_with_the_full_protocol_then_every_screen_before_any_confirmation():
     bench = FakeBench(FakeClock(), GPU)
-    sweep = sweep_of(bench, budget=3600)
+    sweep = sweep_of(bench, budget=36000)
     sweep.run()
-    # its screen (seconds) first, which says how long its full protocol takes; then that protocol
-    assert bench.runs[:2] == [("screen", GPU), ("confirm", GPU)]
-    assert bench.protocols[1] == tune.PROTOCOLS["confirm"] and bench.protocols[0] == tune.PROTOCOLS["screen"]
-    assert all(rung == "screen" for rung, _ in bench.runs[2:len(sweep.trials) + 1])  # all screens before confirms
-    assert sweep.fitted is None
+    assert bench.runs[:2] == [("confirm", GPU), ("screen", GPU)]
+    assert bench.protocols[0] == tune.PROTOCOLS["confirm"] and bench.protocols[1] == tune.PROTOCOLS["screen"]
+    stages = [stage for stage, _ in bench.runs]
+    assert stages[1:len(sweep.trials) + 1] == ["screen"] * len(sweep.trials)  # every one screened, then confirms
+    assert set(stages[len(sweep.trials) + 1:]) == {"confirm"}
 
 
 def test_a_budget_that_fits_only_the_incumbent_selects_it():
     bench = FakeBench(FakeClock(), GPU, gains={("attention_backend", "fa4"): 1.05})
-    # the incumbent's screen takes 27 s and its confirmation 87: no other screen leaves room for a confirmation
+    # the incumbent's confirmation takes 86.8 s: no screen leaves room for another confirmation in what is left
     sweep = sweep_of(bench, budget=130)
     assert sweep.run() is sweep.incumbent
-    assert bench.runs == [("screen", GPU), ("confirm", GPU)]
-    assert sweep.exhausted() and sweep.elapsed() <= 130
-    assert all(set(t.not_started) == {"screen"} for t in sweep.trials[1:])
+    assert bench.runs == [("confirm", GPU)] and sweep.elapsed() <= 130
+    assert all(set(t.not_started) == {"screen"} for t in sweep.trials)
+    assert "held for confirmations" in sweep.trials[1].not_started["screen"]
+    assert sweep.status(sweep.trials[1], sweep.incumbent) == "not started (budget)"
 
 
-def test_the_incumbent_runs_whatever_its_compile_is_guessed_to_take():
-    bench = FakeBench(FakeClock(), GPU, compile_s=lambda c: 5.0)
-    sweep = sweep_of(bench, budget=100, compile_guess=600.0)  # the guess says 600 s; both runs take 84
-    assert sweep.run() is sweep.incumbent
+def test_a_budget_that_cannot_finish_one_run_selects_nothing_and_ends_on_time():
+    bench = FakeBench(FakeClock(), GPU)
+    sweep = sweep_of(bench, budget=60)
+    assert sweep.run() is None
+    assert bench.timeouts == [60] and sweep.elapsed() <= 60  # the incumbent's confirmation, ended at the budget's end
 
 
-CPU_PROTOCOLS = {"screen": {"warmup": 3, "steps": 10, "windows": 1}, "confirm": dict(tune.PROTOCOLS["confirm"])}
-
-
-def test_a_full_protocol_that_cannot_finish_is_shortened_to_fit():
-    """A small CPU: an update takes 1 s, so protocol v2 (320 updates) would take 5 minutes of a 4-minute budget."""
-    bench = FakeBench(FakeClock(), CPU, per_update_s=1.0)
-    space = tune.search_space(CPU, CHOICES, cuda=False)
-    sweep = sweep_of(bench, budget=240, incumbent=CPU, space=space, protocols=CPU_PROTOCOLS)
+def test_screens_leave_time_to_confirm_the_best_they_found():
+    """The budget split: a screen starts only where the confirmations the screens have earned (and one more, up to
+    tune_confirm) still fit after it, so every candidate that goes on to the full protocol is confirmed."""
+    gains = {("attention_backend", "fa4"): 1.05, ("loss_impl", "full"): 1.04, ("compile_mode", "default"): 1.02}
+    bench = FakeBench(FakeClock(), GPU, gains=gains)
+    sweep = sweep_of(bench, budget=600, confirm=2)
     selected = sweep.run()
-    # 224.5 s left after the 15.5 s screen: 4 + 3 x 22 updates fit its confirmation in a third of that
-    assert sweep.fitted == {"warmup": 20, "steps": 100, "fitted_warmup": 4, "fitted_steps": 22,
-                            "budget_left_seconds": pytest.approx(224.5)}
-    assert all(p == dict(CPU_PROTOCOLS["confirm"], warmup=4, steps=22)
-               for (rung, _), p in zip(bench.runs, bench.protocols) if rung == "confirm")
-    assert selected is not None and tune.rate(selected.confirm) and sweep.elapsed() <= 240
-    assert CPU_PROTOCOLS["confirm"]["steps"] == 100  # the caller's protocols are not changed
-    assert sum(1 for t in sweep.trials if t.screen) > 1  # the rest of the budget still screened others
-    # where nothing fits, as short as a screen: the best chance left of a selection
-    bench = FakeBench(FakeClock(), CPU, per_update_s=1.0)
-    sweep = sweep_of(bench, budget=50, incumbent=CPU, space=space, protocols=CPU_PROTOCOLS)
-    sweep.run()
-    assert (sweep.fitted["fitted_warmup"], sweep.fitted["fitted_steps"]) == (3, 10) and sweep.elapsed() <= 50
-    # without fitting, the incumbent's full protocol runs into the end of the budget and nothing is selected
-    bench = FakeBench(FakeClock(), CPU, per_update_s=1.0)
-    sweep = sweep_of(bench, budget=240, incumbent=CPU, space=space, protocols=CPU_PROTOCOLS, fit=False)
-    assert sweep.run() is None and sweep.elapsed() <= 240
+    screened = [t for t in sweep.trials[1:] if t.screen]
+    assert 3 <= len(screened) < len(sweep.trials) - 1  # the budget stopped the screens, not the list's end
+    best = sweep.best_screened()
+    assert [t.candidate for t in best] == [dict(GPU, attention_backend="fa4"), dict(GPU, loss_impl="full")]
+    assert all(tune.rate(t.confirm) for t in best) and sweep.elapsed() <= 600
+    assert selected is best[0] and sweep.status(best[1], selected) == "confirmed"
+    assert all("held for confirmations" in t.not_started["screen"] for t in sweep.trials if not t.screen)
 
 
-def test_estimates_compare_screens_with_screens():
-    """Screens run slower per update than confirmations (less warmed up, or a busy CPU): the incumbent's
-    confirmation estimate must come from its own confirmation, not be scaled by its slow screen."""
-    bench = FakeBench(FakeClock(), GPU, screen_pace=5.0)
-    # (not fitted: the slow screen alone would say the full protocol cannot finish)
-    sweep = sweep_of(bench, budget=280, space=[("loss_impl", dict(GPU, loss_impl="full"))], fit=False)
-    sweep.run()
-    # screens of 45 s and confirmations of 87: after the incumbent's, 148 s hold one more of each
-    assert sweep.run_estimate(sweep.incumbent, "confirm") == pytest.approx(87.0)
-    assert [rung for rung, _ in bench.runs] == ["screen", "confirm", "screen", "confirm"]
-
-
-def test_a_screened_out_candidate_is_never_selected():
-    # fa4 and chunked loss would win the full protocol, but screen slower than the incumbent beyond the noise
-    gains = {("attention_backend", "fa4"): 1.5, ("loss_impl", "chunked"): 1.4, ("compile_scope", "blocks"): 1.05}
-    screens = {("attention_backend", "fa4"): 0.9, ("loss_impl", "chunked"): 0.95, ("compile_scope", "blocks"): 1.05}
-    bench = FakeBench(FakeClock(), GPU, gains=gains, screen_gains=screens)
-    sweep = sweep_of(bench, budget=3600)
-    selected = sweep.run()
-    confirmed = [c for rung, c in bench.runs if rung == "confirm"]
-    assert dict(GPU, attention_backend="fa4") not in confirmed and dict(GPU, loss_impl="chunked") not in confirmed
-    assert selected.candidate == dict(GPU, compile_scope="blocks")
-    assert sweep.status(sweep.trials[1], selected) == "screened out"
-
-
-def test_only_the_best_fraction_is_confirmed_best_screen_first():
+def test_at_most_tune_confirm_screens_are_confirmed_best_first():
     screens = {("micro_batch_size", 16): 1.01, ("compile_scope", "blocks"): 1.02, ("loss_impl", "full"): 0.99}
     bench = FakeBench(FakeClock(), GPU, gains={}, screen_gains=screens)
-    sweep = sweep_of(bench, budget=36000, confirm_fraction=0.1)
+    sweep = sweep_of(bench, budget=36000, confirm=3)
     sweep.run()
-    screened = sum(1 for t in sweep.trials[1:] if tune.rate(t.screen))
-    confirmed = [c for rung, c in bench.runs if rung == "confirm"][1:]
-    assert len(confirmed) == -(-screened // 10)  # ceil(0.1 x the screened)
-    assert confirmed[0] == dict(GPU, compile_scope="blocks")
-    assert confirmed[1] == dict(GPU, micro_batch_size=16)
-    assert all(sweep.status(t, None) in ("screened out", "confirmed") for t in sweep.trials[1:])
+    confirmed = [c for stage, c in bench.runs if stage == "confirm"][1:]
+    assert confirmed[:2] == [dict(GPU, compile_scope="blocks"), dict(GPU, micro_batch_size=16)]
+    assert len(confirmed) == 3 and bench.speed(confirmed[2], "screen") == 1000.0  # a tie with the incumbent's
+    assert {sweep.status(t, None) for t in sweep.trials[1:]} == {"screened out", "confirmed"}
 
 
-def test_a_compile_that_does_not_fit_is_not_started_and_a_cheaper_candidate_after_it_is():
-    compile_s = lambda c: 400.0 if "max-autotune" in tune.mode_of(c) else (20.0 if c["compile"] else 0.5)
-    bench = FakeBench(FakeClock(), GPU, compile_s=compile_s)
-    space = [("compile_mode", dict(GPU, compile_mode="max-autotune")), ("loss_impl", dict(GPU, loss_impl="full"))]
-    # after the incumbent's 27 s screen and 87 s confirmation, 216 s are left, 87 of them held for a
-    # confirmation: autotuning's compile, estimated at 8 x the 20 s measured, does not fit; a 27 s screen does
-    sweep = sweep_of(bench, budget=330, space=space)
-    sweep.run()
-    autotune, loss = sweep.trials[1:]
-    assert ("screen", autotune.candidate) not in bench.runs and "compile" in autotune.not_started["screen"]
-    assert ("screen", loss.candidate) in bench.runs
-    assert sweep.compile_estimate(autotune.candidate) == pytest.approx(160.0)
-
-
-def test_compile_estimates_come_from_what_was_measured():
-    bench = FakeBench(FakeClock(), GPU)
-    sweep = sweep_of(bench, budget=1e9, space=[], compile_guess=60.0)
-    assert sweep.compile_estimate(GPU) == 60.0  # nothing measured: the guess for a whole-model compile
-    assert sweep.compile_estimate(dict(GPU, compile_scope="blocks")) == 30.0
-    assert sweep.compile_estimate(dict(GPU, compile=False)) == 0.0
-    sweep.incumbent.results["confirm"] = {"status": "ok", "tokens_per_second": 1.0, "first_update_seconds": 22.0}
-    assert sweep.compile_estimate(dict(GPU, loss_impl="full")) == 22.0  # same compile settings
-    assert sweep.compile_estimate(dict(GPU, compile_scope="blocks")) == 11.0
-    assert sweep.compile_estimate(dict(GPU, compile_mode="max-autotune")) == 176.0
-    assert sweep.compile_estimate(dict(GPU, attention_backend="fa4")) == 22.0 + tune.FA4_COMPILE_SECONDS
-
-
-def test_the_levers_that_won_their_screens_are_tried_together():
-    gains = {("attention_backend", "fa4"): 1.035, ("compile_scope", "blocks"): 1.05, ("micro_batch_size", 16): 1.04,
-             ("micro_batch_size", 64): 1.06, ("loss_impl", "full"): 1.01}
-    bench = FakeBench(FakeClock(), GPU, gains=gains)
-    sweep = sweep_of(bench, budget=36000)
+def test_a_screen_slower_than_the_incumbents_beyond_screen_noise_is_never_confirmed_nor_selected():
+    # fa4 and chunked loss would win the full protocol, but screen slower than the incumbent beyond the noise
+    gains = {("attention_backend", "fa4"): 1.5, ("loss_impl", "chunked"): 1.4, ("compile_scope", "blocks"): 1.05}
+    screens = {("attention_backend", "fa4"): 0.9, ("loss_impl", "chunked"): 0.96, ("compile_scope", "blocks"): 1.05}
+    bench = FakeBench(FakeClock(), GPU, gains=gains, screen_gains=screens)
+    sweep = sweep_of(bench, budget=36000, screen_noise=0.03)
     selected = sweep.run()
-    # each lever's best winner by more than the screen noise (3%); loss_impl=full won by 1% only
-    combined = dict(GPU, attention_backend="fa4", compile_scope="blocks", micro_batch_size=64)
-    assert sweep.trials[-1].lever == "combined" and sweep.trials[-1].candidate == combined
-    assert selected.candidate == combined and tune.rate(selected.confirm) == pytest.approx(1000 * 1.035 * 1.05 * 1.06)
+    confirmed = [c for stage, c in bench.runs if stage == "confirm"]
+    assert dict(GPU, attention_backend="fa4") not in confirmed and dict(GPU, loss_impl="chunked") not in confirmed
+    assert selected.candidate == dict(GPU, compile_scope="blocks")
+    assert sweep.status(trial_of(sweep, attention_backend="fa4"), selected) == "screened out"
 
 
-def test_a_refused_combination_is_not_run():
-    gains = {("compile_scope", "blocks"): 1.05, ("micro_batch_size", 64): 1.06}
-    bench = FakeBench(FakeClock(), GPU, gains=gains)
-    sweep = sweep_of(bench, budget=36000, valid=lambda c: "no graphs of blocks at 64" if
-                     c["compile_scope"] == "blocks" and c["micro_batch_size"] == 64 else None)
-    sweep.run()
-    assert all(t.lever != "combined" for t in sweep.trials) and sweep.refused[0][1] == "no graphs of blocks at 64"
-
-
-def test_a_gain_within_noise_keeps_the_incumbent():
+def test_a_gain_within_noise_keeps_the_incumbent_and_one_beyond_it_is_selected():
     bench = FakeBench(FakeClock(), GPU, gains={("compile_scope", "blocks"): 1.008})
     sweep = sweep_of(bench, budget=36000, noise=0.01)
     assert sweep.run() is sweep.incumbent
-    assert tune.rate(sweep.trials[[t.candidate for t in sweep.trials].index(dict(GPU, compile_scope="blocks"))]
-                     .confirm) > tune.rate(sweep.incumbent.confirm)  # faster, but by less than the noise
+    assert tune.rate(trial_of(sweep, compile_scope="blocks").confirm) > tune.rate(sweep.incumbent.confirm)
+    bench = FakeBench(FakeClock(), GPU, gains={("compile_scope", "blocks"): 1.02})
+    sweep = sweep_of(bench, budget=36000, noise=0.01)
+    assert sweep.run() is trial_of(sweep, compile_scope="blocks")
+
+
+def test_a_confirmation_that_does_not_fit_is_not_started_and_a_cheaper_one_after_it_is():
+    compile_s = lambda c: 200.0 if c["compile_scope"] == "blocks" else (20.0 if c["compile"] else 0.5)
+    gains = {("compile_scope", "blocks"): 1.05, ("loss_impl", "full"): 1.02}
+    bench = FakeBench(FakeClock(), GPU, gains=gains, compile_s=compile_s)
+    space = [("loss_impl", dict(GPU, loss_impl="full")), ("compile_scope", dict(GPU, compile_scope="blocks"))]
+    # blocks' screen is estimated from the incumbent's (27.4 s) but takes 207 s with its compile, after which its
+    # own confirmation (264 s) no longer fits in the 211 s left, where loss_impl=full's (85 s) does
+    sweep = sweep_of(bench, budget=560, space=space)
+    selected = sweep.run()
+    full, blocks = sweep.trials[1:]
+    assert blocks.screen["status"] == "ok" and "confirm" in blocks.not_started
+    assert sweep.estimate(blocks, "confirm") == pytest.approx(3 + 200 + 319 * 0.2 / 1.05)  # exact: one pace
+    assert sweep.status(blocks, selected) == "not confirmed (budget)"
+    assert selected is full and sweep.elapsed() <= sweep.budget_seconds
+
+
+def test_estimates_come_from_the_nearest_run_measured():
+    bench = FakeBench(FakeClock(), GPU, compile_s=lambda c: 50.0 if c["attention_backend"] == "fa4" else 20.0)
+    sweep = sweep_of(bench, budget=1e9, space=[("attention_backend", dict(GPU, attention_backend="fa4"))])
+    fa4 = sweep.trials[1]
+    assert sweep.estimate(sweep.incumbent, "confirm") is None  # the first run has nothing to go by
+    sweep.attempt(sweep.incumbent, "confirm")
+    assert sweep.estimate(sweep.incumbent, "screen") == pytest.approx(SCREEN_S)  # its confirmation, less updates
+    assert sweep.estimate(fa4, "screen") == pytest.approx(SCREEN_S)  # the incumbent's: nothing of its own yet
+    sweep.attempt(fa4, "screen")
+    assert sweep.estimate(fa4, "confirm") == pytest.approx(CONFIRM_S + 30)  # its own screen, with its compile
+
+
+def test_every_run_is_ended_by_candidate_timeout_and_by_the_budget():
+    bench = FakeBench(FakeClock(), GPU, compile_s=lambda c: 900.0 if c["compile_mode"] == "max-autotune" else 20.0)
+    sweep = sweep_of(bench, budget=1500, candidate_timeout=300.0)
+    sweep.run()
+    autotune = trial_of(sweep, compile_mode="max-autotune")
+    assert autotune.screen["error"] == "timed out after 5.0 minutes" and sweep.elapsed() <= 1500
+    assert all(t <= 300.0 for t in bench.timeouts)
+    assert sweep.status(autotune, None) == "screen: error"
 
 
 def test_a_failed_run_ends_only_that_candidate():
-    oom = lambda c, rung: "torch.OutOfMemoryError: CUDA out of memory." if c["micro_batch_size"] == 64 else None
+    oom = lambda c, stage: "torch.OutOfMemoryError: CUDA out of memory." if c["micro_batch_size"] == 64 else None
     bench = FakeBench(FakeClock(), GPU, gains={("micro_batch_size", 64): 2.0, ("loss_impl", "chunked"): 1.05},
                       fail=oom)
     sweep = sweep_of(bench, budget=36000)
     selected = sweep.run()
-    big = next(t for t in sweep.trials if t.candidate == dict(GPU, micro_batch_size=64))
+    big = trial_of(sweep, micro_batch_size=64)
     assert sweep.status(big, selected) == "screen: out of memory" and "confirm" not in big.results
     assert selected.candidate == dict(GPU, loss_impl="chunked")
 
 
 def test_a_failed_incumbent_still_selects_a_confirmed_candidate():
-    fail = lambda c, rung: "RuntimeError: boom" if c == GPU else None
+    fail = lambda c, stage: "RuntimeError: boom" if c == GPU else None
     bench = FakeBench(FakeClock(), GPU, gains={("loss_impl", "chunked"): 0.9}, fail=fail)
     sweep = sweep_of(bench, budget=36000)
     selected = sweep.run()
     assert selected is not None and selected is not sweep.incumbent and tune.rate(selected.confirm)
+    assert sweep.status(sweep.incumbent, selected) == "confirm: error"
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_random_sweeps_keep_every_rule(seed):
-    """Whatever the speeds, compile times and budget: the sweep ends within its budget, selects only a
-    candidate measured with the full protocol, never one the screens dropped, and never one slower than the
-    incumbent beyond the noise."""
+    """Whatever the speeds, compile times and budget: the sweep ends within its budget, measures the incumbent
+    first, selects only a candidate measured with the full protocol among the best screened, and never one
+    slower than the incumbent or within the noise of it."""
     rng = random.Random(seed)
-    space = tune.search_space(GPU, CHOICES, cuda=True)
+    space = tune.search_space(GPU, CHOICES)
     gains = {(k, c[k]): rng.uniform(0.8, 1.15) for lever, c in space for k in changed(c, GPU)}
     screens = {key: g * rng.uniform(0.95, 1.05) for key, g in gains.items()}
     compile_of = {tune.candidate_name(c): rng.uniform(5, 300) for _, c in [(None, GPU)] + space}
@@ -334,22 +337,21 @@ def test_random_sweeps_keep_every_rule(seed):
                       compile_s=lambda c: compile_of.get(tune.candidate_name(c), 30.0),
                       per_update_s=rng.uniform(0.05, 0.4))
     budget = rng.uniform(60, 2400)
-    sweep = sweep_of(bench, budget=budget, candidate_timeout=600.0, noise=0.01)
+    sweep = sweep_of(bench, budget=budget, candidate_timeout=600.0, noise=0.01, confirm=rng.randint(1, 5))
     selected = sweep.run()
     assert sweep.elapsed() <= budget + 1e-6 and all(t <= 600.0 for t in bench.timeouts)
-    assert bench.runs[:2] == [("screen", GPU), ("confirm", GPU)][:len(bench.runs)]
+    assert bench.runs[0] == ("confirm", GPU)
+    assert len([c for stage, c in bench.runs if stage == "confirm"]) <= sweep.confirm + 1
     if selected is None:
         assert not tune.rate(sweep.incumbent.confirm)
         return
     assert tune.rate(selected.confirm)
-    assert selected is sweep.incumbent or selected in sweep.promoted()
+    assert selected is sweep.incumbent or selected in sweep.best_screened()
     inc = tune.rate(sweep.incumbent.confirm)
     if inc:
-        assert tune.rate(selected.confirm) >= inc
         assert selected is sweep.incumbent or tune.rate(selected.confirm) > inc * 1.01
-    # the fastest confirmation wins, unless it beats the selection by no more than the noise
     best = max(tune.rate(t.confirm) or 0 for t in sweep.trials)
-    assert tune.rate(selected.confirm) >= best / 1.01
+    assert tune.rate(selected.confirm) >= best / 1.01  # the fastest confirmation, unless within noise of it
 
 
 def test_the_budget_split_adds_up():
@@ -365,9 +367,27 @@ def test_the_budget_split_adds_up():
     assert split["screen_seconds"] + split["confirm_seconds"] == pytest.approx(split["elapsed_seconds"])
 
 
+def test_the_tuning_record_has_every_field_a_reader_uses():
+    bench = FakeBench(FakeClock(), GPU, gains={("compile_scope", "blocks"): 1.05})
+    sweep = sweep_of(bench, budget=36000)
+    selected = sweep.run()
+    cfg = tune_cfg(budget=600.0)
+    tuning = tune.tuning_record(cfg, sweep, selected, [], "hash")
+    assert {"run_id", "budget_minutes", "budget_exhausted", "elapsed_minutes", "source_hash", "environment",
+            "protocols", "incumbent", "candidates", "selected", "selected_config_path", "gain_over_incumbent",
+            "budget_split", "minutes_to_finish", "noise", "screen_noise", "refused", "base_config"} <= set(tuning)
+    assert tuning["selected"]["change"] == "compile_scope=blocks" and not tuning["budget_exhausted"]
+    assert tuning["minutes_to_finish"] * 60 >= sweep.budget_split()["screen_seconds"]
+    assert tuning["gain_over_incumbent"] == pytest.approx(0.05)
+    record = tuning["candidates"][1]
+    for field in ("name", "lever", "change", "config_path", "status", "screen", "confirm", "screen_ratio",
+                  "tokens_per_second", "compile_seconds", "peak_memory_bytes", "not_started", *tune.LEVER_KEYS):
+        assert field in record
+
+
 def test_a_15_minute_gpu_sweep_screens_every_cheap_lever_and_confirms_the_best():
-    """The H200 figures of docs/PERFORMANCE.md in fake time: a process takes 12 s to start, a whole-model
-    compile 20 s (blocks 10 s, fa4's backward 4 s more, autotuning 170 s), an update of 32,768 tokens 16 ms."""
+    """The H200 figures of docs/TUNING.md in fake time: a process takes 12 s to start, a whole-model compile 20 s
+    (blocks 10 s, fa4's backward 4 s more, autotuning 170 s), an update of 32,768 tokens 16 ms."""
     def compile_s(c):
         if not c["compile"]:
             return 1.0
@@ -384,4 +404,5 @@ def test_a_15_minute_gpu_sweep_screens_every_cheap_lever_and_confirms_the_best()
     assert len(screened) >= 12 and sweep.elapsed() <= 15 * 60
     changes = {tune.describe(t.candidate, GPU) for t in screened}
     assert {"attention_backend=fa4", "loss_impl=full", "loss_impl=chunked", "compile_scope=blocks"} <= changes
+    assert all(tune.rate(t.confirm) for t in sweep.best_screened())
     assert selected.candidate == dict(GPU, attention_backend="fa4")  # +2.8%, beyond the 1% noise
