@@ -3,6 +3,10 @@
 The tiny-llm family is Llama with heads that are all query heads (no grouped-query attention), tied
 embeddings, no biases, SwiGLU and default rotary positions; a Llama outside it is refused in one sentence.
 """
+import json
+import re
+from pathlib import Path
+
 import torch
 
 from model import ModelConfig, Transformer
@@ -91,3 +95,86 @@ def from_hf(hf_model):
         for name, target in hf_named_tensors(model).items():
             target.copy_(src[name])
     return model
+
+
+# A transformers folder's weights: one file, or the shards its index names (safetensors first, as transformers reads).
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def weight_files(folder):
+    """The weight files of a transformers folder ([] when it holds none)."""
+    folder = Path(folder)
+    for name in WEIGHT_FILES:
+        index = folder / f"{name}.index.json"
+        if index.is_file():
+            try:
+                return sorted({folder / shard for shard in json.loads(index.read_text())["weight_map"].values()})
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                return []  # a broken index: from_pretrained says what is wrong with it
+        if (folder / name).is_file():
+            return [folder / name]
+    return []
+
+
+def stored_shapes(folder):
+    """{name: shape} of the tensors in a transformers folder's weight files, read from their headers (the data
+    is not loaded); None when there is no weight file or one cannot be read (from_pretrained then says why)."""
+    files, shapes = weight_files(folder), {}
+    if not files:
+        return None
+    try:
+        for path in files:
+            if path.suffix == ".safetensors":
+                from safetensors import safe_open
+                with safe_open(str(path), framework="pt") as f:
+                    shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+            else:  # memory-mapped: only what the shapes need is read
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                shapes.update({k: tuple(v.shape) for k, v in state.items()})
+    except Exception:  # truncated or foreign files: from_pretrained's own error names them
+        return None
+    return shapes
+
+
+def _shape_of_weights(shapes):
+    """The config.json fields that the stored tensors fix, as far as their names and shapes tell."""
+    held = {}
+    layers = {int(m.group(1)) for m in (re.match(r"model\.layers\.(\d+)\.", n) for n in shapes) if m}
+    if layers:
+        held["num_hidden_layers"] = max(layers) + 1
+    embedding = shapes.get("model.embed_tokens.weight")
+    if embedding is not None and len(embedding) == 2:
+        held["vocab_size"], held["hidden_size"] = embedding
+    gate = shapes.get("model.layers.0.mlp.gate_proj.weight")
+    if gate is not None and len(gate) == 2:
+        held["intermediate_size"] = gate[0]
+    return held
+
+
+def weights_mismatch(hf_cfg, shapes):
+    """None when the stored tensors (`shapes`, {name: shape}) are exactly the ones hf_cfg describes: every one
+    used, each of the shape the model is built with. Else one line naming what config.json says and what the
+    weights hold: a config that is smaller than its weights would drop weights, a different width would fail."""
+    with torch.device("meta"):  # shapes only: no memory, no initialization
+        model = Transformer(config_from_hf(hf_cfg))
+    expected = {name: tuple(t.shape) for name, t in hf_named_tensors(model).items()}
+    # rotary tables that old transformers saved are computed from rope_theta, not weights; a tied LM head saved
+    # beside the embedding is checked against it by value (checkpoint.py) when its shape is the embedding's
+    held = {n: s for n, s in shapes.items() if not n.endswith("rotary_emb.inv_freq")
+            and not (n == "lm_head.weight" and s == expected["model.embed_tokens.weight"])}
+    if held == expected:
+        return None
+    said = {"num_hidden_layers": hf_cfg.num_hidden_layers, "vocab_size": hf_cfg.vocab_size,
+            "hidden_size": hf_cfg.hidden_size, "intermediate_size": hf_cfg.intermediate_size}
+    fields = [f"{k}={said[k]} but the weights hold {v}" + (" layers" if k == "num_hidden_layers" else "")
+              for k, v in _shape_of_weights(held).items() if said[k] != v]
+    if not fields:  # the fields agree, the tensors do not: name the first few that differ
+        extra = sorted(set(held) - set(expected))[:3]
+        missing = sorted(set(expected) - set(held))[:3]
+        wrong = [f"{n} is {held[n]} where config.json gives {expected[n]}" for n in expected
+                 if n in held and held[n] != expected[n]][:3]
+        fields = [f"the weights hold {', '.join(extra)}, which config.json has no place for"] * bool(extra) + \
+                 [f"the weights lack {', '.join(missing)}"] * bool(missing) + wrong
+        return f"its weights do not match config.json: {'; '.join(fields)}; export the folder again"
+    return (f"config.json says {'; '.join(fields)}; make config.json match the weights (or export the "
+            f"folder again)")

@@ -7,6 +7,7 @@ one line per run that has points for it, in the run's colour in every panel; an 
 training curve is drawn in the validation panels only (a figure of such entries alone has no training row). Figures are matplotlib's Agg (no display), written
 atomically.
 """
+import math
 import os
 from pathlib import Path
 
@@ -40,11 +41,24 @@ def training_runs(results):
     return [name for name, entry in results.items() if isinstance(entry, dict) and "recipe_identity" in entry]
 
 
+def _finite(value):
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
 def points(entry, curve, x_field):
-    """(xs, losses) of one curve of a run, leaving out points without that x (entries older than the field)."""
+    """(xs, losses) of one curve of a run, leaving out points without that x (entries older than the field) and
+    points without a finite loss (a diverged run's NaN, or the null results.py writes for it)."""
     pairs = [(p[x_field], p["loss"]) for p in entry.get(curve) or []
-             if p.get(x_field) is not None and p.get("loss") is not None]
+             if p.get(x_field) is not None and _finite(p.get("loss"))]
     return [x for x, _ in pairs], [y for _, y in pairs]
+
+
+def without_finite_losses(runs):
+    """The names of runs [(name, entry)] that recorded curve points but no finite loss in any of them: nothing of
+    theirs can be drawn (a run that diverged at once), which is not the same as a run without curves."""
+    def losses(entry):
+        return [p.get("loss") for curve, _, _ in CURVES for p in entry.get(curve) or [] if isinstance(p, dict)]
+    return [name for name, entry in runs if (ys := losses(entry)) and not any(map(_finite, ys))]
 
 
 def runs_figure(runs, x="both", title=None):
@@ -64,16 +78,20 @@ def runs_figure(runs, x="both", title=None):
         for col, axis in enumerate(axes_x):
             field, xlabel = X_AXES[axis]
             ax = grid[row][col]
-            missing = []
+            missing, not_finite = [], []
             for i, (name, entry) in enumerate(runs):
                 xs, ys = points(entry, curve, field)
                 if xs:
                     ax.plot(xs, ys, marker=marker, color=f"C{i % 10}", label=name)
+                elif any(p.get(field) is not None for p in entry.get(curve) or []):
+                    not_finite.append(name)  # points on this axis, none with a finite loss: diverged
                 else:
                     missing.append(name)
-            if missing:  # old entries, or a run stopped before its first log line or epoch end
-                ax.text(0.02, 0.02, f"no {curve.replace('_', ' ')}: {', '.join(missing)}", transform=ax.transAxes,
-                        fontsize=8, color="0.4")
+            # old entries, or a run stopped before its first log line or epoch end; or one that diverged
+            notes = [f"no {curve.replace('_', ' ')}: {', '.join(missing)}"] * bool(missing) + \
+                [f"no finite loss: {', '.join(not_finite)}"] * bool(not_finite)
+            if notes:
+                ax.text(0.02, 0.02, "\n".join(notes), transform=ax.transAxes, fontsize=8, color="0.4")
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)

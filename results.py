@@ -6,6 +6,7 @@ reordered (a replaced value moves to the top-level "history"), and a file that d
 """
 import contextlib
 import json
+import math
 import os
 import tempfile
 import time
@@ -57,11 +58,27 @@ def _flat(value):
     return items is not None and not any(isinstance(v, (dict, list)) for v in items)
 
 
+def finite(value):
+    """value with every float that is NaN or infinite, at any depth, replaced by None.
+
+    Strict JSON has no NaN or Infinity: json.dumps writes them, but most other parsers (jq, JavaScript, a
+    strict json.loads) refuse the whole file for one diverged run's loss. null keeps the field and says that
+    there was no finite value; the plots skip a point without a loss."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
 def dumps(value, indent=0):
-    """JSON as json.dumps(indent=2) writes it, except that an object or a list holding no others is one line:
-    a curve is one line per point and a list of numbers one line, so that a person can read the file."""
+    """Strict JSON as json.dumps(indent=2) writes it, except that an object or a list holding no others is one
+    line: a curve is one line per point and a list of numbers one line, so that a person can read the file.
+    Non-finite floats are written as null (finite() says why)."""
     if not isinstance(value, (dict, list)) or not value or _flat(value):
-        return json.dumps(value, default=str)
+        return json.dumps(finite(value), default=str, allow_nan=False)
     pad = " " * (indent + 2)
     if isinstance(value, dict):
         inner = [f"{pad}{json.dumps(str(k))}: {dumps(v, indent + 2)}" for k, v in value.items()]
@@ -86,6 +103,13 @@ def read_results(path):
     if not isinstance(data, dict):
         raise ResultsFileError(f"results file {path} holds a {type(data).__name__}, not a JSON object; "
                                f"it was left as it is: pass another --results_file")
+    history = data.get("history", [])
+    if not isinstance(history, list) or not all(isinstance(h, dict) for h in history):
+        # every writer appends replaced entries there, and merge_results reads them as objects
+        what = f"a {type(history).__name__}" if not isinstance(history, list) else "a list holding non-objects"
+        raise ResultsFileError(f"results file {path}: its field 'history' is {what}, not the list of replaced "
+                               f"entries (objects); it was left as it is: fix or move it, or pass another "
+                               f"--results_file")
     return data
 
 

@@ -5,11 +5,16 @@
     python sample.py --out_dir=out/tiny-cpu --export_hf=hf/tiny-cpu   # LlamaForCausalLM folder + tokenizer
 
 The checkpoint is out_dir/ckpt.pt as train.py writes it; the tokenizer is the one data/prepare.py saved in
-the run's data_dir. Samples go to stdout, one after another, each followed by a line of dashes. An export
+the run's data_dir, or in --data_dir when that names another folder (the cache moved, say). A cache prepared
+again since the run trained, or another cache with another tokenizer, is refused: its token ids are not the
+ones the weights know. Samples go to stdout, one after another, each followed by a line of dashes. An export
 names the cache's end-of-text token as its eos and bos (config.json and generation_config.json), so
-transformers' generate() stops where a document ends.
+transformers' generate() stops where a document ends; it goes into a new or empty folder, or replaces an
+earlier export.
 """
+import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -18,10 +23,11 @@ import torch
 
 import checkpoint
 import results
+import settings
 import train
 from configurator import ConfigError, defaults_of, load_config
 from data.loader import CacheError, TokenCache, prepare_command
-from hf import to_hf
+from hf import to_hf, weight_files as hf_weight_files
 
 # ---------------------------------------------------------------- defaults (train.py's keys are accepted too)
 prompt = "Once upon a time"      # "" starts from the end-of-text token, i.e. a new document
@@ -63,6 +69,25 @@ def load_tokenizer(data_dir, vocab_size=0):
         return AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError) as exc:
         raise SampleError(f"the tokenizer in {folder} could not be loaded ({exc}); prepare the cache again") from None
+
+
+def tokenizer_folder(cfg, ckpt):
+    """The token cache folder whose tokenizer encodes and decodes: data_dir when it is set to another folder
+    than the run's (a cache moved or copied, say), else the one the run trained on. A data_dir at its default,
+    or as the checkpoint records it, is the run's own (found from here as checkpoint.run_data_dir says)."""
+    if cfg.data_dir not in (ckpt["config"]["data_dir"], DEFAULTS["data_dir"]):
+        return Path(cfg.data_dir)
+    return checkpoint.run_data_dir(ckpt)
+
+
+def check_cache(ckpt, path, data_dir):
+    """Refuse a tokenizer that is not the checkpoint's: data_dir's cache must be the one the run trained on (its
+    recorded cache_identity), or hold the same tokenizer as that one, which must then still be there."""
+    problem = checkpoint.tokenizer_mismatch(
+        f"checkpoint {path}", (ckpt.get("recipe") or {}).get("cache_identity"), checkpoint.run_data_dir(ckpt),
+        data_dir, "pass --data_dir=FOLDER of a cache prepared with the run's tokenizer")
+    if problem:
+        raise SampleError(problem)
 
 
 def eot_token(tokenizer, data_dir):
@@ -124,8 +149,66 @@ def check_settings(cfg):
             raise SampleError(f"{key} must be at least {low}, got {cfg[key]}")
     if not (cfg.temperature == 0 or cfg.temperature >= 1e-3):  # below, logits / temperature overflow
         raise SampleError(f"temperature must be 0 (greedy) or at least 0.001, got {cfg.temperature}")
-    if cfg.export_hf and Path(cfg.export_hf).exists() and not Path(cfg.export_hf).is_dir():
-        raise SampleError(f"--export_hf {cfg.export_hf} is a file; give a folder (new or existing)")
+    check_prompt(cfg.prompt)
+    if cfg.export_hf:
+        check_export_folder(Path(cfg.export_hf))
+
+
+def check_prompt(text):
+    """A prompt the tokenizer can take: bytes that are not UTF-8 reach Python's argv as lone surrogates
+    (surrogateescape), which the tokenizer refuses with a TypeError that names neither the prompt nor the byte."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        char = ord(text[exc.start])
+        what = f"byte 0x{char - 0xDC00:02x}" if 0xDC80 <= char <= 0xDCFF else f"lone surrogate U+{char:04X}"
+        raise SampleError(f"--prompt is not valid UTF-8 text ({what} at character {exc.start}); give the prompt in "
+                          f"UTF-8 (the terminal's or the file's encoding)") from None
+
+
+# What an export writes (sample.export: transformers' save_pretrained of the model and of the tokenizer), the
+# files a transformers version may add to them, and export()'s staging folders that a killed export leaves.
+EXPORT_FILES = {"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                "pytorch_model.bin", "pytorch_model.bin.index.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt",
+                "tokenizer.model"}
+EXPORT_STAGING = ".export-"
+
+
+def is_export_file(name):
+    return (name in EXPORT_FILES or name.startswith(EXPORT_STAGING)
+            or re.fullmatch(r"model-\d+-of-\d+\.safetensors", name) is not None)
+
+
+def check_export_folder(folder):
+    """--export_hf replaces the files of an export: the folder must be new, empty, or an earlier export (a
+    Llama config.json beside its weights, and nothing else than an export writes). A token cache there would
+    get another tokenizer under its recorded hash; a run's folder would mix its checkpoint with an export."""
+    if not folder.exists():
+        return
+    if not folder.is_dir():
+        raise SampleError(f"--export_hf {folder} is a file; give a folder (new or existing)")
+    try:
+        names = sorted(p.name for p in folder.iterdir())
+    except OSError as exc:
+        raise SampleError(f"--export_hf {folder} cannot be read ({exc.strerror}); give a writable folder") from None
+    foreign = [n for n in names if not is_export_file(n)]
+    if not names or (not foreign and _is_llama_config(folder / "config.json") and hf_weight_files(folder)):
+        return
+    kind = ": it is a token cache" if {"meta.json", "train.bin"} & set(names) else \
+        ": it is a run's folder" if "ckpt.pt" in names else ""
+    listed = ", ".join(foreign[:4] + ["..."] * (len(foreign) > 4))
+    what = (f"holds files that an export does not write ({listed}){kind}" if foreign
+            else "is not an earlier export (no Llama config.json beside weights)")
+    raise SampleError(f"--export_hf {folder} {what}, and the export would replace its files; give a new or empty "
+                      f"folder, or an earlier export")
+
+
+def _is_llama_config(path):
+    try:
+        return json.loads(path.read_text()).get("model_type") == "llama"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def export(model, tokenizer, folder, eot_token_id=None):
@@ -144,7 +227,7 @@ def export(model, tokenizer, folder, eot_token_id=None):
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise SampleError(f"--export_hf {folder} cannot be made ({exc.strerror}); give a writable folder") from None
-    with tempfile.TemporaryDirectory(dir=folder, prefix=".export-") as staging:
+    with tempfile.TemporaryDirectory(dir=folder, prefix=EXPORT_STAGING) as staging:
         hf.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         for written in Path(staging).iterdir():
@@ -157,16 +240,18 @@ def export(model, tokenizer, folder, eot_token_id=None):
 def sample(cfg):
     """The configured samples as texts (each the prompt and its continuation); with export_hf, export instead."""
     check_settings(cfg)
-    device = train.resolve_device(cfg)
+    device = settings.resolve_device(cfg)
     out_dir = train.run_dir(cfg)
     model, ckpt = load_checkpoint(out_dir, device)
-    data_dir = checkpoint.run_data_dir(ckpt)
+    data_dir = tokenizer_folder(cfg, ckpt)
     tokenizer = load_tokenizer(data_dir, model.config.vocab_size)
+    check_cache(ckpt, Path(out_dir) / "ckpt.pt", data_dir)
     if cfg.export_hf:
         export(model, tokenizer, cfg.export_hf, eot_token(tokenizer, data_dir))
         return []
     print(f"{out_dir}/ckpt.pt: update {ckpt.get('step')}, epoch {ckpt.get('epoch')}, "
-          f"{sum(p.numel() for p in model.parameters()):,} parameters, {device}", file=sys.stderr)
+          f"{sum(p.numel() for p in model.parameters()):,} parameters, {device}; tokenizer of {data_dir}",
+          file=sys.stderr)
     idx = encode_prompt(tokenizer, cfg.prompt, model, data_dir)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
     out = generate(model, idx.to(device).repeat(cfg.num_samples, 1), cfg.max_new_tokens, cfg.temperature,

@@ -4,8 +4,10 @@ training tokens and against training seconds, one line per run.
     python scripts/plot_runs.py RESULTS.json [RUN ...] [--out=out/runs.png] [--x=tokens|seconds|both]
 
 Without RUN names, every training run in the file (its top-level entries with a recipe identity). Entries
-written before train.py recorded the training curve are drawn in the validation panels only.
-Exit status: 0 when the plot is written, 2 on a mistake (an unknown run, a bad --out, a broken results file).
+written before train.py recorded the training curve are drawn in the validation panels only; a run without a
+finite loss (diverged) is named in a note and not drawn.
+Exit status: 0 when the plot is written, 2 on a mistake (an unknown run, a bad --out, a broken results file,
+no run with a finite loss).
 """
 import argparse
 import sys
@@ -54,12 +56,19 @@ def main(argv):
         args = parse(argv)
         plots.check_path(args.out)
         runs = selected_runs(args.results, args.runs)
+        empty = plots.without_finite_losses(runs)
+        if len(empty) == len(runs):
+            raise plots.PlotError(f"results file {args.results}: no finite loss to draw in {', '.join(empty)} "
+                                  f"(every loss NaN, infinite or null: diverged)")
         title = f"{len(runs)} run{'s' if len(runs) > 1 else ''} of {args.results}"
         fig = plots.save_plot(args.out, runs, args.x, title)
     except (plots.PlotError, ResultsFileError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2, None
-    print(f"wrote {args.out}: {', '.join(name for name, _ in runs)}")
+    if empty:  # their panels say so too, but a figure is easy to misread as the run not being there
+        print(f"note: no finite loss in {', '.join(empty)} (every loss NaN, infinite or null: diverged); "
+              f"not drawn", file=sys.stderr)
+    print(f"wrote {args.out}: {', '.join(name for name, _ in runs if name not in empty)}")
     return 0, fig
 
 

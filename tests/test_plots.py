@@ -108,3 +108,26 @@ def test_a_real_run_plots_its_training_curve(text_cache, tmp_path, monkeypatch):
     assert list(train_tokens.lines[0].get_xdata()) == [p["tokens"] for p in entry["training_curve"]]
     assert len(train_tokens.lines[0].get_xdata()) == 64 // 8 and len(val_tokens.lines[0].get_xdata()) == 2
     assert (tmp_path / "pair.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_runs_without_a_finite_loss_are_named_and_the_others_drawn(results, tmp_path, capsys):
+    """A run whose losses were all NaN was drawn as empty axes, without a word."""
+    diverged = run_entry(0.3)
+    for curve in ("training_curve", "validation_curve"):
+        for i, point in enumerate(diverged[curve]):
+            point["loss"] = float("nan") if i % 2 else None  # NaN as older files hold it, null as results.py writes it
+    assert plots.without_finite_losses([("a", run_entry(0.0)), ("diverged", diverged)]) == ["diverged"]
+    assert plots.points(diverged, "training_curve", "tokens") == ([], [])
+    record(results, ["diverged"], diverged)  # its NaNs become null there
+    code, fig = plot_runs.main([str(results), "a", "diverged", f"--out={tmp_path / 'runs.png'}"])
+    assert code == 0
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and err.startswith("note: no finite loss in diverged") and "wrote" in out
+    train_tokens, _, val_tokens, _ = fig.axes
+    assert labels(train_tokens) == labels(val_tokens) == ["a"]
+    assert any("no finite loss: diverged" in text.get_text() for text in train_tokens.texts)
+    # nothing but such runs: nothing to draw
+    assert plot_runs.main([str(results), "diverged", f"--out={tmp_path / 'none.png'}"]) == (2, None)
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "no finite loss to draw in diverged" in err
+    assert not (tmp_path / "none.png").exists()

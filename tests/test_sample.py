@@ -18,25 +18,34 @@ from tests.conftest import SHARED_CORPUS, write_cache
 PROMPT = "It was the best of"
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A cache tokenized by a byte-level BPE of 300 tokens saved in the folder, and a model trained on it."""
+def bpe_tokenizer(text, vocab_size):
+    """A byte-level BPE of vocab_size tokens trained on text, with <|endoftext|>, as data/prepare.py trains one."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
-    root = tmp_path_factory.mktemp("sample")
-    book = sorted((SHARED_CORPUS / "train").glob("*.txt.gz"))[0]
-    text = gzip.open(book).read()[:60_000].decode("utf-8", errors="ignore")
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator([text[:8_000]], trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
-    cache = root / "cache"
-    tokenizer.save_pretrained(cache)
+    bpe.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+
+
+def tokenized_cache(folder, tokenizer, text):
+    """A token cache of text in folder, with its tokenizer saved beside the tokens (as data/prepare.py writes)."""
+    tokenizer.save_pretrained(folder)
     ids = np.array(tokenizer.encode(text), dtype=np.int64)
     split = len(ids) * 4 // 5
-    write_cache(cache, ids[:split], ids[split:], vocab_size=len(tokenizer))
+    return write_cache(folder, ids[:split], ids[split:], vocab_size=len(tokenizer))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A cache tokenized by a byte-level BPE of 300 tokens saved in the folder, and a model trained on it."""
+    root = tmp_path_factory.mktemp("sample")
+    book = sorted((SHARED_CORPUS / "train").glob("*.txt.gz"))[0]
+    text = gzip.open(book).read()[:60_000].decode("utf-8", errors="ignore")
+    tokenizer = bpe_tokenizer(text[:8_000], 300)
+    cache = tokenized_cache(root / "cache", tokenizer, text)
     out = root / "out"
     code = train.main([f"--data_dir={cache}", f"--out_dir={out}", f"--results_file={root / 'results.json'}",
                        "--name=sample-test", "--dim=64", "--n_layers=2", "--n_heads=2", "--hidden_dim=128",
@@ -44,7 +53,7 @@ def trained(tmp_path_factory):
                        "--tokens_per_update=512", "--micro_batch_size=8", "--val_subset_tokens=1024",
                        "--warmup_updates=2", "--learning_rate=1e-2", "--full_validation=False"])
     assert code == 0
-    return {"out": out, "cache": cache, "tokenizer": tokenizer, "root": root}
+    return {"out": out, "cache": cache, "tokenizer": tokenizer, "root": root, "text": text}
 
 
 def config(trained, *args):
@@ -243,3 +252,85 @@ def test_exported_files_all_have_the_mode_the_umask_gives(trained, tmp_path):
     os.umask(umask)
     modes = {p.name: oct(p.stat().st_mode & 0o777) for p in folder.iterdir()}
     assert "model.safetensors" in modes and set(modes.values()) == {oct(0o666 & ~umask)}, modes
+
+
+def run_on(trained, folder, data_dir):
+    """The trained checkpoint copied into folder, recording data_dir as the cache it was trained on."""
+    ckpt = torch.load(trained["out"] / "ckpt.pt", weights_only=False)
+    ckpt["config"]["data_dir"] = str(data_dir)
+    folder.mkdir(parents=True)
+    torch.save(ckpt, folder / "ckpt.pt")
+    return folder
+
+
+def one_line(capsys, *words):
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert all(w in err for w in words), err
+    return err
+
+
+def test_a_cache_prepared_again_is_refused_for_samples_and_exports(trained, tmp_path, capsys):
+    """The run's cache prepared again with another vocabulary: sampling decoded with the new tokenizer, and the
+    export wrote the model beside a tokenizer of other ids; both exited 0."""
+    import shutil
+    cache = shutil.copytree(trained["cache"], tmp_path / "cache")
+    run = run_on(trained, tmp_path / "run", cache)
+    assert sample.main([f"--out_dir={run}", "--device=cpu", "--max_new_tokens=2"]) == 0  # as it was: fine
+    tokenized_cache(cache, bpe_tokenizer(trained["text"][8_000:16_000], 280), trained["text"][:20_000])
+    capsys.readouterr()
+    for extra in ([], [f"--export_hf={tmp_path / 'hf'}"]):
+        assert sample.main([f"--out_dir={run}", "--device=cpu", *extra]) == 2
+        one_line(capsys, f"checkpoint {run / 'ckpt.pt'}", f"token cache {cache}", "prepared again",
+                 "cache_identity", "--data_dir=")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_data_dir_names_the_folder_whose_tokenizer_decodes(trained, tmp_path, capsys):
+    """--data_dir was ignored unsaid: a moved cache could not be named, another tokenizer was not refused."""
+    import shutil
+    expected = sample.sample(config(trained, f"--prompt={PROMPT}"))
+    moved = shutil.copytree(trained["cache"], tmp_path / "moved")
+    run = run_on(trained, tmp_path / "run", tmp_path / "gone")  # the cache it was trained on moved away
+    args = [f"--out_dir={run}", f"--prompt={PROMPT}"]
+    with pytest.raises(sample.SampleError, match="no tokenizer in"):
+        sample.sample(config(trained, *args))
+    assert sample.sample(config(trained, *args, f"--data_dir={moved}")) == expected
+    # another corpus in the run's tokenizer is fine; another tokenizer is refused while the run's cache is there
+    same = tokenized_cache(tmp_path / "same", trained["tokenizer"], trained["text"][:20_000])
+    assert sample.sample(config(trained, f"--prompt={PROMPT}", f"--data_dir={same}")) == expected
+    other = tokenized_cache(tmp_path / "other", bpe_tokenizer(trained["text"][8_000:16_000], 280),
+                            trained["text"][:20_000])
+    capsys.readouterr()
+    assert sample.main([f"--out_dir={trained['out']}", "--device=cpu", f"--data_dir={other}"]) == 2
+    one_line(capsys, f"token cache {trained['cache']}, whose tokenizer differs from the one in {other}")
+
+
+def test_export_refuses_a_folder_that_is_not_an_earlier_export(trained, tmp_path, capsys):
+    """--export_hf at a token cache rewrote its tokenizer files, leaving the hash in its meta.json stale."""
+    import shutil
+    cache = shutil.copytree(trained["cache"], tmp_path / "cache")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "ckpt.pt").write_bytes(b"a run's checkpoint")
+    for folder, words in ((cache, ["meta.json", "train.bin", "it is a token cache"]),
+                          (tmp_path / "run", ["ckpt.pt", "it is a run's folder"])):
+        before = {p.name: p.read_bytes() for p in folder.iterdir()}
+        assert sample.main([f"--out_dir={trained['out']}", "--device=cpu", f"--export_hf={folder}"]) == 2
+        one_line(capsys, f"--export_hf {folder}", "an earlier export", *words)
+        assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    # an empty folder, and an earlier export (replaced), are what an export may write into
+    (tmp_path / "empty").mkdir()
+    for _ in range(2):
+        assert sample.main([f"--out_dir={trained['out']}", "--device=cpu", f"--export_hf={tmp_path / 'empty'}"]) == 0
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (tmp_path / "empty").iterdir()}
+    (tmp_path / "empty" / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert sample.main([f"--out_dir={trained['out']}", "--device=cpu", f"--export_hf={tmp_path / 'empty'}"]) == 2
+    one_line(capsys, "notes.txt")
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line(trained, capsys):
+    """Bytes that are not UTF-8 reach argv as lone surrogates, which the tokenizer refused with a TypeError."""
+    prompt = b"caf\xe9 au lait".decode("utf-8", "surrogateescape")
+    assert sample.main([f"--out_dir={trained['out']}", "--device=cpu", f"--prompt={prompt}"]) == 2
+    one_line(capsys, "--prompt is not valid UTF-8", "byte 0xe9 at character 3")
