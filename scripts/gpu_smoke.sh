@@ -5,7 +5,7 @@
 # data/cache/gutenberg (python data/prepare.py --source ../shared/data/gutenberg --out data/cache/gutenberg).
 #     bash scripts/gpu_smoke.sh [RESULTS_FILE]      # default out/smoke/results.json
 set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
 R=${1:-out/smoke/results.json}
 mkdir -p "$(dirname "$R")"
 REF=config/20m_gh200.py
@@ -32,6 +32,8 @@ run "train, micro-batch 16 (CUDA graphs with accumulation)" python train.py $REF
   --name=smoke-train-mb16 --results_file="$R" $SHORT_TRAIN
 run "train, the declared fast track (bf16 residual, FP8 head)" python train.py $REF --residual_dtype=bfloat16 \
   --lm_head_fp8=True --name=smoke-fast-track --results_file="$R" $SHORT_TRAIN
+run "train, the Muon + WSD recipe, to a target" python train.py config/20m_muon_wsd.py --name=smoke-muon-wsd \
+  --results_file="$R" $SHORT_TRAIN --eval_interval=10 --target_loss=7.0
 run "bench" python bench.py $REF --name=smoke-bench --results_file="$R" $SHORT_BENCH --profile=True --partial_probe=True
 run "bench, micro-batch 16" python bench.py $REF --micro_batch_size=16 --name=smoke-bench-mb16 --results_file="$R" $SHORT_BENCH
 # eager: the presets' shapes and kernels without three more compiles (bench.py's compiled presets are timed apart)
@@ -42,6 +44,9 @@ run "bench, presets" python bench.py $REF --presets=20m,50m,90m --name=smoke-pre
 run "tune" python tune.py $REF --budget=2 --name=smoke-tune --results_file="$R" --tuned_dir=out/smoke/tuned
 run "compare, the tuned config" python compare.py $REF --tuned=True --name=smoke-compare --results_file="$R" \
   --plot=out/smoke/compare.png --train_subset_tokens=655361 --val_subset_tokens=65536 --epochs=1 --rerun=True
+run "compare, time to a target" python compare.py config/20m_muon_wsd.py --mode=time-to-target --seeds=2 \
+  --target_loss=7.0 --eval_interval=10 --target_baseline=$REF --name=smoke-ttq --results_file="$R" \
+  --plot=out/smoke/ttq.png --train_subset_tokens=655361 --val_subset_tokens=65536 --epochs=1
 if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
   run "torchrun, 2 GPUs" torchrun --nproc_per_node=2 train.py $REF --micro_batch_size=16 --name=smoke-ddp \
     --results_file="$R" $SHORT_TRAIN
