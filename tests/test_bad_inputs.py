@@ -162,3 +162,25 @@ def test_the_results_file_is_strict_json_with_null_for_non_finite_numbers(tmp_pa
     assert [p["loss"] for p in entry["training_curve"]] == [2.5, None]
     assert entry["grad_norms"] == [1.0, None] and entry["nested"] == {"deeper": [[None]]}
     assert data["old"] == {"loss": None} and read_results(path) == data
+
+
+def test_train_refuses_init_from_weights_of_another_tokenizer_before_any_work(tmp_path, tokenizers, capsys):
+    """--init_from a checkpoint onto a cache of another tokenizer trained without a word: the ids mean other
+    tokens. train.py's setup asks checkpoint.cache_mismatch and refuses in one line, before its folder is made."""
+    import train
+    from tests.test_train import cli_args, small_config
+    cache = tokenized_cache(tmp_path / "cache", tokenizers["run"], TEXT)
+    source = trained_on(tmp_path, cache)
+    other = tokenized_cache(tmp_path / "other", tokenizers["other"], TEXT)
+    cfg = small_config(other, tmp_path, init_from=str(source), dim=0, n_layers=0, n_heads=0, hidden_dim=0,
+                       seq_len=16, tokens_per_update=64, micro_batch_size=4, val_subset_tokens=64,
+                       train_subset_tokens=0, full_validation=False)
+    assert train.main(cli_args(cfg)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: init_from ") and "whose tokenizer differs" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists() and not (tmp_path / "results.json").exists()
+    same = small_config(cache, tmp_path, init_from=str(source), dim=0, n_layers=0, n_heads=0, hidden_dim=0,
+                        seq_len=16, tokens_per_update=64, micro_batch_size=4, val_subset_tokens=64,
+                        train_subset_tokens=0, full_validation=False, epochs=1, name="same",
+                        out_dir=str(tmp_path / "same"))
+    assert train.main(cli_args(same)) == 0  # its own tokenizer's cache trains
