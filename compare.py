@@ -434,6 +434,9 @@ def finished_run(results, name, results_file):
         what = "" if entry.get("final_validation") else ", without a final validation"
         raise CompareError(f"run {name} is not complete (status {entry.get('status')!r}{what}); finish it "
                            f"(train.py --resume=True --name={name}) or compare another run")
+    if entry["final_validation"].get("loss") is None:  # results.py writes a diverged run's NaN as null
+        raise CompareError(f"run {name} diverged: its final validation loss is not a finite number, so it matches "
+                           f"nothing; lower its learning rate, or compare another run")
     if entry["final_validation"].get("loss_std") is None:
         raise CompareError(f"run {name}'s final validation has no loss_std, so no tolerance can be computed; "
                            f"train it again with this train.py")

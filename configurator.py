@@ -138,11 +138,6 @@ def load_config(settings, argv):
     return config
 
 
-def defaults_of(namespace):
-    """A script's config keys: its public globals of type bool, int, float or str (the settings at its top)."""
-    return {k: v for k, v in namespace.items() if not k.startswith("_") and type(v) in (bool, int, float, str)}
-
-
 def write_config_file(path, config, defaults, header=""):
     """Write the keys of `config` that differ from `defaults` as a config file that reproduces it."""
     lines = [f"# {line}" for line in header.splitlines()]

@@ -41,15 +41,16 @@ def training_runs(results):
     return [name for name, entry in results.items() if isinstance(entry, dict) and "recipe_identity" in entry]
 
 
-def _finite(value):
-    return isinstance(value, (int, float)) and math.isfinite(value)
+def finite_number(value):
+    """A number that is neither NaN nor infinite (nor a bool, nor the null results.py writes for those)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def points(entry, curve, x_field):
     """(xs, losses) of one curve of a run, leaving out points without that x (entries older than the field) and
     points without a finite loss (a diverged run's NaN, or the null results.py writes for it)."""
     pairs = [(p[x_field], p["loss"]) for p in entry.get(curve) or []
-             if p.get(x_field) is not None and _finite(p.get("loss"))]
+             if p.get(x_field) is not None and finite_number(p.get("loss"))]
     return [x for x, _ in pairs], [y for _, y in pairs]
 
 
@@ -58,7 +59,7 @@ def without_finite_losses(runs):
     theirs can be drawn (a run that diverged at once), which is not the same as a run without curves."""
     def losses(entry):
         return [p.get("loss") for curve, _, _ in CURVES for p in entry.get(curve) or [] if isinstance(p, dict)]
-    return [name for name, entry in runs if (ys := losses(entry)) and not any(map(_finite, ys))]
+    return [name for name, entry in runs if (ys := losses(entry)) and not any(map(finite_number, ys))]
 
 
 def runs_figure(runs, x="both", title=None):

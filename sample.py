@@ -12,6 +12,7 @@ names the cache's end-of-text token as its eos and bos (config.json and generati
 transformers' generate() stops where a document ends; it goes into a new or empty folder, or replaces an
 earlier export.
 """
+import dataclasses
 import json
 import os
 import re
@@ -25,19 +26,51 @@ import checkpoint
 import results
 import settings
 import train
-from configurator import ConfigError, defaults_of, load_config
+from configurator import ConfigError, load_config
+from settings import TrainSettings, setting
 from data.loader import CacheError, TokenCache, prepare_command
 from hf import to_hf, weight_files as hf_weight_files
 
-# ---------------------------------------------------------------- defaults (train.py's keys are accepted too)
-prompt = "Once upon a time"      # "" starts from the end-of-text token, i.e. a new document
-max_new_tokens = 200
-temperature = 0.8                # 0 is greedy decoding
-top_k = 50                       # sample only among the k likeliest tokens (0: all of them)
-num_samples = 1
-export_hf = ""                   # a folder: save the model as transformers' LlamaForCausalLM there, with the tokenizer
+# ---------------------------------------------------------------- settings (train.py's keys are accepted too:
+# seed, device, name, out_dir and data_dir mean what they mean there)
 
-DEFAULTS = dict(train.DEFAULTS, **defaults_of(globals()))  # seed, device, name and out_dir mean what they mean in train.py
+def prompt_problem(text):
+    """A prompt the tokenizer can take: bytes that are not UTF-8 reach Python's argv as lone surrogates
+    (surrogateescape), which the tokenizer refuses with a TypeError that names neither the prompt nor the byte."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        char = ord(text[exc.start])
+        what = f"byte 0x{char - 0xDC00:02x}" if 0xDC80 <= char <= 0xDCFF else f"lone surrogate U+{char:04X}"
+        return (f"--prompt is not valid UTF-8 text ({what} at character {exc.start}); give the prompt in UTF-8 (the "
+                f"terminal's or the file's encoding)")
+    return None
+
+
+def temperature_problem(t):
+    if not (t == 0 or t >= 1e-3):  # below, logits / temperature overflow
+        return f"temperature must be 0 (greedy) or at least 0.001, got {t}"
+    return None
+
+
+@dataclasses.dataclass
+class SampleSettings(TrainSettings):
+    prompt: str = setting("Once upon a time", '"" starts from the end-of-text token, i.e. a new document',
+                          rule=prompt_problem)
+    max_new_tokens: int = setting(200, "tokens generated after the prompt", bounds=">= 0")
+    temperature: float = setting(0.8, "0 is greedy decoding", rule=temperature_problem)
+    top_k: int = setting(50, "sample only among the k likeliest tokens (0: all of them)", bounds=">= 0")
+    num_samples: int = setting(1, "samples, one after another", bounds=">= 1")
+    export_hf: str = setting("", "a folder: save the model as transformers' LlamaForCausalLM there, with the "
+                                 "tokenizer (new, empty, or an earlier export)")
+
+    @staticmethod
+    def rules(cfg):
+        if cfg.export_hf:
+            check_export_folder(Path(cfg.export_hf))
+
+
+DEFAULTS = settings.defaults(SampleSettings)
 
 
 class SampleError(ValueError):
@@ -143,29 +176,6 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0, generator=Non
     return idx
 
 
-def check_settings(cfg):
-    for key, low in (("max_new_tokens", 0), ("top_k", 0), ("num_samples", 1)):
-        if cfg[key] < low:
-            raise SampleError(f"{key} must be at least {low}, got {cfg[key]}")
-    if not (cfg.temperature == 0 or cfg.temperature >= 1e-3):  # below, logits / temperature overflow
-        raise SampleError(f"temperature must be 0 (greedy) or at least 0.001, got {cfg.temperature}")
-    check_prompt(cfg.prompt)
-    if cfg.export_hf:
-        check_export_folder(Path(cfg.export_hf))
-
-
-def check_prompt(text):
-    """A prompt the tokenizer can take: bytes that are not UTF-8 reach Python's argv as lone surrogates
-    (surrogateescape), which the tokenizer refuses with a TypeError that names neither the prompt nor the byte."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        char = ord(text[exc.start])
-        what = f"byte 0x{char - 0xDC00:02x}" if 0xDC80 <= char <= 0xDCFF else f"lone surrogate U+{char:04X}"
-        raise SampleError(f"--prompt is not valid UTF-8 text ({what} at character {exc.start}); give the prompt in "
-                          f"UTF-8 (the terminal's or the file's encoding)") from None
-
-
 # What an export writes (sample.export: transformers' save_pretrained of the model and of the tokenizer), the
 # files a transformers version may add to them, and export()'s staging folders that a killed export leaves.
 EXPORT_FILES = {"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
@@ -239,7 +249,7 @@ def export(model, tokenizer, folder, eot_token_id=None):
 
 def sample(cfg):
     """The configured samples as texts (each the prompt and its continuation); with export_hf, export instead."""
-    check_settings(cfg)
+    settings.check(SampleSettings, cfg)
     device = settings.resolve_device(cfg)
     out_dir = train.run_dir(cfg)
     model, ckpt = load_checkpoint(out_dir, device)
@@ -263,8 +273,8 @@ def sample(cfg):
 
 def main(argv):
     try:
-        cfg = train.Config(load_config(DEFAULTS, argv))
-        texts = sample(cfg)
+        cfg = settings.Config(load_config(SampleSettings, argv))
+        texts = sample(cfg)  # which checks the settings
     except (ConfigError, SampleError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -343,7 +343,7 @@ def resolve_device(cfg, local_rank=None):
     return device
 
 
-def warnings(cfg, total_updates):
+def doubtful_values(cfg, total_updates):
     """Legal values that are probably not what was meant: one line each, training goes on."""
     lines = []
     if cfg.warmup_updates >= total_updates > 0:

@@ -14,10 +14,6 @@ import plots
 ALPHA = 0.01  # the significance a record asks for: the mean lies below the target at p < 0.01
 
 
-def _finite(value):
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def run_outcome(entry):
     """What the verdict reads from a run's results entry: its status and seed, its final validation-subset loss
     (the last point of its validation curve; None without a finite one), its training seconds, and where it first
@@ -26,7 +22,7 @@ def run_outcome(entry):
     last = curve[-1].get("loss") if curve else None
     reached = (entry.get("target") or {}).get("reached")
     return {"status": entry.get("status"), "seed": (entry.get("config") or {}).get("seed"),
-            "final_loss": last if _finite(last) else None, "training_seconds": entry.get("training_seconds"),
+            "final_loss": last if plots.finite_number(last) else None, "training_seconds": entry.get("training_seconds"),
             "updates": entry.get("step"), "reached": reached,
             "seconds_to_target": reached.get("training_seconds") if reached else None}
 
@@ -57,7 +53,7 @@ def one_sided_t(losses, target):
 def target_verdict(losses, target, alpha=ALPHA):
     """Whether runs {name: final loss, or None when the run gave none} reach target: at least 2 final losses,
     every one of them below the target, and the one-sided t-test's p below alpha. The reasons say what failed."""
-    finite = {name: loss for name, loss in losses.items() if _finite(loss)}
+    finite = {name: loss for name, loss in losses.items() if plots.finite_number(loss)}
     values = list(finite.values())
     reasons = []
     missing = [name for name in losses if name not in finite]
@@ -80,7 +76,7 @@ def target_verdict(losses, target, alpha=ALPHA):
 def median_seconds(outcomes):
     """The median training seconds of the runs that completed (None when none did)."""
     times = [o["training_seconds"] for o in outcomes.values() if o["status"] == "complete"
-             and _finite(o["training_seconds"])]
+             and plots.finite_number(o["training_seconds"])]
     return statistics.median(times) if times else None
 
 
@@ -88,8 +84,8 @@ def speedup(baseline_times, candidate_times):
     """The baseline's time to the target over the candidate's training time, from {name: seconds} of each (a
     baseline's None: it never reached the target). The speed-up divides the medians; its spread divides the
     baseline's median by each candidate seed's time, and each baseline seed's time by the candidate's median."""
-    never = [name for name, t in baseline_times.items() if not _finite(t)]
-    bad = [name for name, t in candidate_times.items() if not (_finite(t) and t > 0)]
+    never = [name for name, t in baseline_times.items() if not plots.finite_number(t)]
+    bad = [name for name, t in candidate_times.items() if not (plots.finite_number(t) and t > 0)]
     reason = ("no baseline run" if not baseline_times else "no completed candidate run" if not candidate_times
               else f"the baseline never reached the target in {', '.join(never)}" if never
               else f"no training time from {', '.join(bad)}" if bad else None)

@@ -190,7 +190,7 @@ class Run:
         self.cache, self.mcfg, self.recipe = setup(cfg, initial)
         self.data = training_data(cfg, self.cache, self.sequences_per_update)
         self.total_updates = self.data.updates_per_epoch * cfg.epochs
-        for line in settings.warnings(cfg, self.total_updates) if self.main_process else ():
+        for line in settings.doubtful_values(cfg, self.total_updates) if self.main_process else ():
             print(f"warning: {line}")
         # after every check above, so that a refused run leaves no folder
         self.ckpt_path, self.lock = prepare_out_dir(cfg, self.main_process)

@@ -365,3 +365,11 @@ def test_the_table_names_every_execution_setting_off_its_default():
         assert shown in summary
     assert "attention_backend" not in summary and "loss_chunk_tokens" not in summary  # at their defaults
     assert compare.execution_summary(dict(train.DEFAULTS)) == "mb 8, compile False"
+
+
+def test_a_diverged_run_is_named_as_such_not_a_missing_field():
+    """results.py writes a diverged run's NaN loss as null; the comparison says the run diverged in one line."""
+    entry = {"recipe_identity": "r", "status": "complete",
+             "final_validation": {"loss": None, "loss_std": None, "tokens": 100}}
+    with pytest.raises(compare.CompareError, match="run b diverged: its final validation loss is not a finite"):
+        compare.finished_run({"b": entry}, "b", "results.json")
