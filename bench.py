@@ -22,7 +22,7 @@ import model as model_lib
 import train
 from data.loader import CacheError, Prefetcher, TokenCache, TrainData
 import settings
-from configurator import ConfigError
+from configurator import ConfigError, load_config
 from settings import TrainSettings, run_name_problem, setting
 from results import check_writable, lookup, record
 from trainer import Trainer, all_reduce_sum, distributed, peak_memory_bytes
@@ -298,7 +298,6 @@ def run_protocol(cfg):
     entry = new_entry(cfg, world_size)
     trainer = None
     try:
-        check_protocol(cfg)
         device = settings.resolve_device(cfg, local_rank)
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
@@ -388,7 +387,7 @@ def record_entry(cfg, entry):
 def run(cfg):
     """Run the protocol (once, or per preset) and record it; returns the entries."""
     rank = int(os.environ.get("RANK", "0"))
-    check_protocol(cfg)  # on the settings as given: each preset's run below has the preset's shape
+    settings.check(BenchSettings, cfg)  # on the settings as given: each preset's run below has the preset's shape
     check_writable(cfg.results_file)  # before any measurement, not after it
     runs = [(cfg.name, cfg)]
     if cfg.presets:  # each preset in its own shape (check_presets refused shape keys beside them)
@@ -429,7 +428,7 @@ def print_table(entries):
 
 def main(argv):
     try:
-        cfg = settings.resolve(BenchSettings, argv)
+        cfg = settings.Config(load_config(BenchSettings, argv))  # run() checks it
         entries = run(cfg)
     except train.USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
