@@ -729,7 +729,8 @@ def target_section(cfg, results, candidates, baselines, failed, plot):
     if baselines:
         times = {n: o["training_seconds"] for n, o in runs.items() if o["status"] == "complete"}
         to_target = {n: o["seconds_to_target"] if o["status"] == "complete" else None for n, o in base_runs.items()}
-        section["speedup"] = time_to_target.speedup(to_target, times)
+        trained = {n: o["training_seconds"] for n, o in base_runs.items() if o["status"] == "complete"}
+        section["speedup"] = time_to_target.speedup(to_target, times, trained)
         recipes = [(results.get(c.name) or {}).get("recipe") for c in (candidates[0], baselines[0])]
         if all(recipes):  # what makes the candidate another recipe than the baseline (the seed aside)
             section["recipe_differences"] = [k for k in train.recipe_differences(*recipes) if k != "seed"]

@@ -10,8 +10,8 @@ from scipy import stats
 import compare
 from results import lookup, read_results
 from tests.test_compare import PNG_MAGIC, TINY
-from time_to_target import (failed_outcome, median_seconds, run_outcome, speedup, table, target_verdict,
-                            verdict_line, verdict_losses)
+from time_to_target import (failed_outcome, median_seconds, run_outcome, speedup, speedup_line, table,
+                            target_verdict, verdict_line, verdict_losses)
 
 TARGET = 3.28
 
@@ -97,6 +97,11 @@ def test_the_speedup_and_its_spread():
     assert two["over_candidate_seeds"] == pytest.approx([1.5, 3.0])
     never = speedup({"b1": 80.0, "b2": None}, {"c1": 30.0})
     assert never["speedup"] is None and never["reason"] == "the baseline never reached the target in b2"
+    assert never["at_least"] is None  # b2's whole training time is unknown: no bound
+    bound = speedup({"b1": 80.0, "b2": None}, {"c1": 30.0, "c2": 50.0}, {"b1": 120.0, "b2": 100.0})
+    assert bound["speedup"] is None and bound["at_least"] == pytest.approx(90.0 / 40.0)
+    assert "at least 2.25x" in speedup_line(bound)
+    assert speedup({"b1": 80.0}, {"c1": 40.0})["at_least"] is None  # measured, no bound needed
     assert speedup({"b1": 80.0}, {})["reason"] == "no completed candidate run"
 
 
