@@ -45,7 +45,7 @@ other side of it: a change of math shows only when it moves the loss by more tha
 tiny CPU runs, dropping half the tokens or scaling the loss (AdamW hardly sees a loss's scale) moves it less
 than a seed does, while misaligned targets move it by 1.0 against a tolerance of 0.14.
 
-Runs are train.py subprocesses, one after the other (never at once: their speeds are part of the result).
+Runs are train.py subprocesses (runs.py), one after the other (never at once: their speeds are part of the result).
 An existing complete run with the same name, config and source hash (the same code) is reused unless
 --rerun=True; a stopped one (status interrupted, its checkpoint in place) is resumed; any other is trained
 afresh over its old checkpoint. SIGINT or SIGTERM is passed to the running train.py, which checkpoints and
@@ -56,15 +56,10 @@ or by a run's stop_after_updates: train.py's status for a checkpointed stop (130
 """
 import dataclasses
 import math
-import os
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 from pathlib import Path
-
-import torch
 
 import env
 import plots
@@ -72,9 +67,10 @@ import time_to_target
 import train
 from data.loader import CacheError
 import settings
-from configurator import ConfigError, load_config, write_config_file
+from configurator import ConfigError, load_config
 from settings import TrainSettings, setting
 from results import check_writable, lookup, read_results, record
+from runs import RunFailed, Stopped, train_all
 
 # ---------------------------------------------------------------- settings (train.py's keys are accepted too)
 
@@ -152,7 +148,6 @@ BASELINE_EXECUTION = {"compile": False, "attention_backend": "sdpa", "loss_impl"
 BULKY = ("environment", "config", "recipe")
 # Keys that say how train.py was started on a run's folder, not what the run is: a run resumed, or started
 # afresh over an old checkpoint, is the same run of its config.
-LAUNCH_KEYS = ("resume", "overwrite")
 NOISE_SIGMAS = 3  # standard deviations of a difference of two runs that the training-noise tolerance allows
 FIRM_NOISE_RUNS = 3  # noise runs under which a failed verdict suggests more: P(|t_3| > 3) = 0.06 at worst
 TOLERANCE_RULE = ("|optimized - baseline| final validation loss <= the larger of the validation noise, 3 * "
@@ -170,15 +165,6 @@ NO_NOISE_RULE = ("; no noise run was given (noise_seed_runs=0 and no --noise_run
 
 class CompareError(ValueError):
     """A comparison that cannot be made as asked: a user mistake, reported in one line."""
-
-
-class RunFailed(RuntimeError):
-    """A training subprocess exited with an error (its own output says why)."""
-
-
-class Stopped(Exception):
-    """A run stopped checkpointed (a signal, or its stop_after_updates), so compare.py stops; the message says
-    what was stopped and how to go on."""
 
 
 # ---------------------------------------------------------------- the runs' configs
@@ -269,157 +255,6 @@ def refusal(baseline_name, optimized_name, differ):
     fields = ", ".join(differ) if differ else "unknown (an entry has no recipe)"
     return (f"{baseline_name} and {optimized_name} have different recipes (fields that differ: {fields}); a matched "
             f"comparison changes only the execution. Pass --allow_recipe_change=True to compare them as a recipe change")
-
-
-# ---------------------------------------------------------------- training (or reusing) one run
-
-class SignalForwarder:
-    """While runs train, SIGINT and SIGTERM go to the running train.py, which checkpoints at its next update and
-    exits (status interrupted) while its output is still read; compare.py stops after it (Stopped).
-
-    Each child is started outside compare.py's process group, so a terminal's Ctrl-C reaches it once, through
-    here: a second signal tells train.py to stop at once, without its checkpoint, as a second Ctrl-C does to
-    train.py alone."""
-
-    def __init__(self):
-        self.signal, self.proc, self.previous = None, None, {}
-
-    def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self.previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc_info):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum, frame):
-        self.signal = signum
-        self.forward()
-
-    def forward(self):
-        if self.signal is not None and self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(self.signal)
-
-    def name(self):
-        return signal.Signals(self.signal).name
-
-
-def stream(side, cmd, signals=None):
-    """Run cmd, printing its output line by line with a [side] prefix; returns its exit status. With signals
-    (a SignalForwarder), a signal to compare.py is passed on to it."""
-    child_env = dict(os.environ, PYTHONUNBUFFERED="1")  # progress lines as they happen, not at exit
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env,
-                            start_new_session=signals is not None)
-    if signals is not None:
-        signals.proc = proc
-        signals.forward()  # a signal that came while it was starting
-    try:
-        for line in proc.stdout:  # reading on through a signal: the child's last lines say where it stopped
-            print(f"[{side}] {line}", end="", flush=True)
-        return proc.wait()
-    finally:
-        if signals is not None:
-            signals.proc = None
-
-
-def launch_free(config):
-    return env.hash_json({k: v for k, v in config.items() if k not in LAUNCH_KEYS})
-
-
-def recorded_run(c, args, recipe_identity):
-    """The results entry of this run when it ran this config and recipe on this code (else None)."""
-    old = lookup(c.results_file, [c.name])
-    # The config train.py will record: the same loader on the same arguments.
-    expected = load_config(train.DEFAULTS, args)
-    if (isinstance(old, dict) and old.get("recipe_identity") == recipe_identity
-            and launch_free(old.get("config") or {}) == launch_free(expected)
-            and (old.get("environment") or {}).get("source_hash") == env.source_hash()):
-        return old
-    return None
-
-
-def checkpoint_run_id(path):
-    """The run_id a checkpoint continues (None when there is none, or it does not read); mapped, not read whole."""
-    if not path.is_file():
-        return None
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception:  # a truncated or foreign file is not one to resume
-        return None
-    return ckpt.get("run_id") if isinstance(ckpt, dict) else None
-
-
-def train_or_reuse(side, c, recipe_identity, rerun, signals=None):
-    """Train the run with train.py, unless a complete run of the same config, recipe and code is recorded;
-    resume it when it was stopped with its checkpoint in place."""
-    out = train.run_dir(c)
-    config_path = out / "compare_config.py"
-    write_config_file(config_path, c, train.DEFAULTS,
-                      header=f"The {side} run of a matched comparison, written by compare.py.\n"
-                             f"Rerun it with: python train.py {config_path}")
-    args = [str(config_path), f"--name={c.name}", f"--results_file={c.results_file}"]
-    old = None if rerun else recorded_run(c, args, recipe_identity)
-    if old and old.get("status") == "complete" and old.get("final_validation"):
-        print(f"{side}: reusing the complete run {c.name} of the same config and code in {c.results_file} "
-              f"(pass --rerun=True to train again)")
-        return
-    ckpt = out / "ckpt.pt"
-    launch = []
-    if old and old.get("status") == "interrupted" and checkpoint_run_id(ckpt) == old.get("run_id"):
-        launch = ["--resume=True"]
-        print(f"{side}: resuming the stopped run {c.name} from {ckpt}")
-    elif ckpt.exists() and "overwrite" in train.DEFAULTS:
-        launch = ["--overwrite=True"]  # compare.py trains this side again: the old checkpoint is not its run
-    cmd = [sys.executable, str(env.REPO / "train.py"), *args, *launch]
-    print(f"{side}: {shlex.join(cmd)}", flush=True)
-    code = stream(side, cmd, signals)
-    signalled = signals is not None and signals.signal is not None
-    if signalled or code == train.EXIT_INTERRUPTED:  # the second: stop_after_updates, or a signal sent to it alone
-        by = f"by {signals.name()}" if signalled else "by train.py itself"
-        raise Stopped(stopped_message(side, c.name, args, code, by, rerun))
-    if code:
-        raise RunFailed(f"the {side} run {c.name} exited with status {code}; its output is above")
-
-
-def go_on(rerun):
-    # with --rerun=True the same command would train every run afresh instead of going on
-    return "run this compare.py command again" + (" without --rerun=True" if rerun else "")
-
-
-def stopped_message(side, name, args, code, by, rerun=False):
-    """One line: what stopped ("by SIGTERM", say), and how to go on."""
-    again = go_on(rerun)
-    if code == train.EXIT_INTERRUPTED:
-        script = os.path.relpath(env.REPO / "train.py")
-        script = str(env.REPO / "train.py") if script.startswith("..") else script
-        resume = shlex.join(["python", script, *args, "--resume=True"])
-        return (f"stopped {by}: the {side} run {name} is checkpointed (status interrupted); {again} to resume it "
-                f"and go on, or resume it alone with: {resume}")
-    if code == 0:
-        return f"stopped {by} after the {side} run {name} finished; {again} to go on (it is reused)"
-    return (f"stopped {by}: the {side} run {name} ended with status {code} (stopped at once by a second signal, "
-            f"or failed); {again} to go on (it resumes from the run's last checkpoint, if there is one)")
-
-
-def train_all(cfg, runs, keep_going=False):
-    """Train (or reuse, or resume) each (side, config, recipe identity) in turn, passing signals on. With
-    keep_going a failed run is reported and the next one trains (a seed that fails is part of a time-to-target
-    verdict, not the end of it): returns {name: error} of the failed runs."""
-    failed = {}
-    with SignalForwarder() as signals:
-        for side, c, identity in runs:
-            if signals.signal is not None:
-                raise Stopped(f"stopped by {signals.name()} before the {side} run {c.name} began; "
-                              f"{go_on(cfg.rerun)} to go on (finished runs are reused)")
-            try:
-                train_or_reuse(side, c, identity, cfg.rerun, signals)
-            except RunFailed as exc:
-                if not keep_going:
-                    raise
-                print(f"{side}: {exc}; going on with the next run", flush=True)
-                failed[c.name] = str(exc)
-    return failed
 
 
 # ---------------------------------------------------------------- the comparison

@@ -1,0 +1,175 @@
+"""train.py runs as subprocesses, one after the other, for compare.py: each trained, or reused when a complete run of
+the same config, recipe and code is recorded, or resumed when it stopped with its checkpoint in place; SIGINT and
+SIGTERM pass on to the running train.py, which checkpoints and stops, and compare.py then stops too (Stopped)."""
+import os
+import shlex
+import signal
+import subprocess
+import sys
+
+import torch
+
+import env
+import train
+from configurator import load_config, write_config_file
+from results import lookup
+
+LAUNCH_KEYS = ("resume", "overwrite")  # how a run was launched, not what it trains: ignored when reusing it
+
+
+class RunFailed(RuntimeError):
+    """A training subprocess exited with an error (its own output says why)."""
+
+
+class Stopped(Exception):
+    """A run stopped checkpointed (a signal, or its stop_after_updates), so compare.py stops; the message says
+    what was stopped and how to go on."""
+
+
+class SignalForwarder:
+    """While runs train, SIGINT and SIGTERM go to the running train.py, which checkpoints at its next update and
+    exits (status interrupted) while its output is still read; compare.py stops after it (Stopped).
+
+    Each child is started outside compare.py's process group, so a terminal's Ctrl-C reaches it once, through
+    here: a second signal tells train.py to stop at once, without its checkpoint, as a second Ctrl-C does to
+    train.py alone."""
+
+    def __init__(self):
+        self.signal, self.proc, self.previous = None, None, {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc_info):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame):
+        self.signal = signum
+        self.forward()
+
+    def forward(self):
+        if self.signal is not None and self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(self.signal)
+
+    def name(self):
+        return signal.Signals(self.signal).name
+
+
+def stream(side, cmd, signals=None):
+    """Run cmd, printing its output line by line with a [side] prefix; returns its exit status. With signals
+    (a SignalForwarder), a signal to compare.py is passed on to it."""
+    child_env = dict(os.environ, PYTHONUNBUFFERED="1")  # progress lines as they happen, not at exit
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env,
+                            start_new_session=signals is not None)
+    if signals is not None:
+        signals.proc = proc
+        signals.forward()  # a signal that came while it was starting
+    try:
+        for line in proc.stdout:  # reading on through a signal: the child's last lines say where it stopped
+            print(f"[{side}] {line}", end="", flush=True)
+        return proc.wait()
+    finally:
+        if signals is not None:
+            signals.proc = None
+
+
+def launch_free(config):
+    return env.hash_json({k: v for k, v in config.items() if k not in LAUNCH_KEYS})
+
+
+def recorded_run(c, args, recipe_identity):
+    """The results entry of this run when it ran this config and recipe on this code (else None)."""
+    old = lookup(c.results_file, [c.name])
+    # The config train.py will record: the same loader on the same arguments.
+    expected = load_config(train.DEFAULTS, args)
+    if (isinstance(old, dict) and old.get("recipe_identity") == recipe_identity
+            and launch_free(old.get("config") or {}) == launch_free(expected)
+            and (old.get("environment") or {}).get("source_hash") == env.source_hash()):
+        return old
+    return None
+
+
+def checkpoint_run_id(path):
+    """The run_id a checkpoint continues (None when there is none, or it does not read); mapped, not read whole."""
+    if not path.is_file():
+        return None
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception:  # a truncated or foreign file is not one to resume
+        return None
+    return ckpt.get("run_id") if isinstance(ckpt, dict) else None
+
+
+def train_or_reuse(side, c, recipe_identity, rerun, signals=None):
+    """Train the run with train.py, unless a complete run of the same config, recipe and code is recorded;
+    resume it when it was stopped with its checkpoint in place."""
+    out = train.run_dir(c)
+    config_path = out / "compare_config.py"
+    write_config_file(config_path, c, train.DEFAULTS,
+                      header=f"The {side} run of a matched comparison, written by compare.py.\n"
+                             f"Rerun it with: python train.py {config_path}")
+    args = [str(config_path), f"--name={c.name}", f"--results_file={c.results_file}"]
+    old = None if rerun else recorded_run(c, args, recipe_identity)
+    if old and old.get("status") == "complete" and old.get("final_validation"):
+        print(f"{side}: reusing the complete run {c.name} of the same config and code in {c.results_file} "
+              f"(pass --rerun=True to train again)")
+        return
+    ckpt = out / "ckpt.pt"
+    launch = []
+    if old and old.get("status") == "interrupted" and checkpoint_run_id(ckpt) == old.get("run_id"):
+        launch = ["--resume=True"]
+        print(f"{side}: resuming the stopped run {c.name} from {ckpt}")
+    elif ckpt.exists() and "overwrite" in train.DEFAULTS:
+        launch = ["--overwrite=True"]  # compare.py trains this side again: the old checkpoint is not its run
+    cmd = [sys.executable, str(env.REPO / "train.py"), *args, *launch]
+    print(f"{side}: {shlex.join(cmd)}", flush=True)
+    code = stream(side, cmd, signals)
+    signalled = signals is not None and signals.signal is not None
+    if signalled or code == train.EXIT_INTERRUPTED:  # the second: stop_after_updates, or a signal sent to it alone
+        by = f"by {signals.name()}" if signalled else "by train.py itself"
+        raise Stopped(stopped_message(side, c.name, args, code, by, rerun))
+    if code:
+        raise RunFailed(f"the {side} run {c.name} exited with status {code}; its output is above")
+
+
+def go_on(rerun):
+    # with --rerun=True the same command would train every run afresh instead of going on
+    return "run this compare.py command again" + (" without --rerun=True" if rerun else "")
+
+
+def stopped_message(side, name, args, code, by, rerun=False):
+    """One line: what stopped ("by SIGTERM", say), and how to go on."""
+    again = go_on(rerun)
+    if code == train.EXIT_INTERRUPTED:
+        script = os.path.relpath(env.REPO / "train.py")
+        script = str(env.REPO / "train.py") if script.startswith("..") else script
+        resume = shlex.join(["python", script, *args, "--resume=True"])
+        return (f"stopped {by}: the {side} run {name} is checkpointed (status interrupted); {again} to resume it "
+                f"and go on, or resume it alone with: {resume}")
+    if code == 0:
+        return f"stopped {by} after the {side} run {name} finished; {again} to go on (it is reused)"
+    return (f"stopped {by}: the {side} run {name} ended with status {code} (stopped at once by a second signal, "
+            f"or failed); {again} to go on (it resumes from the run's last checkpoint, if there is one)")
+
+
+def train_all(cfg, runs, keep_going=False):
+    """Train (or reuse, or resume) each (side, config, recipe identity) in turn, passing signals on. With
+    keep_going a failed run is reported and the next one trains (a seed that fails is part of a time-to-target
+    verdict, not the end of it): returns {name: error} of the failed runs."""
+    failed = {}
+    with SignalForwarder() as signals:
+        for side, c, identity in runs:
+            if signals.signal is not None:
+                raise Stopped(f"stopped by {signals.name()} before the {side} run {c.name} began; "
+                              f"{go_on(cfg.rerun)} to go on (finished runs are reused)")
+            try:
+                train_or_reuse(side, c, identity, cfg.rerun, signals)
+            except RunFailed as exc:
+                if not keep_going:
+                    raise
+                print(f"{side}: {exc}; going on with the next run", flush=True)
+                failed[c.name] = str(exc)
+    return failed
