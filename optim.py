@@ -109,6 +109,14 @@ def apply_updates(params, updates, lr, weight_decay, ratio):
     torch._foreach_add_(params, updates.unbind(0))
 
 
+def closure_loss(closure):
+    """torch.optim's step(closure) convention: the closure re-evaluates the loss, with gradients on (None without)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class Muon(torch.optim.Optimizer):
     """torch.optim.Muon's update, with the matrices of one shape orthogonalized together.
 
@@ -183,10 +191,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             for params in self.shape_groups(group):
                 updates = self.orthogonalize_fn(params[0].device)(
@@ -218,10 +223,7 @@ class MuonWithAdamW:
         return {**self.adamw.state, **self.muon.state}
 
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for optimizer in self.optimizers:
             optimizer.step()
         return loss

@@ -343,3 +343,24 @@ def test_wsd_cooldown_0_never_decays():
 def test_unknown_schedule_is_refused():
     with pytest.raises(ValueError, match="wsd"):
         optim.lr_at(0, 10, 1e-3, 1e-4, 2, schedule="linear")
+
+
+def test_step_with_a_closure_evaluates_it_with_gradients_and_returns_its_loss():
+    """torch.optim's convention, which both Muon and MuonWithAdamW follow: step(closure) runs the closure with
+    gradients enabled (even under no_grad) and returns its loss."""
+    model = tiny_model()
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def closure():
+        model.zero_grad()
+        loss = model(x, torch.roll(x, -1, 1), reduction="sum")
+        loss.backward()
+        return loss
+
+    built = optim.build_optimizer(model, dict(SETTINGS, optimizer="muon"), "cpu")
+    before = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        loss = built.step(closure)
+    assert torch.is_tensor(loss) and loss.item() > 0
+    assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), before))  # every parameter stepped
+    assert built.muon.step() is None  # without a closure, no loss
