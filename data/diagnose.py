@@ -30,7 +30,7 @@ def check_arguments(out, val_fraction, max_documents, num_proc):
         raise PrepareError(f"--val_fraction {val_fraction} must lie strictly between 0 and 1")
     if max_documents is not None and max_documents < 1:
         raise PrepareError(f"--max_documents {max_documents} must be at least 1")
-    num_proc = num_proc or os.cpu_count() or 1
+    num_proc = (os.cpu_count() or 1) if num_proc is None else num_proc  # None: all cores; 0 is a mistake
     if num_proc < 1:
         raise PrepareError(f"--num_proc {num_proc} must be at least 1")
     if out.exists() and not (out / "meta.json").exists() and (not out.is_dir() or any(out.iterdir())):
@@ -118,6 +118,9 @@ def check_local_text(builder, files):
         found = first_non_string_parquet(path) if builder == "parquet" else first_non_string_json(path)
         if found is not None:
             where, what = found
+            if what is None:
+                raise PrepareError(f"--source file {str(path)!r} {where} is not JSON; each line of a JSON-lines "
+                                   f"file must be one JSON object with a 'text'")
             raise PrepareError(f"--source file {str(path)!r} {where} has a 'text' that is {what}, not a string; "
                                f"each document's 'text' must be a string (or null, read as an empty document)")
 
@@ -152,7 +155,8 @@ def first_non_utf8(path):
 
 
 def first_non_string_json(path):
-    """("line N" or "row N", what it holds) of the first row whose "text" is neither a string nor null, or None."""
+    """("line N" or "row N", what it holds) of the first row whose "text" is neither a string nor null, ("line N",
+    None) of the first line of a JSON-lines file that is not JSON, or None."""
     with io.TextIOWrapper(open_local(path), encoding="utf-8", errors="replace") as f:
         head = f.read(1 << 16)
         if head.lstrip().startswith("["):  # one JSON array of rows, which datasets too reads whole
@@ -170,7 +174,7 @@ def first_non_string_json(path):
             try:
                 row = json.loads(line)
             except ValueError:
-                return None  # not JSON lines after all: datasets' own error says more
+                return f"line {n:,}", None  # not JSON: datasets' own error names no line
             if what := non_string_text(row):
                 return f"line {n:,}", what
     return None

@@ -366,7 +366,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     try:
         with stopped_by_signals(Path(args.out)):
-            meta = prepare(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size or 32000,
+            vocab_size = 32000 if args.vocab_size is None else args.vocab_size  # 0 is refused, not the default
+            meta = prepare(args.source, args.out, tokenizer=args.tokenizer, vocab_size=vocab_size,
                            val_fraction=args.val_fraction, num_proc=args.num_proc, seed=args.seed,
                            streaming=args.streaming, max_documents=args.max_documents, max_vocab=args.max_vocab)
     except PrepareError as e:

@@ -202,15 +202,19 @@ def holds_strings(feature):
 
 @contextlib.contextmanager
 def quiet_datasets():
-    """datasets' progress bars off for a while: reading local files, it labels them "Downloading data"."""
+    """datasets' progress bars and error log off for a while: reading local files, it labels them "Downloading
+    data", and a file it cannot parse it logs as a traceback (its logger's own "Logging error"), where the caller
+    says what is wrong in one line."""
     import datasets
-    was_disabled = datasets.are_progress_bars_disabled()
+    was_disabled, verbosity = datasets.are_progress_bars_disabled(), datasets.logging.get_verbosity()
     with warnings.catch_warnings():  # HF_DATASETS_DISABLE_PROGRESS_BARS=0 wins, with a warning we don't need
         warnings.simplefilter("ignore")
         datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         yield
     finally:
+        datasets.logging.set_verbosity(verbosity)
         if not was_disabled:
             datasets.enable_progress_bars()
 

@@ -28,6 +28,9 @@ def merge(source, target):
     for key, value in read_results(source).items():
         if key == "history":
             continue
+        if not isinstance(value, (dict, list)):  # every entry is an object (a few sections lists): not a results file
+            raise ResultsFileError(f"{source} is not a results file: its entry {key!r} is a {type(value).__name__}, "
+                                   f"where results.py writes objects; nothing was merged")
         if key in NESTED and isinstance(value, dict):
             items += [([key, name], entry) for name, entry in value.items()]
         else:

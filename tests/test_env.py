@@ -30,7 +30,11 @@ def test_defaults_come_from_train_and_are_not_changed():
     # the defaults are exactly the declared settings
     import dataclasses
     import settings
-    assert train.DEFAULTS == {f.name: f.default for f in dataclasses.fields(settings.TrainSettings)}
+    assert set(train.DEFAULTS) == {f.name for f in dataclasses.fields(settings.TrainSettings)}
+    assert {k: train.DEFAULTS[k] for k in ("learning_rate", "min_lr", "tokens_per_update", "optimizer",
+                                           "lr_schedule", "compile", "eval_interval")} == dict(
+        learning_rate=2e-3, min_lr=2e-4, tokens_per_update=32768, optimizer="adamw", lr_schedule="cosine",
+        compile=False, eval_interval=0)  # the defaults old runs were recorded under
     assert configurator.load_config(settings.TrainSettings, []) == train.DEFAULTS
 
 
@@ -438,6 +442,11 @@ def test_merging_a_returned_results_file_keeps_everything(tmp_path):
     assert merged["benchmarks"]["changed"]["run_id"] == "d" and merged["profiles"]["new"]["kernel_count"] == 7
     assert merged["run-1"]["run_id"] == "r1" and merged["run-2"]["run_id"] == "r2"
     assert [h["path"] for h in merged["history"]] == [["benchmarks", "changed"]]  # the replaced entry is kept
+    # another JSON object (a cache's meta.json, say) is refused in one line, and nothing of it merged
+    other = tmp_path / "meta.json"
+    other.write_text('{"format": 2, "vocab_size": 300}')
+    before = local.read_text()
+    assert merge_results.main([str(other), str(local)]) == 2 and local.read_text() == before
 
 
 def test_merging_never_brings_back_a_value_replaced_here_while_the_device_ran(tmp_path):

@@ -79,11 +79,13 @@ def test_named_runs_against_one_axis(results, tmp_path):
     (["{tmp}/missing.json"], ["missing.json does not exist"]),
     (["{tmp}/broken.json"], ["not valid JSON"]),
     (["{tmp}/empty.json"], ["holds no training runs"]),
+    (["{tmp}/hand.json"], ["run x's training_curve is not a list of points"]),
 ])
 def test_mistakes_are_one_line_errors(results, tmp_path, monkeypatch, capsys, args, words):
     monkeypatch.chdir(tmp_path)  # where the default --out would go
     (tmp_path / "broken.json").write_text('{"a": ')
     record(tmp_path / "empty.json", ["benchmarks", "x"], {"status": "ok"})
+    record(tmp_path / "hand.json", ["x"], {"recipe_identity": "r", "training_curve": [1, 2]})
     assert plot_runs.main([a.format(results=results, tmp=tmp_path) for a in args]) == (2, None)
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and all(w in err for w in words), err

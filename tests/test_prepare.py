@@ -188,15 +188,19 @@ def run_cli(*args):
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
+KILLED = 97
+
+
 def killed_after(monkeypatch, name, when, *args, **kwargs):
-    """Exit code of prepare(*args, **kwargs) run in a forked process that dies (os._exit(1): no finally, no
-    cleanup, as when killed) right after data.prepare.<name> returns for arguments that `when` accepts."""
+    """Exit code of prepare(*args, **kwargs) run in a forked process that dies (os._exit(KILLED): no finally, no
+    cleanup, as when killed) right after data.prepare.<name> returns for arguments that `when` accepts. The code
+    is its own, so an ordinary error (exit code 1) is not taken for the kill."""
     real = getattr(prep, name)
 
     def then_die(*a, **k):
         result = real(*a, **k)
         if when(*a, **k):
-            os._exit(1)
+            os._exit(KILLED)
         return result
     with monkeypatch.context() as patch:
         patch.setattr(prep, name, then_die)
@@ -211,17 +215,17 @@ def test_killed_run_leaves_old_cache_or_none(books, tmp_path, monkeypatch):
     out = tmp_path / "cache"
     after_train_bin = ("write_bin", lambda ds, path, dtype: path.name == "train.bin")
     # no previous cache: a run killed after writing train.bin leaves no DIR (only a tmp folder)
-    assert killed_after(monkeypatch, *after_train_bin, src, out, vocab_size=VOCAB, num_proc=1) == 1
+    assert killed_after(monkeypatch, *after_train_bin, src, out, vocab_size=VOCAB, num_proc=1) == KILLED
     assert not out.exists() and list(tmp_path.glob("cache.tmp-*"))
     meta = prepare(src, out, vocab_size=VOCAB, num_proc=1)  # the next run succeeds and removes the leftover
     assert not list(tmp_path.glob("cache.tmp-*"))
     meta_text, mtime = (out / "meta.json").read_text(), (out / "train.bin").stat().st_mtime_ns
 
     # a previous cache: killed mid-build of other inputs, the old cache is untouched
-    assert killed_after(monkeypatch, *after_train_bin, src, out, vocab_size=VOCAB + 64, num_proc=1) == 1
+    assert killed_after(monkeypatch, *after_train_bin, src, out, vocab_size=VOCAB + 64, num_proc=1) == KILLED
     assert (out / "meta.json").read_text() == meta_text
     # killed between moving the old cache aside and moving the new one in: the next run puts the old one back
-    assert killed_after(monkeypatch, "move_aside", lambda out: True, src, out, vocab_size=VOCAB + 64, num_proc=1) == 1
+    assert killed_after(monkeypatch, "move_aside", lambda out: True, src, out, vocab_size=VOCAB + 64, num_proc=1) == KILLED
     assert not out.exists() and list(tmp_path.glob("cache.old-*"))
     assert prepare(src, out, vocab_size=VOCAB, num_proc=1) == meta  # recovered, up to date, no work done
     assert (out / "meta.json").read_text() == meta_text and (out / "train.bin").stat().st_mtime_ns == mtime
@@ -421,6 +425,15 @@ def test_a_text_that_is_not_a_string_names_the_file_the_row_and_the_type(tmp_pat
     assert f"{src / bad}' {where} has a 'text' that is {found}, not a string" in err, err
 
 
+def test_a_line_that_is_not_json_is_named(tmp_path, capsys):
+    """datasets' own error says only that the dataset could not be generated."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "rows.jsonl").write_text('{"text": "one"}\n{"text": "two"}\nnot json\n')
+    err = cli_error(capsys, "--source", src, "--out", tmp_path / "cache", "--vocab_size", 300, "--num_proc", 1)
+    assert f"{src / 'rows.jsonl'}' line 3 is not JSON" in err and err.count("\n") == 1, err
+
+
 def test_a_null_text_is_an_empty_document(tmp_path):
     rows = [{"text": "the fox jumps over the dog."}, {"text": None}, {"text": "a dog sleeps."}, {"text": "cats."}]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -557,7 +570,9 @@ def test_a_long_run_without_whitespace_is_noted_and_trained_in_pieces(tmp_path, 
     src.mkdir()
     rng = random.Random(0)
     run = "".join(rng.choice("ACGT") for _ in range(prep.LONG_RUN * 2 + 345))
-    texts = [f"Document {i}: the quick brown fox jumps over the lazy dog. " * 20 for i in range(4)]
+    # each longer than LONG_RUN, so that the prose alone (below) passes long_runs' length check and is searched
+    texts = [f"Document {i}: the quick brown fox jumps over the lazy dog. " * 200 for i in range(4)]
+    assert min(map(len, texts)) > prep.LONG_RUN
     texts[2] += f"sequence {run} ends here."
     for i, text in enumerate(texts):
         (src / f"d{i}.txt").write_text(text)
@@ -627,3 +642,19 @@ def test_a_cache_whose_meta_disagrees_with_its_tokenizer_must_be_prepared_again(
     # and preparing it again does rebuild it: the edited cache is not taken as up to date
     assert prepare(books[0], cache, vocab_size=VOCAB, num_proc=1)["vocab_size"] == VOCAB
     assert TokenCache(cache).vocab_size == VOCAB
+
+
+@pytest.mark.parametrize("flag, value, words", [("--vocab_size", "0", "--vocab_size 0 is too small"),
+                                                 ("--num_proc", "0", "--num_proc 0 must be at least 1")])
+def test_a_zero_on_the_command_line_is_refused_not_taken_for_the_default(tmp_path, capsys, flag, value, words):
+    """0 is a value given, not an option left out: before, --vocab_size 0 trained 32,000 tokens and --num_proc 0
+    used every core, silently."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("the fox jumps over the dog. " * 50)
+    with pytest.raises(SystemExit) as exit_:
+        prep.main(["--source", str(src), "--out", str(tmp_path / "cache"), flag, value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1, err
+    assert not (tmp_path / "cache").exists()
