@@ -267,7 +267,7 @@ def build_optimizer(model, settings, device):
         old checkpoints' optimizer states load); its groups carry no base_lr, set_lr needs none.
     muon: MuonWithAdamW: Muon (lr muon_lr, Nesterov) on the 2-D weights of model.layers, AdamW (lr learning_rate,
         the same betas, eps and fused rule) on the rest: the tied embedding and LM head with weight decay, the
-        norms without. An optional key muon_compile (default False) is Muon's compile option.
+        norms without. Muon's per-shape math is compiled when settings' compile is (on CUDA).
     """
     get = lambda key: setting(settings, key)
     name = get("optimizer")

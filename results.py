@@ -125,8 +125,14 @@ def _lock(path):
 
 def check_writable(path):
     """A ResultsFileError now, before a script's work, if the results file's folder cannot hold its lock (the
-    file itself is replaced by a rename in that folder, so the folder is what must be writable)."""
+    file itself is replaced by a rename in that folder, so the folder is what must be writable), or if a file
+    there is not one of results (a folder, an empty path, or a file that is not valid JSON)."""
+    if not str(path).strip() or Path(path).is_dir():
+        raise ResultsFileError(f"results file {str(path)!r} is {'a folder' if str(path).strip() else 'empty'}; "
+                               f"pass --results_file a JSON file's path")
     path = Path(path)
+    if path.exists():
+        read_results(path)  # a file that is not a results file, refused before the work rather than after
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(str(path) + ".lock", "a"):

@@ -167,6 +167,10 @@ class TrainSettings:
         if muon_keys and cfg.optimizer != "muon":
             raise ConfigError(f"{', '.join(muon_keys)} set but optimizer is {cfg.optimizer!r}; set optimizer=muon "
                               f"or leave the muon_ keys at their defaults")
+        if cfg.lr_schedule != "wsd" and cfg.cooldown_fraction != field_of(TrainSettings, "cooldown_fraction").default:
+            raise ConfigError(f"cooldown_fraction {cfg.cooldown_fraction} is wsd's and lr_schedule is "
+                              f"{cfg.lr_schedule!r}, which would ignore it; set lr_schedule=wsd or leave "
+                              f"cooldown_fraction at its default")
         if cfg.stop_at_target and not cfg.target_loss:
             raise ConfigError("stop_at_target needs a target: set target_loss (the validation-subset loss to reach)")
         check_fp8_head(cfg)

@@ -18,9 +18,9 @@ import checkpoint
 import env
 import model as model_lib
 import settings
-from configurator import ConfigError
+from configurator import ConfigError, load_config
 from data.loader import CacheError, Prefetcher, TokenCache, TrainData, eval_batch_count, eval_batches
-from metrics import Metrics, final_validation_result, print_summary  # noqa: F401 (print_summary: compare.py)
+from metrics import Metrics, final_validation_result
 from results import ResultsFileError, check_writable
 from settings import (Config, TrainSettings, initial_model_config, model_config, recipe,  # noqa: F401
                       recipe_differences)  # (the scripts' names for them)
@@ -194,13 +194,18 @@ class Run:
             print(f"warning: {line}")
         # after every check above, so that a refused run leaves no folder
         self.ckpt_path, self.lock = prepare_out_dir(cfg, self.main_process)
-        self.trainer = Trainer(cfg, self.mcfg, self.device, self.total_updates, self.world_size, local_rank,
-                               initial_state=initial.state if initial else None, attention=attention)
-        if initial and self.main_process:
-            print(f"initial weights from {cfg.init_from} ({initial.source}, {initial.sha256[:12]})")
-        self.state, self.status, self.session_updates, self.at_target = RunState(), "running", 0, False
-        self.last_checkpoint_time = time.time()
-        self.metrics = Metrics(cfg, self.state, self.trainer, self.facts())
+        try:
+            self.trainer = Trainer(cfg, self.mcfg, self.device, self.total_updates, self.world_size, local_rank,
+                                   initial_state=initial.state if initial else None, attention=attention)
+            if initial and self.main_process:
+                print(f"initial weights from {cfg.init_from} ({initial.source}, {initial.sha256[:12]})")
+            self.state, self.status, self.session_updates, self.at_target = RunState(), "running", 0, False
+            self.last_checkpoint_time = time.time()
+            self.metrics = Metrics(cfg, self.state, self.trainer, self.facts())
+        except BaseException:  # out of memory, say: no run of this process holds the folder any more
+            if self.lock:
+                self.lock.release()
+            raise
 
     def facts(self):
         """What the entry reports that does not change while the run trains."""
@@ -425,7 +430,7 @@ def loop(run, stop):
 
 def main(argv):
     try:
-        cfg = settings.resolve(TrainSettings, argv)
+        cfg = Config(load_config(TrainSettings, argv))  # Run checks every rule, once
         entry = train(cfg)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             # Free the DDP wrapper (it sits in reference cycles) and the process group now: left to interpreter

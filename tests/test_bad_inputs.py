@@ -184,3 +184,37 @@ def test_train_refuses_init_from_weights_of_another_tokenizer_before_any_work(tm
                         train_subset_tokens=0, full_validation=False, epochs=1, name="same",
                         out_dir=str(tmp_path / "same"))
     assert train.main(cli_args(same)) == 0  # its own tokenizer's cache trains
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda tmp: "", "results file '' is empty"),
+    (lambda tmp: str(tmp), "is a folder"),
+    (lambda tmp: (tmp / "r.json").write_text("{not json") and str(tmp / "r.json"), "is not valid JSON"),
+])
+def test_a_results_file_that_cannot_be_one_is_refused_before_any_work(tmp_path, make, words):
+    """Before, an empty path or a folder passed the check and failed only when the run first recorded itself,
+    after the model was built and its folder made (and "" left a stray "..lock" where the script ran)."""
+    from results import check_writable
+    path = make(tmp_path)
+    with pytest.raises(ResultsFileError, match=words):
+        check_writable(path)
+    assert not list(tmp_path.glob("*.lock"))
+
+
+def test_a_run_that_fails_to_build_gives_its_folder_back(text_cache, tmp_path, monkeypatch):
+    """The run lock is taken before the trainer is built; a trainer that fails (out of memory, say) must release
+    it, so that the same process can train that run again."""
+    import train
+    from tests.test_train import small_config
+    cfg = small_config(text_cache, tmp_path, epochs=1)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
+    with monkeypatch.context() as patch:
+        patch.setattr(train, "Trainer", out_of_memory)
+        with pytest.raises(torch.OutOfMemoryError) as failure:
+            train.train(cfg)
+    # the traceback is still held (as a notebook or a caller holds it), and with it the half-built run: its lock
+    # must have been released, not left to the garbage collector
+    assert failure.traceback
+    assert train.train(train.Config(cfg, overwrite=True))["status"] == "complete"  # not "another train.py"
