@@ -24,7 +24,7 @@ from metrics import Metrics, final_validation_result
 from results import ResultsFileError, check_writable
 from settings import (Config, TrainSettings, initial_model_config, model_config, recipe,  # noqa: F401
                       recipe_differences)  # (the scripts' names for them)
-from trainer import Trainer, all_reduce_sum, distributed, micro_steps
+from trainer import Trainer, all_reduce_sum, distributed, end_distributed, micro_steps
 
 DEFAULTS = settings.defaults(TrainSettings)
 EXIT_INTERRUPTED = 3  # exit status of a run stopped by a signal or stop_after_updates, checkpointed to resume
@@ -432,13 +432,7 @@ def main(argv):
     try:
         cfg = Config(load_config(TrainSettings, argv))  # Run checks every rule, once
         entry = train(cfg)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # Free the DDP wrapper (it sits in reference cycles) and the process group now: left to interpreter
-            # exit, gloo's threads can abort the process (SIGABRT, "terminate called without an active
-            # exception"), and torchrun then fails the job and kills rank 0, maybe before it records the run.
-            import gc
-            gc.collect()
-            torch.distributed.destroy_process_group()
+        end_distributed()
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -29,6 +29,16 @@ def distributed():
     return dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0")), world_size
 
 
+def end_distributed():
+    """Free the DDP wrapper (it sits in reference cycles) and the process group now, if there is one: left to
+    interpreter exit, gloo's threads can abort the process (SIGABRT, "terminate called without an active
+    exception"), and torchrun then fails the job and kills rank 0, maybe before it records the run."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        import gc
+        gc.collect()
+        torch.distributed.destroy_process_group()
+
+
 def all_reduce_sum(tensor, world_size):
     if world_size > 1:
         import torch.distributed as dist
