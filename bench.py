@@ -172,8 +172,7 @@ def device_used_bytes(device):
     return total - free
 
 
-# What a preset fixes; its vocabulary follows the data.
-PRESET_SHAPE_KEYS = ("dim", "n_layers", "n_heads", "hidden_dim")
+PRESET_SHAPE_KEYS = settings.MODEL_SHAPE_KEYS[:-1]  # what a preset fixes; its vocabulary follows the data
 
 
 def check_protocol(cfg):
@@ -185,7 +184,7 @@ def check_protocol(cfg):
         raise ConfigError(f"scaling_reference={cfg.scaling_reference} compares several processes with that "
                           f"one-GPU entry, and this is one process; run under torchrun --nproc_per_node=N, or "
                           f"drop scaling_reference")
-    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    on_cpu = cfg.device != "cuda" and settings.resolve_device(cfg) == "cpu"  # settings' rule for "auto"
     if cfg.profile and on_cpu:
         raise ConfigError("profile records GPU kernel time, and this runs on the CPU (where it would record CPU "
                           "operator time as kernel_ms); profile on a GPU, or drop profile")

@@ -146,8 +146,6 @@ DEFAULTS = settings.defaults(CompareSettings)
 BASELINE_EXECUTION = {"compile": False, "attention_backend": "sdpa", "loss_impl": "full"}
 # Bulky fields of a run's entry that the comparison leaves out (the run's own entry keeps them).
 BULKY = ("environment", "config", "recipe")
-# Keys that say how train.py was started on a run's folder, not what the run is: a run resumed, or started
-# afresh over an old checkpoint, is the same run of its config.
 NOISE_SIGMAS = 3  # standard deviations of a difference of two runs that the training-noise tolerance allows
 FIRM_NOISE_RUNS = 3  # noise runs under which a failed verdict suggests more: P(|t_3| > 3) = 0.06 at worst
 TOLERANCE_RULE = ("|optimized - baseline| final validation loss <= the larger of the validation noise, 3 * "
@@ -176,7 +174,7 @@ def side_configs(cfg):
     layers = []
     if cfg.tuned:
         path = lookup(cfg.results_file, ["tuning", "selected", "config_path"])
-        if not path:
+        if not path or not isinstance(path, str):
             raise CompareError(f"--tuned=True but results file {cfg.results_file} has no tuning.selected.config_path; "
                                f"run tune.py first, or drop --tuned")
         if not Path(path).is_file():
@@ -265,16 +263,20 @@ def finished_run(results, name, results_file):
         runs = [k for k in plots.training_runs(results) if k not in settings.RESERVED_NAMES]
         raise CompareError(f"results file {results_file} has no run named {name!r}; runs there: "
                            f"{', '.join(runs) or 'none'}")
-    if entry.get("status") != "complete" or not entry.get("final_validation"):
-        what = "" if entry.get("final_validation") else ", without a final validation"
+    fv = entry.get("final_validation")
+    if entry.get("status") != "complete" or not fv:
+        what = "" if fv else ", without a final validation"
         raise CompareError(f"run {name} is not complete (status {entry.get('status')!r}{what}); finish it "
                            f"(train.py --resume=True --name={name}) or compare another run")
-    if entry["final_validation"].get("loss") is None:  # results.py writes a diverged run's NaN as null
+    if not isinstance(fv, dict):  # a file edited by hand, or not written by train.py
+        raise CompareError(f"run {name}'s final_validation is a {type(fv).__name__}, not train.py's record of it")
+    if fv.get("loss") is None:  # results.py writes a diverged run's NaN as null
         raise CompareError(f"run {name} diverged: its final validation loss is not a finite number, so it matches "
                            f"nothing; lower its learning rate, or compare another run")
-    if entry["final_validation"].get("loss_std") is None:
-        raise CompareError(f"run {name}'s final validation has no loss_std, so no tolerance can be computed; "
-                           f"train it again with this train.py")
+    missing = [k for k in ("loss_std", "tokens") if not plots.finite_number(fv.get(k))]
+    if missing:
+        raise CompareError(f"run {name}'s final validation has no {' or '.join(missing)}, so no tolerance can be "
+                           f"computed; train it again with this train.py")
     return entry
 
 
@@ -400,10 +402,6 @@ def compare_runs(results_file, baseline_name, optimized_name, allow_recipe_chang
 
 # ---------------------------------------------------------------- the table
 
-def _fmt(value, spec, suffix=""):
-    return "-" if value is None else f"{value:{spec}}{suffix}"
-
-
 # Execution keys that say how the update ran (the others name files, logging and stopping).
 SHOWN_EXECUTION = ("compile_mode", "compile_scope", "attention_backend", "loss_impl", "loss_chunk_tokens",
                    "activation_memory_budget", "cpu_threads")
@@ -425,13 +423,13 @@ def table_rows(entry):
         ("execution", execution_summary(cfg)),
         ("recipe identity", entry["recipe_identity"][:12]),
         ("updates", f"{entry.get('step')}/{entry.get('total_updates')}"),
-        ("tokens", _fmt(entry.get("tokens"), ",")),
+        ("tokens", plots.fmt(entry.get("tokens"), ",")),
         ("final validation loss", f"{fv['loss']:.4f} ± {standard_error(fv):.4f}"),
         ("best subset loss", f"{best:.4f} (epoch {entry.get('best_epoch')})" if best is not None else "-"),
-        ("median training tok/s", _fmt(entry.get("median_training_tokens_per_second"), ",.0f")),
-        ("training seconds", _fmt(entry.get("training_seconds"), ".1f")),
-        ("elapsed seconds", _fmt(entry.get("training_elapsed_seconds"), ".1f")),
-        ("peak memory", _fmt(peak / 2**30 if peak is not None else None, ".2f", " GiB")),
+        ("median training tok/s", plots.fmt(entry.get("median_training_tokens_per_second"), ",.0f")),
+        ("training seconds", plots.fmt(entry.get("training_seconds"), ".1f")),
+        ("elapsed seconds", plots.fmt(entry.get("training_elapsed_seconds"), ".1f")),
+        ("peak memory", plots.fmt(peak / 2**30 if peak is not None else None, ".2f", " GiB")),
     ]
 
 
@@ -470,7 +468,7 @@ def print_table(comparison, baseline, optimized):
     width = max(len(str(v)) for _, v in rows_b + [("", comparison["baseline"])])
     lines = [f"{'':>22}  {comparison['baseline']:<{width}}  {comparison['optimized']}"]
     lines += [f"{k:>22}  {str(vb):<{width}}  {vo}" for (k, vb), (_, vo) in zip(rows_b, rows_o)]
-    ratio, within = _fmt(comparison["speed_ratio"], ".2f", "x"), "within" if comparison["losses_agree"] else "OUTSIDE"
+    ratio, within = plots.fmt(comparison["speed_ratio"], ".2f", "x"), "within" if comparison["losses_agree"] else "OUTSIDE"
     lines += [f"{'speed ratio':>22}  {ratio} (optimized / baseline median training tok/s)",
               f"{'loss difference':>22}  {comparison['loss_difference']:+.5f} (tolerance ±{comparison['tolerance']:.5f}: "
               f"{within})",
@@ -608,8 +606,6 @@ def compare(cfg):
         return time_to_target_mode(cfg)
     plot = plot_file(cfg)
     check_writable(cfg.results_file)
-    if cfg.noise_seed_runs < 0:
-        raise CompareError(f"noise_seed_runs must be 0 or more, got {cfg.noise_seed_runs}")
     if cfg.baseline or cfg.optimized:
         if not (cfg.baseline and cfg.optimized):
             raise CompareError("give both --baseline=NAME and --optimized=NAME to compare finished runs, or neither "

@@ -41,6 +41,11 @@ def training_runs(results):
     return [name for name, entry in results.items() if isinstance(entry, dict) and "recipe_identity" in entry]
 
 
+def fmt(value, spec, suffix=""):
+    """A table cell: value in format spec (and a suffix), or "-" for a value that is missing."""
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
 def finite_number(value):
     """A number that is neither NaN nor infinite (nor a bool, nor the null results.py writes for those)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

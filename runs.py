@@ -109,11 +109,12 @@ def train_or_reuse(side, c, recipe_identity, rerun, signals=None):
     out = train.run_dir(c)
     config_path = out / "compare_config.py"
     write_config_file(config_path, c, train.DEFAULTS,
-                      header=f"The {side} run of a matched comparison, written by compare.py.\n"
+                      header=f"The {side} run {c.name}, written by compare.py.\n"
                              f"Rerun it with: python train.py {config_path}")
     args = [str(config_path), f"--name={c.name}", f"--results_file={c.results_file}"]
     old = None if rerun else recorded_run(c, args, recipe_identity)
-    if old and old.get("status") == "complete" and old.get("final_validation"):
+    # complete, with the full validation its config asked for (time-to-target runs need none)
+    if old and old.get("status") == "complete" and (old.get("final_validation") or not c.full_validation):
         print(f"{side}: reusing the complete run {c.name} of the same config and code in {c.results_file} "
               f"(pass --rerun=True to train again)")
         return
@@ -122,7 +123,7 @@ def train_or_reuse(side, c, recipe_identity, rerun, signals=None):
     if old and old.get("status") == "interrupted" and checkpoint_run_id(ckpt) == old.get("run_id"):
         launch = ["--resume=True"]
         print(f"{side}: resuming the stopped run {c.name} from {ckpt}")
-    elif ckpt.exists() and "overwrite" in train.DEFAULTS:
+    elif ckpt.exists():
         launch = ["--overwrite=True"]  # compare.py trains this side again: the old checkpoint is not its run
     cmd = [sys.executable, str(env.REPO / "train.py"), *args, *launch]
     print(f"{side}: {shlex.join(cmd)}", flush=True)

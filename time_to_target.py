@@ -123,15 +123,11 @@ def verdict_line(section):
     return text + (f"; {up:.2f}x faster than the baseline to it" if up else "")
 
 
-def _cell(value, spec):
-    return "-" if value is None else f"{value:{spec}}"
-
-
 def run_rows(section):
     """(name, status, final loss, training s, first reached at training s) of every run, candidate first."""
     runs = {**section["candidate_runs"], **(section.get("baseline_runs") or {})}
-    return [(name, str(o["status"]), _cell(o["final_loss"], ".4f"), _cell(o["training_seconds"], ".1f"),
-             _cell(o["seconds_to_target"], ".1f")) for name, o in runs.items()]
+    return [(name, str(o["status"]), plots.fmt(o["final_loss"], ".4f"), plots.fmt(o["training_seconds"], ".1f"),
+             plots.fmt(o["seconds_to_target"], ".1f")) for name, o in runs.items()]
 
 
 def speedup_line(up):
@@ -158,9 +154,9 @@ def table(section):
     runs = f"{losses} of {section['n_runs']}" if losses < section["n_runs"] else section["n_runs"]
     lines += [f"{'target':>18}  validation-subset loss {section['target_loss']:g} (eval_interval "
               f"{section['eval_interval']})",
-              f"{'mean final loss':>18}  {_cell(mean, '.4f')} (sd {_cell(std, '.4f')} over {runs} runs), "
-              f"one-sided p = {_cell(p, '.3g')}, pass at p < {section['alpha']:g}",
-              f"{'median training s':>18}  {_cell(section['median_training_seconds'], '.1f')}"]
+              f"{'mean final loss':>18}  {plots.fmt(mean, '.4f')} (sd {plots.fmt(std, '.4f')} over {runs} runs), "
+              f"one-sided p = {plots.fmt(p, '.3g')}, pass at p < {section['alpha']:g}",
+              f"{'median training s':>18}  {plots.fmt(section['median_training_seconds'], '.1f')}"]
     if section.get("speedup"):
         miss = "" if section["reaches_target"] else "; it does not count: the candidate misses the target"
         lines.append(f"{'speed-up':>18}  {speedup_line(section['speedup'])}{miss}")

@@ -369,7 +369,9 @@ class BenchRunner:
                       "cpu": env.cpu_model(), "cache_identity": cache}
         # only successes, from the same code: an error may have been the budget's cut or a passing fault
         tuning, self.previous = results.lookup(cfg.results_file, ["tuning"]) or {}, {}
-        for res in [record.get(s) for record in tuning.get("candidates", []) for s in STAGES]:
+        tuning = tuning if isinstance(tuning, dict) else {}  # a section edited by hand: nothing to reuse
+        records = tuning.get("candidates") if isinstance(tuning.get("candidates"), list) else []
+        for res in [record.get(s) for record in records if isinstance(record, dict) for s in STAGES]:
             if isinstance(res, dict) and res.get("status") == "ok" and res.get("source_hash") == self.source:
                 self.previous[res.get("candidate_identity")] = with_environment(res, tuning.get("environment"))
 
@@ -504,11 +506,11 @@ def print_report(tuning):
 # ---------------------------------------------------------------- the sweep
 
 def tune(cfg):
-    """Every check first (a mistake that would fail every candidate is one line, not a sweep), then the sweep."""
+    """Every check first (a mistake that would fail every candidate is one line, not a sweep), then the sweep.
+    cfg has passed settings.check (main's settings.resolve): its rules, bench's and train.py's among them."""
     results.check_writable(cfg.results_file)
-    bench.check_protocol(cfg)
     bench.cache_and_model(cfg)
-    train.check_execution(cfg)  # the incumbent, on paper and on this machine
+    settings.sequences_per_update(cfg)  # the incumbent's micro-batch, which settings.check leaves to the run
     cuda = settings.resolve_device(cfg) == "cuda"
     device = torch.device("cuda" if cuda else "cpu")
     settings.check_device(cfg, device)

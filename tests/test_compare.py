@@ -373,3 +373,25 @@ def test_a_diverged_run_is_named_as_such_not_a_missing_field():
              "final_validation": {"loss": None, "loss_std": None, "tokens": 100}}
     with pytest.raises(compare.CompareError, match="run b diverged: its final validation loss is not a finite"):
         compare.finished_run({"b": entry}, "b", "results.json")
+
+
+@pytest.mark.parametrize("final_validation, words", [
+    ({"loss": 4.0, "loss_std": 1.0}, "has no tokens, so no tolerance"),
+    ({"loss": 4.0, "tokens": 100}, "has no loss_std, so no tolerance"),
+    ("4.0", "final_validation is a str, not train.py's record"),
+])
+def test_a_hand_edited_final_validation_is_one_line_not_a_traceback(final_validation, words):
+    """Before, a missing tokens count was a KeyError in the tolerance, a string an AttributeError."""
+    entry = {"recipe_identity": "r", "status": "complete", "final_validation": final_validation}
+    with pytest.raises(compare.CompareError, match=words):
+        compare.finished_run({"b": entry}, "b", "results.json")
+
+
+def test_a_tuned_config_path_that_is_not_a_path_is_one_line(tmp_path):
+    """Before, a number there was a TypeError from Path()."""
+    results = tmp_path / "results.json"
+    record(results, ["tuning"], {"selected": {"config_path": 5}})
+    argv = [f"--results_file={results}", "--tuned=True"]
+    cfg = compare.train.Config(configurator.load_config(compare.DEFAULTS, argv))
+    with pytest.raises(compare.CompareError, match="has no tuning.selected.config_path"):
+        compare.side_configs(cfg)

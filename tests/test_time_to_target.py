@@ -202,3 +202,7 @@ def test_the_mode_end_to_end_misses_an_unreachable_target_and_reaches_a_reachabl
     assert lines[0].split() == ["run", "status", "final", "loss", "training", "s", "reached", "at", "s"]
     assert [line.split()[0] for line in lines[1:4]] == ["tt-seed1337", "tt-seed1338", "tt-target-baseline-seed1337"]
     assert "\n".join(lines) in out
+    # the same command again reuses every finished run (they have no full validation, which this mode never asks)
+    assert compare.main(reach) == 0
+    out = capsys.readouterr().out
+    assert out.count("reusing the complete run") == 3 and "[candidate] " not in out and "[target baseline] " not in out
