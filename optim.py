@@ -186,6 +186,13 @@ class Muon(torch.optim.Optimizer):
             buffers.append(state["momentum_buffer"])
         return buffers
 
+    def init_state(self):
+        """Every momentum buffer, zeros, now rather than at the first step (which makes the same zeros), so that a
+        compiled step finds its state in place and is traced once."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p].setdefault("momentum_buffer", torch.zeros_like(p, memory_format=torch.preserve_format))
+
     def orthogonalize_fn(self, device):
         return compiled_orthogonalize() if self.compile and device.type == "cuda" else orthogonalize
 
@@ -224,8 +231,10 @@ class MuonWithAdamW:
 
     def step(self, closure=None):
         loss = closure_loss(closure)
-        for optimizer in self.optimizers:
-            optimizer.step()
+        # one call each, not a loop: torch.optim's step breaks the graph on purpose (an inference graph for the
+        # optimizer), and under update_graph's compile a break inside a loop would leave this frame to eager
+        self.adamw.step()
+        self.muon.step()
         return loss
 
     def zero_grad(self, set_to_none=True):
@@ -273,8 +282,9 @@ def build_optimizer(model, settings, device):
     name = get("optimizer")
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
-    adamw_options = dict(lr=get("learning_rate"), betas=(get("beta1"), get("beta2")), eps=get("adam_eps"),
-                         fused=torch.device(device).type == "cuda")
+    graph = bool(setting(settings, "update_graph", False))
+    adamw_options = dict(lr=group_lr(get("learning_rate"), graph, device), betas=(get("beta1"), get("beta2")),
+                         eps=get("adam_eps"), **adamw_kernels(graph, device))
     params = list(model.parameters())  # the tied embedding and head once
     if name == "adamw":
         return torch.optim.AdamW(split_by_decay(params, get("weight_decay")), **adamw_options)
@@ -283,11 +293,40 @@ def build_optimizer(model, settings, device):
     rest = [p for p in params if id(p) not in in_muon]
     adamw = torch.optim.AdamW(split_by_decay(rest, get("weight_decay"), base_lr=get("learning_rate")),
                               **adamw_options)
-    muon = Muon([{"params": matrices, "base_lr": get("muon_lr")}], lr=get("muon_lr"),
+    muon = Muon([{"params": matrices, "base_lr": get("muon_lr")}], lr=group_lr(get("muon_lr"), graph, device),
                 weight_decay=get("weight_decay"), momentum=get("muon_momentum"), nesterov=True,
                 ns_steps=get("muon_ns_steps"), adjust_lr_fn=get("muon_adjust_lr"),
-                compile=bool(get("compile")))  # compiled with the model: under CUDA graphs the host has time
+                # compiled with the model: under CUDA graphs the host has time; inside the update's graph, the
+                # trainer's compile traces it whole
+                compile=bool(get("compile")) and not graph)
+    if graph:
+        muon.init_state()
     return MuonWithAdamW(muon, adamw)
+
+
+def adamw_kernels(graph, device):
+    """AdamW's implementation options: fused on CUDA (the default run's); with update_graph, the foreach form that
+    torch.compile traces, capturable so that its step counts stay on the device and CUDA graphs can hold it."""
+    if graph:
+        return dict(fused=False, foreach=True, capturable=True)
+    return dict(fused=torch.device(device).type == "cuda")
+
+
+def group_lr(value, graph, device):
+    """A group's learning rate: the float, or with update_graph a float32 device tensor that set_lr fills in place,
+    so that the compiled step reads it each update instead of being compiled again for every new value."""
+    return torch.tensor(value, dtype=torch.float32, device=device) if graph else value
+
+
+def load_state(optimizer, state_dict):
+    """optimizer.load_state_dict, keeping this run's implementation options (fused, foreach, capturable) and the
+    learning rate's kind (float or tensor): torch's load takes them from the saved groups, and update_graph is an
+    execution key that may differ between the run that saved and the run that resumes."""
+    kept = [{k: group[k] for k in ("fused", "foreach", "capturable", "lr") if k in group}
+            for group in optimizer.param_groups]
+    optimizer.load_state_dict(state_dict)
+    for group, options in zip(optimizer.param_groups, kept):
+        group.update(options)
 
 
 def set_lr(optimizer, lr, learning_rate):
@@ -298,4 +337,8 @@ def set_lr(optimizer, lr, learning_rate):
     """
     for each in getattr(optimizer, "optimizers", (optimizer,)):
         for group in each.param_groups:
-            group["lr"] = group["base_lr"] * (lr / learning_rate) if isinstance(each, Muon) else lr
+            value = group["base_lr"] * (lr / learning_rate) if isinstance(each, Muon) else lr
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(value)  # update_graph: the tensor the compiled step reads
+            else:
+                group["lr"] = value

@@ -130,6 +130,10 @@ class TrainSettings:
                                      choices=tuple(model_lib.ATTENTION_BACKENDS))
     loss_impl: str = setting("full", "see kernels/cross_entropy.py", choices=tuple(model_lib.LOSS_IMPLEMENTATIONS))
     loss_chunk_tokens: int = setting(8192, "tokens per slice of the chunked and fused losses", bounds="> 0")
+    update_graph: bool = setting(False, "compiled only: the gradient clip and the optimizer step compiled too, in "
+                                        "the model's compile mode (with reduce-overhead, CUDA graphs); AdamW then "
+                                        "runs its capturable foreach form with the learning rate a device tensor: "
+                                        "the same update, other kernels")
     activation_memory_budget: float = setting(1.0, "compiled only: the share of the compiler's activation memory to "
                                                    "keep; below 1 it recomputes cheap ops in backward", bounds="(0, 1]")
     cpu_threads: int = setting(0, "0: PyTorch's default", bounds=">= 0")
@@ -171,6 +175,9 @@ class TrainSettings:
             raise ConfigError(f"cooldown_fraction {cfg.cooldown_fraction} is wsd's and lr_schedule is "
                               f"{cfg.lr_schedule!r}, which would ignore it; set lr_schedule=wsd or leave "
                               f"cooldown_fraction at its default")
+        if cfg.update_graph and not cfg.compile:
+            raise ConfigError("update_graph compiles the clip and the optimizer step with the model; set compile=True "
+                              "(or leave update_graph off)")
         if cfg.stop_at_target and not cfg.target_loss:
             raise ConfigError("stop_at_target needs a target: set target_loss (the validation-subset loss to reach)")
         check_fp8_head(cfg)

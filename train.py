@@ -17,6 +17,7 @@ import torch
 import checkpoint
 import env
 import model as model_lib
+import optim
 import settings
 from configurator import ConfigError, load_config
 from data.loader import CacheError, Prefetcher, TokenCache, TrainData, eval_batch_count, eval_batches
@@ -234,7 +235,7 @@ class Run:
 
     def load(self, ckpt):
         self.trainer.raw_model.load_state_dict(ckpt["model"])
-        self.trainer.optimizer.load_state_dict(ckpt["optimizer"])
+        optim.load_state(self.trainer.optimizer, ckpt["optimizer"])
         self.trainer.step = ckpt["step"]
         checkpoint.set_rng_state(ckpt["rng"])
         self.state = RunState(**{f.name: ckpt[f.name] for f in dataclasses.fields(RunState) if f.name in ckpt})

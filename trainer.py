@@ -93,6 +93,9 @@ class Trainer:
         if world_size > 1:
             self.model = self.data_parallel(self.model, local_rank)
         self.optimizer = optim.build_optimizer(self.raw_model, cfg, self.device)
+        # plain values for the step, which torch.compile traces under update_graph (it cannot read cfg's keys)
+        self.params, self.max_norm = list(self.raw_model.parameters()), cfg.grad_clip or math.inf
+        self.optimizer_step = self.compiled_step() if cfg.update_graph else self.clip_and_step
         self.step = 0
         # bf16 autocast on the GPU; None (float32) on the CPU. A test turns it on there too.
         self.autocast_dtype = torch.bfloat16 if self.device.type == "cuda" else None
@@ -120,6 +123,27 @@ class Trainer:
             layer.compile(dynamic=False, mode=mode)
         model.loss = torch.compile(model.loss, dynamic=False, mode=mode)
         return model
+
+    def clip_and_step(self):
+        """The gradient clip, then the optimizer step; returns the gradient norm before clipping (a tensor)."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
+        self.optimizer.step()
+        return grad_norm
+
+    def compiled_step(self):
+        """update_graph: clip_and_step under torch.compile in the model's mode. Eager, the clip and the optimizer
+        step are a few hundred small kernels launched from Python after the model's graphs; compiled with
+        reduce-overhead they replay as one more CUDA graph. The gradients it reads are the backward graph's
+        outputs (static under CUDA graphs), or, with accumulation, the gradients allocate_gradients made once."""
+        # Tensors that live across updates and that the step reads or writes in place: marked, the graph uses
+        # them where they are instead of copying them in at each replay.
+        static = [p.grad for p in self.raw_model.parameters()] if self.stable_grads else []
+        static += [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+        static += [g["lr"] for g in self.optimizer.param_groups if torch.is_tensor(g["lr"])]
+        for tensor in static:
+            torch._dynamo.mark_static_address(tensor)
+        mode = None if self.cfg.compile_mode == "default" else self.cfg.compile_mode
+        return torch.compile(self.clip_and_step, dynamic=False, mode=mode)
 
     def data_parallel(self, model, local_rank):
         from torch.nn.parallel import DistributedDataParallel
@@ -167,8 +191,9 @@ class Trainer:
                     with self.autocast(enabled=False):
                         (loss * scale).backward()
                 loss_sum += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.cfg.grad_clip or math.inf)
-        self.optimizer.step()
+        grad_norm = self.optimizer_step()
+        if self.cfg.update_graph:
+            grad_norm = grad_norm.clone()  # a CUDA graph's output is overwritten by its next replay
         self.optimizer.zero_grad(set_to_none=not self.stable_grads)
         self.step += 1
         return loss_sum, grad_norm
