@@ -100,19 +100,9 @@ def run(fn, h32, weight, targets, reps):
         (loss * scale).backward()
         return loss
 
-    for _ in range(3):
-        loss = step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    return {"ms": start.elapsed_time(end) / reps, "loss": loss.item(), "grad_h": h.grad.float(),
-            "grad_w": w.grad.float(), "peak_extra_bytes": torch.cuda.max_memory_allocated() - base}
+    loss, ms, peak_extra_bytes = common.timed(step, reps)
+    return {"ms": ms, "loss": loss.item(), "grad_h": h.grad.float(), "grad_w": w.grad.float(),
+            "peak_extra_bytes": peak_extra_bytes}
 
 
 def tuned_configs():
@@ -129,9 +119,7 @@ def main():
     parser.add_argument("--tokens", type=common.positive_int, default=32768)
     parser.add_argument("--dim", type=common.positive_int, default=320)
     parser.add_argument("--vocab", type=common.positive_int, default=32000)
-    parser.add_argument("--reps", type=common.positive_int, default=20)
-    parser.add_argument("--name", default="loss-microbench", help="the results file key")
-    parser.add_argument("--results_file", default="results.json")
+    common.add_run_arguments(parser, "loss-microbench", reps=20)
     args = parser.parse_args()
     common.check_gpu_script(parser, args.results_file, "the loss")
     torch.manual_seed(0)
@@ -150,8 +138,8 @@ def main():
         results[name] = {
             "ms_forward_backward": round(r["ms"], 3), "loss": r["loss"],
             "peak_extra_gib": round(r["peak_extra_bytes"] / 2**30, 3),
-            "grad_h_relative_error": ((r["grad_h"] - reference["grad_h"]).norm() / reference["grad_h"].norm()).item(),
-            "grad_w_relative_error": ((r["grad_w"] - reference["grad_w"]).norm() / reference["grad_w"].norm()).item()}
+            "grad_h_relative_error": common.relative_error(r["grad_h"], reference["grad_h"]),
+            "grad_w_relative_error": common.relative_error(r["grad_w"], reference["grad_w"])}
     record(args.results_file, [args.name], {
         "run_id": env.new_run_id(), "tokens": args.tokens, "dim": args.dim, "vocab": args.vocab, "reps": args.reps,
         "results": results, "fused_epilogue_configs": tuned_configs(), "environment": env.fingerprint()})
