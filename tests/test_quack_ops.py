@@ -2,8 +2,11 @@
 runs without them: the refusal elsewhere, the declaration, the shape rules, the tiles recorded, and the layout
 mapping, against quack's reference functions (quack/gemm_interface.py: gemm_ref, gemm_gated_ref,
 gemm_dgated_ref; quack/linear_cross_entropy.py: linear_cross_entropy_func_ref) written out here in plain torch."""
+import os
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +23,8 @@ from kernels.swiglu import swiglu_down
 from settings import TrainSettings
 from tests.test_model import random_batch, relative_error, seeded_model, tiny_config
 from tests.test_train import small_config
+
+REPO = Path(__file__).resolve().parents[1]
 
 # ---------------------------------------------------------------- quack's reference semantics, in plain torch
 
@@ -264,3 +269,11 @@ def test_the_scaled_exp_tiles_at_our_widths():
     assert quack_ops.scaled_exp_tiles(151936, 320)["vocab_tile"] == 128  # quack's own example of a vocabulary
     assert quack_ops.scaled_exp_tiles(50257, 320)["vocab_tile"] is None
 
+
+def test_the_mlp_microbench_says_in_one_line_that_it_needs_a_gpu(tmp_path):
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "mlp_microbench.py"),
+                             f"--results_file={tmp_path / 'r.json'}"], capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].endswith("PyTorch sees no CUDA GPU here")
+    assert not (tmp_path / "r.json").exists()
