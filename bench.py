@@ -281,9 +281,9 @@ def new_entry(cfg, world_size):
     """The entry's fields known before anything runs: what is measured, how, and with which code."""
     entry = {"name": cfg.name, "run_id": env.new_run_id(), "status": "running", "preset": cfg.preset,
              "micro_batch_size": cfg.micro_batch_size, "compile": cfg.compile, "compile_mode": cfg.compile_mode,
-             "attention_backend": cfg.attention_backend, "loss_impl": cfg.loss_impl, "cpu_threads": cfg.cpu_threads,
-             "world_size": world_size, "config_identity": env.config_identity(dict(cfg)),
-             "source_hash": env.source_hash(), "config": dict(cfg)}
+             "attention_backend": cfg.attention_backend, "loss_impl": cfg.loss_impl, "mlp_impl": cfg.mlp_impl,
+             "cpu_threads": cfg.cpu_threads, "world_size": world_size,
+             "config_identity": env.config_identity(dict(cfg)), "source_hash": env.source_hash(), "config": dict(cfg)}
     folders, was_cold = cache_state(cfg.cold)
     entry.update(compiler_cache=folders, cache_was_cold=was_cold if cfg.compile else None)
     entry["protocol"] = {"version": 2, "warmup": cfg.warmup, "steps": cfg.steps, "windows": cfg.windows,

@@ -20,6 +20,8 @@ from kernels.cross_entropy import (LOSS_IMPLEMENTATIONS, chunked_cross_entropy, 
 from kernels.linear_cross_entropy import linear_cross_entropy_epilogue
 from kernels.linear_cross_entropy_fp8 import MULTIPLE as FP8_MULTIPLE
 from kernels.linear_cross_entropy_fp8 import check_shape as check_fp8_shape, linear_cross_entropy_fp8
+from kernels.quack_ops import check_shape as check_quack_shape
+from kernels.quack_ops import linear_cross_entropy as linear_cross_entropy_quack, swiglu_mlp as swiglu_mlp_quack
 from kernels.swiglu import swiglu_down
 
 
@@ -64,6 +66,10 @@ PRESETS = {
 # The residual stream's dtype under autocast: float32 (the embedding's, so each block's bf16 output is added in
 # float32) or, declared as a change of math, bfloat16 (the weights and the optimizer stay float32).
 RESIDUAL_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
+
+# How the SwiGLU MLP runs, same math and parameters: "torch", the w13 matmul, then SwiGLU and the down projection
+# as one op (kernels/swiglu.py); "quack", quack-kernels' gated matmuls on Hopper (kernels/quack_ops.py).
+MLP_IMPLEMENTATIONS = ("torch", "quack")
 
 
 def get_preset(name, **overrides):
@@ -133,22 +139,25 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, impl="torch"):
         super().__init__()
         self.w13 = nn.Linear(config.dim, 2 * config.hidden_dim, bias=False)  # [gate; up]
         self.w2 = nn.Linear(config.hidden_dim, config.dim, bias=False)
+        self.impl = impl  # one of MLP_IMPLEMENTATIONS
 
     def forward(self, x):
+        if self.impl == "quack":
+            return swiglu_mlp_quack(x, self.w13.weight, self.w2.weight)
         return swiglu_down(self.w13(x), self.w2.weight)
 
 
 class Block(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, mlp_impl="torch"):
         super().__init__()
         self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = FeedForward(config, mlp_impl)
 
     def forward(self, x, cos, sin, backends):
         x = x + self.attention(self.attention_norm(x), cos, sin, backends)
@@ -157,7 +166,7 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     def __init__(self, config, attention_backend="auto", loss_impl="full", loss_chunk_tokens=8192,
-                 residual_dtype="float32", lm_head_fp8=False):
+                 residual_dtype="float32", lm_head_fp8=False, mlp_impl="torch"):
         super().__init__()
         if isinstance(config, str):
             config = get_preset(config)
@@ -166,6 +175,8 @@ class Transformer(nn.Module):
         if loss_impl not in LOSS_IMPLEMENTATIONS:
             raise ValueError(f"unknown loss_impl {loss_impl!r}; valid: {', '.join(LOSS_IMPLEMENTATIONS)}")
         self.loss_impl, self.loss_chunk_tokens = loss_impl, loss_chunk_tokens
+        if mlp_impl not in MLP_IMPLEMENTATIONS:
+            raise ValueError(f"unknown mlp_impl {mlp_impl!r}; valid: {', '.join(MLP_IMPLEMENTATIONS)}")
         if residual_dtype not in RESIDUAL_DTYPES:
             raise ValueError(f"unknown residual_dtype {residual_dtype!r}; valid: {', '.join(RESIDUAL_DTYPES)}")
         self.residual_dtype = RESIDUAL_DTYPES[residual_dtype]
@@ -173,7 +184,7 @@ class Transformer(nn.Module):
         # can run it (loss_impl fused, a width and token counts its matmuls take) are settings.py's to check
         self.lm_head_fp8 = lm_head_fp8
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(Block(config, mlp_impl) for _ in range(config.n_layers))
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.output.weight = self.tok_embeddings.weight  # tied
@@ -261,8 +272,10 @@ class Transformer(nn.Module):
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"unknown loss reduction {reduction!r}; valid: mean, sum, none")
         flat_h, flat_targets = h.flatten(0, 1), targets.flatten()
-        fused = self.loss_impl in ("fused", "fused_epilogue")
-        if fused and not torch.is_grad_enabled():  # evaluation: no gradient to compute
+        # evaluation (no gradient to compute) of the ops that make gradients in forward: each token's loss from
+        # our losses-only op (quack's gives only their sum)
+        fused = self.loss_impl in ("fused", "fused_epilogue", "quack")
+        if fused and not torch.is_grad_enabled():
             losses = linear_cross_entropy_losses(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
             if reduction == "none":
                 return losses
@@ -274,6 +287,8 @@ class Transformer(nn.Module):
             total = fused_loss(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
         elif self.loss_impl == "fused_epilogue":
             total = linear_cross_entropy_epilogue(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
+        elif self.loss_impl == "quack":
+            total = linear_cross_entropy_quack(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
         elif self.loss_impl == "chunked":
             total = chunked_cross_entropy(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
         else:

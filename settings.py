@@ -22,6 +22,7 @@ import torch
 
 import model as model_lib
 from configurator import ConfigError
+from kernels import quack_ops
 from optim import MUON_ADJUST, OPTIMIZERS, SCHEDULES
 
 RECIPE, MODEL, WEIGHTS, EXECUTION = "recipe", "model", "weights", "execution"
@@ -33,7 +34,7 @@ MODEL_SHAPE_KEYS = ("dim", "n_layers", "n_heads", "hidden_dim", "vocab_size")  #
 # Sections of the results file that are not runs: a run may not take their names.
 RESERVED_NAMES = {"environment", "benchmarks", "tuning", "profiles", "history", "matched-comparison",
                   "partial-probe", "trained-parity", "allocation-usage", "loss-microbench", "accumulation-check",
-                  "ceilings", "time-to-target"}
+                  "ceilings", "time-to-target", "mlp-microbench"}
 
 
 def setting(default, help, role=EXECUTION, *, choices=None, bounds=None, later=False, rule=None):
@@ -129,7 +130,11 @@ class TrainSettings:
                                              "flash-attn-4's backward; Hopper or Blackwell)",
                                      choices=tuple(model_lib.ATTENTION_BACKENDS))
     loss_impl: str = setting("full", "see kernels/cross_entropy.py", choices=tuple(model_lib.LOSS_IMPLEMENTATIONS))
-    loss_chunk_tokens: int = setting(8192, "tokens per slice of the chunked and fused losses", bounds="> 0")
+    loss_chunk_tokens: int = setting(8192, "tokens per slice of the chunked, fused and quack losses", bounds="> 0")
+    mlp_impl: str = setting("torch", "the SwiGLU MLP: torch (the w13 matmul, then SwiGLU and the down projection as "
+                                     "one op, kernels/swiglu.py) or quack (quack-kernels' gated matmuls, SwiGLU in "
+                                     "their epilogues; Hopper: kernels/quack_ops.py)",
+                            choices=model_lib.MLP_IMPLEMENTATIONS)
     update_graph: bool = setting(False, "compiled only: the gradient clip and the optimizer step compiled too, in "
                                         "the model's compile mode (with reduce-overhead, CUDA graphs); AdamW then "
                                         "runs its capturable foreach form with the learning rate a device tensor: "
@@ -181,6 +186,9 @@ class TrainSettings:
         if cfg.stop_at_target and not cfg.target_loss:
             raise ConfigError("stop_at_target needs a target: set target_loss (the validation-subset loss to reach)")
         check_fp8_head(cfg)
+        if cfg.loss_impl == "quack" and cfg.loss_chunk_tokens % quack_ops.ROW_TILE:
+            raise ConfigError(f"loss_impl quack needs loss_chunk_tokens to be a multiple of {quack_ops.ROW_TILE} (its "
+                              f"kernels' tile of tokens), got {cfg.loss_chunk_tokens}")
 
 
 def check_fp8_head(cfg):
@@ -318,8 +326,8 @@ def sequences_per_update(cfg, world_size=1):
 
 
 def check_device(cfg, device):
-    """What the machine decides: a GPU config without a GPU, an attention backend or the FP8 head where they
-    cannot run. device: the torch.device the run will use."""
+    """What the machine decides: a GPU config without a GPU, an attention backend, the FP8 head or quack's kernels
+    where they cannot run. device: the torch.device the run will use."""
     from kernels.attention import CUDA_ONLY_BACKENDS, fa4_problem, resolve_backend
     if cfg.attention_backend == "fa4":
         try:
@@ -339,7 +347,20 @@ def check_device(cfg, device):
             raise ConfigError(f"lm_head_fp8 needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, "
                               f"Blackwell); {torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}; "
                               f"set lm_head_fp8=False")
+    check_quack(cfg, device)
     return attention, reason
+
+
+def check_quack(cfg, device):
+    """loss_impl and mlp_impl "quack" run quack-kernels' CuTe kernels: a CUDA GPU of compute capability 9.0 with
+    the package (kernels/quack_ops.py)."""
+    for key in ("loss_impl", "mlp_impl"):
+        problem = cfg[key] == "quack" and quack_ops.quack_problem(device)
+        if problem:
+            others = [c for c in field_of(TrainSettings, key).metadata["choices"] if c != "quack"]
+            raise ConfigError(f"{key} 'quack' needs a CUDA GPU of compute capability 9.0 and the quack-kernels "
+                              f"package (pip install -r requirements-gpu.txt), but {problem}; choose "
+                              f"{', '.join(others)} instead")
 
 
 def resolve_device(cfg, local_rank=None):

@@ -72,11 +72,12 @@ def setup(cfg, initial=None):
         raise ConfigError(f"vocab_size {cfg.vocab_size} is larger than the {cache.vocab_size} tokens of the cache "
                           f"{cfg.data_dir}: the LM head would hold rows no token uses; set vocab_size=0 (follow the "
                           f"data) or {cache.vocab_size}, or prepare a cache of that vocabulary")
-    if cfg.lm_head_fp8:
-        try:
+    try:
+        if cfg.lm_head_fp8:
             model_lib.check_fp8_shape(mcfg.dim, mcfg.vocab_size)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        model_lib.check_quack_shape(mcfg, cfg.loss_impl, cfg.mlp_impl)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     rec = recipe(cfg, mcfg, cache.identity, initial.sha256 if initial else None)
     return cache, mcfg, rec
 

@@ -11,9 +11,11 @@ from kernels import in_autocast_dtype, uses_triton
 # - "fused" (see linear_cross_entropy) computes the loss and its gradients in one pass over slices of
 #   tokens during forward, with the logits in the autocast dtype and never in float32;
 # - "fused_epilogue" (kernels/linear_cross_entropy.py) is "fused" with the loss and its gradient inside the
-#   matmuls' Triton kernels, with no pass of their own over the logits.
+#   matmuls' Triton kernels, with no pass of their own over the logits;
+# - "quack" (kernels/quack_ops.py) is quack-kernels' linear cross-entropy: "fused"'s work in CuTe matmuls whose
+#   epilogues keep only a bf16 scaled exp of the logits (Hopper only, not yet measured).
 # "fused" also runs the declared FP8 head (lm_head_fp8, kernels/linear_cross_entropy_fp8.py): other math.
-LOSS_IMPLEMENTATIONS = ("full", "chunked", "fused", "fused_epilogue")
+LOSS_IMPLEMENTATIONS = ("full", "chunked", "fused", "fused_epilogue", "quack")
 
 
 def _chunk_loss(h, weight, targets):

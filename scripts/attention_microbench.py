@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import bench  # noqa: E402
 import env  # noqa: E402
 from results import record  # noqa: E402
 import common  # noqa: E402
@@ -32,23 +31,6 @@ def gradients(qkv, grad_out, backends):
     return out.float(), qkv.grad.float()
 
 
-def kernel_ms(fn, reps):
-    """GPU kernel milliseconds per call. Wall time would measure the host: flash-attn-4 prepares each launch in
-    Python, which CUDA graphs and a busy GPU hide in training but not in a loop of lone calls."""
-    from torch.profiler import ProfilerActivity, profile
-    for _ in range(3):
-        fn()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    return sum(bench.gpu_kernel_ms(evt) for evt in prof.key_averages()) / reps
-
-
-def relative_error(value, reference):
-    return ((value - reference).norm() / reference.norm()).item()
-
-
 def measure(name, qkv, grad_out, reference, reps):
     backends = ATTENTION_BACKENDS[name]
     out, grad = gradients(qkv, grad_out, backends)
@@ -59,10 +41,10 @@ def measure(name, qkv, grad_out, reference, reps):
         attention(leaf, backends).backward(grad_out)
 
     # forward with gradients wanted: for fa4 it also saves the log-sum-exp, which evaluation's forward does not
-    return {"kernel_ms_forward": round(kernel_ms(lambda: attention(leaf, backends), reps), 4),
-            "kernel_ms_forward_backward": round(kernel_ms(forward_backward, reps), 4),
-            "out_relative_error": relative_error(out, reference[0]),
-            "grad_relative_error": relative_error(grad, reference[1])}
+    return {"kernel_ms_forward": round(common.kernel_ms(lambda: attention(leaf, backends), reps), 4),
+            "kernel_ms_forward_backward": round(common.kernel_ms(forward_backward, reps), 4),
+            "out_relative_error": common.relative_error(out, reference[0]),
+            "grad_relative_error": common.relative_error(grad, reference[1])}
 
 
 def main():
@@ -71,14 +53,9 @@ def main():
     parser.add_argument("--batch", type=common.positive_int, default=32)
     parser.add_argument("--seq_len", type=common.positive_int, default=1024)
     parser.add_argument("--backends", default="cudnn,flash,fa4,efficient")
-    parser.add_argument("--reps", type=common.positive_int, default=50)
-    parser.add_argument("--name", default="attention-microbench", help="the results file key")
-    parser.add_argument("--results_file", default="results.json")
+    common.add_run_arguments(parser, "attention-microbench", reps=50)
     args = parser.parse_args()
-    names = args.backends.split(",")
-    unknown = [n for n in names if n not in ATTENTION_BACKENDS]
-    if unknown:
-        parser.error(f"--backends: {', '.join(unknown)} not among {', '.join(ATTENTION_BACKENDS)}")
+    names = common.names_in(parser, "--backends", args.backends, ATTENTION_BACKENDS)
     common.check_gpu_script(parser, args.results_file, "attention")
     config = get_preset(args.preset)
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""What the GPU microbenchmarks in scripts/ share: their pre-flight checks and their result table."""
+"""What the GPU microbenchmarks in scripts/ share: their pre-flight checks, their timing and their result table."""
 import sys
 from pathlib import Path
 
@@ -28,6 +28,61 @@ def positive_int(text):
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def add_run_arguments(parser, name, reps):
+    """The arguments of every GPU microbenchmark: its repetitions, and where its entry goes."""
+    parser.add_argument("--reps", type=positive_int, default=reps)
+    parser.add_argument("--name", default=name, help="the results file key")
+    parser.add_argument("--results_file", default="results.json")
+
+
+def names_in(parser, flag, text, valid):
+    """The comma-separated names of a flag's text, each one of `valid`; else argparse's one-line error naming the
+    valid ones."""
+    names = text.split(",")
+    unknown = [n for n in names if n not in valid]
+    if unknown:
+        parser.error(f"{flag}: {', '.join(unknown)} not among {', '.join(valid)}")
+    return names
+
+
+def timed(step, reps):
+    """step() 3 times, then `reps` times between two CUDA events: (its last result, milliseconds per call, the
+    bytes the calls held at their peak beyond what was allocated before them)."""
+    import torch
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        result = step()
+    end.record()
+    torch.cuda.synchronize()
+    return result, start.elapsed_time(end) / reps, torch.cuda.max_memory_allocated() - base
+
+
+def kernel_ms(fn, reps):
+    """GPU kernel milliseconds per call. Wall time would measure the host: flash-attn-4 and quack prepare each
+    launch in Python, which CUDA graphs and a busy GPU hide in training but not in a loop of lone calls."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import bench
+    for _ in range(3):
+        fn()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return sum(bench.gpu_kernel_ms(evt) for evt in prof.key_averages()) / reps
+
+
+def relative_error(value, reference):
+    return ((value - reference).norm() / reference.norm()).item()
 
 
 def print_variants(label, results, columns):

@@ -7,9 +7,12 @@ which skips softmax entries below bf16's resolution and so changes the gradient 
 with cuBLAS's and the read-only lse kernel ("fused-epilogue-cublas-fwd"); the declared FP8 head ("fused-fp8",
 kernels/linear_cross_entropy_fp8.py, a change of math whose gradient errors say by how much); and the floor:
 "matmuls-alone", the fused op's three matmuls of the same shapes and slices with no loss between them (its
-loss is 0 and its gradient errors mean nothing). Same inputs for all; each one's loss and the relative error
-of both gradients against the eager full loss are recorded beside its time, under NAME in the results file
-(with the fingerprint, and the launch configs the autotuner chose for the fused_epilogue kernels).
+loss is 0 and its gradient errors mean nothing). On a Hopper GPU with quack-kernels, loss_impl "quack"
+(kernels/quack_ops.py) as "quack", quack's own choice (its scaled-exp path, whose dx and dw matmuls tile the
+width by 256 or 192), and "quack-chunked", its other path (the logits kept, dw's tiles autotuned). Same inputs
+for all; each one's loss and the relative error of both gradients against the eager full loss are recorded
+beside its time, under NAME in the results file (with the fingerprint, the launch configs the autotuner chose
+for the fused_epilogue kernels, and the tiles of quack's scaled-exp path).
 
     python scripts/loss_microbench.py [--tokens=32768] [--dim=320] [--name=loss-microbench] \
         [--results_file=results.json]
@@ -27,6 +30,7 @@ from results import record  # noqa: E402
 import common  # noqa: E402
 from kernels import in_autocast_dtype  # noqa: E402
 from kernels import linear_cross_entropy as epilogue  # noqa: E402
+from kernels import quack_ops  # noqa: E402
 from kernels.cross_entropy import linear_cross_entropy  # noqa: E402
 from kernels.linear_cross_entropy_fp8 import linear_cross_entropy_fp8  # noqa: E402
 
@@ -85,6 +89,12 @@ def candidates():
         bf16 = torch.bfloat16  # CCE takes both inputs in the compute dtype; autocast does not cast for it
         found["cce"] = lambda h, w, t: cce(h.to(bf16), w.to(bf16), t, reduction="sum", filter_eps=None)
         found["cce-filtered"] = lambda h, w, t: cce(h.to(bf16), w.to(bf16), t, reduction="sum")
+    problem = quack_ops.quack_problem(torch.device("cuda"))
+    if problem:
+        print(f"quack-kernels not measured: {problem}")
+    else:
+        found["quack"] = lambda h, w, t: quack_ops.linear_cross_entropy(h, w, t, 8192)
+        found["quack-chunked"] = lambda h, w, t: quack_ops.linear_cross_entropy(h, w, t, 8192, scaled_exp=False)
     return found
 
 
@@ -100,19 +110,9 @@ def run(fn, h32, weight, targets, reps):
         (loss * scale).backward()
         return loss
 
-    for _ in range(3):
-        loss = step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    return {"ms": start.elapsed_time(end) / reps, "loss": loss.item(), "grad_h": h.grad.float(),
-            "grad_w": w.grad.float(), "peak_extra_bytes": torch.cuda.max_memory_allocated() - base}
+    loss, ms, peak_extra_bytes = common.timed(step, reps)
+    return {"ms": ms, "loss": loss.item(), "grad_h": h.grad.float(), "grad_w": w.grad.float(),
+            "peak_extra_bytes": peak_extra_bytes}
 
 
 def tuned_configs():
@@ -129,9 +129,7 @@ def main():
     parser.add_argument("--tokens", type=common.positive_int, default=32768)
     parser.add_argument("--dim", type=common.positive_int, default=320)
     parser.add_argument("--vocab", type=common.positive_int, default=32000)
-    parser.add_argument("--reps", type=common.positive_int, default=20)
-    parser.add_argument("--name", default="loss-microbench", help="the results file key")
-    parser.add_argument("--results_file", default="results.json")
+    common.add_run_arguments(parser, "loss-microbench", reps=20)
     args = parser.parse_args()
     common.check_gpu_script(parser, args.results_file, "the loss")
     torch.manual_seed(0)
@@ -150,11 +148,12 @@ def main():
         results[name] = {
             "ms_forward_backward": round(r["ms"], 3), "loss": r["loss"],
             "peak_extra_gib": round(r["peak_extra_bytes"] / 2**30, 3),
-            "grad_h_relative_error": ((r["grad_h"] - reference["grad_h"]).norm() / reference["grad_h"].norm()).item(),
-            "grad_w_relative_error": ((r["grad_w"] - reference["grad_w"]).norm() / reference["grad_w"].norm()).item()}
+            "grad_h_relative_error": common.relative_error(r["grad_h"], reference["grad_h"]),
+            "grad_w_relative_error": common.relative_error(r["grad_w"], reference["grad_w"])}
     record(args.results_file, [args.name], {
         "run_id": env.new_run_id(), "tokens": args.tokens, "dim": args.dim, "vocab": args.vocab, "reps": args.reps,
-        "results": results, "fused_epilogue_configs": tuned_configs(), "environment": env.fingerprint()})
+        "results": results, "fused_epilogue_configs": tuned_configs(),
+        "quack_scaled_exp_tiles": quack_ops.scaled_exp_tiles(args.vocab, args.dim), "environment": env.fingerprint()})
     common.print_variants("variant", results, [("ms fwd+bwd", "ms_forward_backward", ".3f"),
                                             ("extra GiB", "peak_extra_gib", ".3f"), ("loss", "loss", ".2f"),
                                             ("grad_h err", "grad_h_relative_error", ".2e"),
