@@ -44,7 +44,7 @@ run "bench, presets" python bench.py $REF --presets=20m,50m,90m --name=smoke-pre
 run "tune" python tune.py $REF --budget=2 --name=smoke-tune --results_file="$R" --tuned_dir=out/smoke/tuned
 run "compare, the tuned config" python compare.py $REF --tuned=True --name=smoke-compare --results_file="$R" \
   --plot=out/smoke/compare.png --train_subset_tokens=655361 --val_subset_tokens=65536 --epochs=1 --rerun=True
-run "compare, time to a target" python compare.py config/20m_muon_wsd.py --mode=time-to-target --seeds=2 \
+run "compare, time to a target" python compare.py config/20m_muon_wsd.py --mode=time-to-target --seeds=3 \
   --target_loss=8.5 --eval_interval=10 --target_baseline=$REF --name=smoke-ttq --results_file="$R" \
   --plot=out/smoke/ttq.png --train_subset_tokens=655361 --epochs=1
 if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
