@@ -3,9 +3,9 @@
 #     bash scripts/reproduce_h200.sh PART... [-- RESULTS_FILE]      # default RESULTS_FILE: out/h200/results.json
 # Parts, in the document's order, with their time on one H200 (warm compiler caches; cold adds about 20 s per
 # compiled shape): ceilings (1 min), current (8 min), accumulation (2 min), loss (2 min), matched (5 min, then
-# compare.py with no GPU), tune (15 min), levers (12 min), all (about 45 min). Merge the results file into
-# results/h200.json with scripts/merge_results.py. Needs data/cache/gutenberg; flash-attn-4 for the fa4 rows
-# (pip install -r requirements-gpu.txt), which are skipped without it.
+# compare.py with no GPU), tune (15 min), levers (12 min), quack (7 min), all (about 52 min). Merge the results
+# file into results/h200.json with scripts/merge_results.py (part quack's into results/h200-levers.json). Needs
+# data/cache/gutenberg; requirements-gpu.txt for the fa4 and quack rows, which are skipped without it.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 parts=()
@@ -16,6 +16,7 @@ done
 mkdir -p "$(dirname "$R")"
 REF=config/20m_gh200.py
 bench() { timeout 300 python bench.py "$@" --results_file="$R"; }
+has_quack() { python -c "from kernels.quack_ops import quack_problem; import torch, sys; sys.exit(quack_problem(torch.device('cuda')) is not None)"; }
 has_fa4() { python -c "from kernels.attention import fa4_problem; import torch, sys; sys.exit(fa4_problem(torch.device('cuda')) is not None)"; }
 
 ceilings() {
@@ -77,12 +78,28 @@ levers() {  # the levers tried and not kept, each beside the default in the same
   TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 bench $REF --name=lever-matmul-autotune
 }
 
-[ ${#parts[@]} -gt 0 ] || { echo "usage: bash scripts/reproduce_h200.sh PART... [-- RESULTS_FILE]; parts: ceilings current accumulation loss matched tune levers all" >&2; exit 2; }
+quack() {  # quack-kernels' choices and update_graph, each beside the default of the same call
+  bench $REF --name=lever-update-graph-baseline
+  bench $REF --name=lever-update-graph --update_graph=True
+  bench $REF --name=lever-muon-update-graph-baseline --optimizer=muon
+  bench $REF --name=lever-muon-update-graph --optimizer=muon --update_graph=True
+  has_quack || { echo "quack-kernels cannot run here: its rows are skipped"; return 0; }
+  bench $REF --name=lever-quack-baseline
+  bench $REF --name=lever-quack-loss --loss_impl=quack
+  bench $REF --name=lever-quack-mlp --mlp_impl=quack
+  bench $REF --name=lever-quack-both --loss_impl=quack --mlp_impl=quack
+  for dim in 320 512 768; do
+    python scripts/loss_microbench.py --dim=$dim --name=loss-microbench-quack-$dim --results_file="$R"
+  done
+  python scripts/mlp_microbench.py --results_file="$R"
+}
+
+[ ${#parts[@]} -gt 0 ] || { echo "usage: bash scripts/reproduce_h200.sh PART... [-- RESULTS_FILE]; parts: ceilings current accumulation loss matched tune levers quack all" >&2; exit 2; }
 for part in "${parts[@]}"; do
   case $part in
-    all) ceilings; current; accumulation; loss; matched; tune; levers ;;
-    ceilings|current|accumulation|loss|matched|tune|levers) echo "=== $part"; $part ;;
-    *) echo "unknown part '$part'; parts: ceilings current accumulation loss matched tune levers all" >&2; exit 2 ;;
+    all) ceilings; current; accumulation; loss; matched; tune; levers; quack ;;
+    ceilings|current|accumulation|loss|matched|tune|levers|quack) echo "=== $part"; $part ;;
+    *) echo "unknown part '$part'; parts: ceilings current accumulation loss matched tune levers quack all" >&2; exit 2 ;;
   esac
 done
 python scripts/summarize.py "$R"
