@@ -5,7 +5,8 @@ epilogues; whether that wins at our small widths is what these choices exist to 
 on the H200 at 32,768 tokens, forward and backward: the "fused" loss's 4.91 / 6.60 / 8.97 ms at widths 320 / 512 /
 768 (its three matmuls alone take 3.43 / 5.20 / 7.48: `loss-microbench-*`, docs/PERFORMANCE.md), and our MLP (the
 w13 matmul, then SwiGLU with the down projection as one op: kernels/swiglu.py), timed beside quack's by
-scripts/mlp_microbench.py. Neither is measured yet.
+scripts/mlp_microbench.py. Measured on the H200 (docs/PERFORMANCE.md), neither wins at 20m: the loss 5.40
+against 4.80 ms alone and -3.0% on the update, the MLP -6.4% on the update with 0.66 GiB more at its peak.
 
 The loss: quack.linear_cross_entropy.chunked_linear_cross_entropy(x (M, d), weight (V, d), target (M,),
 chunk_size, ignore_index, reduction "mean" or "sum", tuned, use_scaled_exp). use_scaled_exp None takes the
@@ -65,8 +66,19 @@ def quack_problem(device):
         import quack.linear_cross_entropy  # noqa: F401
         import quack.mlp  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - quack loads CUDA and CuTe as it imports: any failure means it cannot run
-        return f"quack did not import ({type(exc).__name__}: {exc})"
+        return f"quack did not import ({type(exc).__name__}: {exc}){install_hint(exc)}"
     return None
+
+
+def install_hint(exc):
+    """What to do about an import failure that comes from where quack was installed, else "". quack 0.6.5 keys
+    its compiled kernels by fingerprints of the functions they use, and takes every function outside a
+    site-packages folder for its own, to fingerprint whole: the CUTLASS DSL's, installed elsewhere (pip install
+    --target DIR), reach a context variable it cannot fingerprint."""
+    if "semantic key" in str(exc):
+        return ("; install requirements-gpu.txt into a site-packages folder (a virtual environment's), not with "
+                "pip install --target into another")
+    return ""
 
 
 def check_shape(config, loss_impl, mlp_impl):

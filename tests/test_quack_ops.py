@@ -220,6 +220,28 @@ def test_quack_is_refused_on_another_gpu_and_without_the_package(monkeypatch):
         settings.check_device(train.Config(train.DEFAULTS, mlp_impl="quack"), cuda)
 
 
+def test_quack_installed_outside_site_packages_is_named_with_what_to_do(monkeypatch):
+    """quack 0.6.5 installed with pip --target outside a site-packages folder fails its import with a TypeError
+    about a semantic key (as it did on the H200); the refusal says where to install it instead."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+    class Quack(types.ModuleType):
+        def __getattr__(self, name):
+            raise TypeError("epilogue fn depends on <ContextVar name='_LOC_TRANSFORMS'>, which has no fail-closed "
+                            "semantic key")
+    monkeypatch.setitem(sys.modules, "quack", Quack("quack"))
+    for name in ("quack.linear_cross_entropy", "quack.mlp"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    problem = quack_ops.quack_problem(cuda)
+    assert problem.startswith("quack did not import (")
+    assert problem.endswith("install requirements-gpu.txt into a site-packages folder (a virtual environment's), "
+                            "not with pip install --target into another")
+    monkeypatch.setitem(sys.modules, "quack", None)  # any other failure gets no such advice
+    assert "site-packages" not in quack_ops.quack_problem(cuda)
+
+
 def test_mlp_impl_is_declared_in_help_as_an_execution_key_outside_the_recipe(capsys):
     with pytest.raises(SystemExit):
         configurator.load_config(TrainSettings, ["--help"])
