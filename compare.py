@@ -404,7 +404,7 @@ def compare_runs(results_file, baseline_name, optimized_name, allow_recipe_chang
 
 # Execution keys that say how the update ran (the others name files, logging and stopping).
 SHOWN_EXECUTION = ("compile_mode", "compile_scope", "attention_backend", "loss_impl", "loss_chunk_tokens",
-                   "mlp_impl", "activation_memory_budget", "cpu_threads")
+                   "mlp_impl", "update_graph", "activation_memory_budget", "cpu_threads")
 
 
 def execution_summary(cfg):
