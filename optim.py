@@ -299,8 +299,6 @@ def build_optimizer(model, settings, device):
                 # compiled with the model: under CUDA graphs the host has time; inside the update's graph, the
                 # trainer's compile traces it whole
                 compile=bool(get("compile")) and not graph)
-    if graph:
-        muon.init_state()
     return MuonWithAdamW(muon, adamw)
 
 

@@ -59,6 +59,11 @@ def uses_cudagraphs(cfg):
     return cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune")
 
 
+def compile_mode(cfg):
+    """torch.compile's mode argument for cfg.compile_mode ("default" is torch's None)."""
+    return None if cfg.compile_mode == "default" else cfg.compile_mode
+
+
 def micro_steps(cfg, world_size=1):
     """Micro-batches per update on each process: the gradient accumulation count."""
     return max(1, cfg.tokens_per_update // cfg.seq_len // (cfg.micro_batch_size * world_size))
@@ -95,7 +100,7 @@ class Trainer:
         self.optimizer = optim.build_optimizer(self.raw_model, cfg, self.device)
         # plain values for the step, which torch.compile traces under update_graph (it cannot read cfg's keys)
         self.params, self.max_norm = list(self.raw_model.parameters()), cfg.grad_clip or math.inf
-        self.optimizer_step = self.compiled_step() if cfg.update_graph else self.clip_and_step
+        self.optimizer_step = self.compile_step if cfg.update_graph else self.clip_and_step
         self.step = 0
         # bf16 autocast on the GPU; None (float32) on the CPU. A test turns it on there too.
         self.autocast_dtype = torch.bfloat16 if self.device.type == "cuda" else None
@@ -115,7 +120,7 @@ class Trainer:
         cfg = self.cfg
         # Read by the partitioner when the first call compiles; process-wide, as torch.compile's settings are.
         torch._functorch.config.activation_memory_budget = cfg.activation_memory_budget
-        mode = None if cfg.compile_mode == "default" else cfg.compile_mode
+        mode = compile_mode(cfg)
         if cfg.compile_scope == "model":
             return torch.compile(model, dynamic=False, mode=mode)
         # Compiled in place, so the module (and its state_dict names) stay as they are.
@@ -130,20 +135,26 @@ class Trainer:
         self.optimizer.step()
         return grad_norm
 
-    def compiled_step(self):
-        """update_graph: clip_and_step under torch.compile in the model's mode. Eager, the clip and the optimizer
-        step are a few hundred small kernels launched from Python after the model's graphs; compiled with
-        reduce-overhead they replay as one more CUDA graph. The gradients it reads are the backward graph's
-        outputs (static under CUDA graphs), or, with accumulation, the gradients allocate_gradients made once."""
+    def compile_step(self):
+        """update_graph's first step: clip_and_step compiled in the model's mode, then run. Eager, the clip and the
+        optimizer step are a few hundred small kernels launched from Python after the model's graphs; compiled
+        with reduce-overhead they replay as CUDA graphs (torch.optim's step breaks the graph on purpose: AdamW's
+        step is two graphs, Muon's three). Compiled here, not when the trainer is built, so that what it marks is
+        what the updates use: a resumed run's loaded optimizer state, and gradients that exist (under DDP, its
+        bucket views, which replace allocate_gradients' tensors at the first backward)."""
+        if isinstance(self.optimizer, optim.MuonWithAdamW):
+            self.optimizer.muon.init_state()  # kept where a checkpoint brought it; AdamW's torch makes and marks
         # Tensors that live across updates and that the step reads or writes in place: marked, the graph uses
-        # them where they are instead of copying them in at each replay.
-        static = [p.grad for p in self.raw_model.parameters()] if self.stable_grads else []
+        # them where they are instead of copying them in at each replay. Without accumulation or DDP the
+        # gradients are the backward graph's outputs, which CUDA graphs already hold in place.
+        grads = [p.grad for p in self.params if p.grad is not None]
+        static = grads if self.stable_grads or self.world_size > 1 else []
         static += [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
         static += [g["lr"] for g in self.optimizer.param_groups if torch.is_tensor(g["lr"])]
         for tensor in static:
             torch._dynamo.mark_static_address(tensor)
-        mode = None if self.cfg.compile_mode == "default" else self.cfg.compile_mode
-        return torch.compile(self.clip_and_step, dynamic=False, mode=mode)
+        self.optimizer_step = torch.compile(self.clip_and_step, dynamic=False, mode=compile_mode(self.cfg))
+        return self.optimizer_step()
 
     def data_parallel(self, model, local_rank):
         from torch.nn.parallel import DistributedDataParallel

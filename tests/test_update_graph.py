@@ -29,7 +29,6 @@ def test_it_builds_a_capturable_foreach_adamw_and_learning_rates_on_the_device(n
         assert (group["fused"], group["foreach"], group["capturable"]) == (False, True, True)
     if name == "muon":
         assert built.muon.compile is False  # traced whole by the trainer's compile, not compiled apart
-        assert len(built.muon.state) == len(built.muon.param_groups[0]["params"])  # its state made up front
     plain = optim.build_optimizer(tiny_model(), dict(SETTINGS, optimizer=name), "cpu")
     assert all(isinstance(g["lr"], float) for g in plain.param_groups)  # the default run: floats, as always
 
@@ -93,32 +92,45 @@ class Compiled:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
 
-def compiled_trainer(name, update_graph):
+def compiled_trainer(name, update_graph, micro_batch_size=4):
     cfg = train.Config(dict(train.DEFAULTS, preset="20m", dim=64, n_layers=2, n_heads=2, hidden_dim=128, seq_len=32,
-                            device="cpu", cpu_threads=1, tokens_per_update=4 * 32, micro_batch_size=4, compile=True,
-                            update_graph=update_graph, optimizer=name, warmup_updates=2, loss_impl="full"))
+                            device="cpu", cpu_threads=1, tokens_per_update=4 * 32, micro_batch_size=micro_batch_size,
+                            compile=True, update_graph=update_graph, optimizer=name, warmup_updates=2,
+                            loss_impl="full"))
     mcfg = model_lib.get_preset("20m", dim=64, n_layers=2, n_heads=2, hidden_dim=128, vocab_size=256,
                                 max_seq_len=32)
     return trainer_lib.Trainer(cfg, mcfg, "cpu", total_updates=4)
 
 
-@pytest.mark.parametrize("name", ["adamw", "muon"])
-def test_the_compiled_step_updates_as_the_eager_step_and_compiles_once(name):
+def run_updates(trainer, n=4):
+    """n updates of seeded random tokens (4 sequences of 32, in the trainer's micro-batches); the losses and
+    gradient norms, and the count of graphs compiled so far after each update."""
+    g, out, graphs = torch.Generator().manual_seed(0), [], []
+    mb = trainer.cfg.micro_batch_size
+    for _ in range(n):
+        x = torch.randint(0, 256, (4, 32), generator=g)
+        batches = [(x[i:i + mb], torch.roll(x, -1, 1)[i:i + mb]) for i in range(0, 4, mb)]
+        out += [float(t) for t in trainer.update(batches, 4 * 32)]  # loss, grad norm
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    return out, graphs
+
+
+@pytest.mark.parametrize("name, micro_batch_size", [("adamw", 4), ("muon", 4), ("adamw", 2)])
+def test_the_compiled_step_updates_as_the_eager_step_and_compiles_once(name, micro_batch_size):
     """A compiled model with the eager clip and step, against the same with update_graph: the same losses,
     gradient norms and weights to float tolerance (other kernels, the same formula) over 4 updates whose learning
-    rate changes each time (warmup, then cosine), and no compilation after the first update."""
-    torch._dynamo.reset()
-    runs = {}
+    rate changes each time (warmup, then cosine); the step is compiled (more graphs than the model's alone), at
+    the first update and never again. Micro-batch 2: two micro-steps into the gradients the trainer keeps."""
+    runs, compiled = {}, {}
     for update_graph in (False, True):
-        trainer = compiled_trainer(name, update_graph)
+        torch._dynamo.reset()
+        trainer = compiled_trainer(name, update_graph, micro_batch_size)
         start = [p.detach().clone() for p in trainer.raw_model.parameters()]
-        g, out, graphs = torch.Generator().manual_seed(0), [], []
-        for _ in range(4):
-            x = torch.randint(0, 256, (4, 32), generator=g)
-            out += [float(t) for t in trainer.update([(x, torch.roll(x, -1, 1))], 4 * 32)]  # loss, grad norm
-            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        out, graphs = run_updates(trainer)
         assert graphs[1:] == graphs[:1] * 3, graphs  # the new learning rates compiled nothing more
         runs[update_graph] = out, [p.detach() - p0 for p, p0 in zip(trainer.raw_model.parameters(), start)]
+        compiled[update_graph] = graphs[0]
+    assert compiled[True] > compiled[False], compiled  # the clip and the step are graphs of their own
     (eager, eager_moves), (graph, graph_moves) = runs[False], runs[True]
     # Muon's Newton-Schulz runs in bf16, which the compiler fuses and rounds otherwise (tests/test_optim.py: about
     # one bf16 step of the update, a few per cent of an element's move); AdamW is float32 throughout
@@ -127,3 +139,25 @@ def test_the_compiled_step_updates_as_the_eager_step_and_compiles_once(name):
     assert graph == pytest.approx(eager, rel=tolerance)
     for ours, theirs in zip(graph_moves, eager_moves):  # each weight's change over the 4 updates
         assert (ours - theirs).norm() <= moves * theirs.norm()
+
+
+
+@pytest.mark.parametrize("updates_before", [0, 2])
+def test_a_resumed_run_compiles_its_step_once_around_the_loaded_state(updates_before):
+    """A checkpoint from a run without update_graph, saved before its first update (no Muon state yet) or after
+    2 (Muon's buffers, which the load puts in place of any made before), loaded into a trainer with update_graph:
+    the step makes the state it lacks and marks the loaded buffers as the ones it updates in place (under CUDA
+    graphs an unmarked buffer changed in place sends the step back to eager), and compiles at the first update
+    only."""
+    plain = compiled_trainer("muon", update_graph=False)
+    run_updates(plain, updates_before)
+    checkpoint = saved(plain.optimizer)
+    torch._dynamo.reset()
+    resumed = compiled_trainer("muon", update_graph=True)
+    optim.load_state(resumed.optimizer, checkpoint)
+    buffers = list(resumed.optimizer.muon.state.values())
+    assert len(buffers) == (0 if updates_before == 0 else len(resumed.optimizer.muon.param_groups[0]["params"]))
+    _, graphs = run_updates(resumed)
+    assert graphs[1:] == graphs[:1] * 3, graphs
+    for state in resumed.optimizer.muon.state.values():  # the buffers the step updated: marked static
+        assert getattr(state["momentum_buffer"], "_dynamo_static_input_type", None) is not None
