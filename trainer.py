@@ -147,8 +147,8 @@ class Trainer:
         # Tensors that live across updates and that the step reads or writes in place: marked, the graph uses
         # them where they are instead of copying them in at each replay. Without accumulation or DDP the
         # gradients are the backward graph's outputs, which CUDA graphs already hold in place.
-        grads = [p.grad for p in self.params if p.grad is not None]
-        static = grads if self.stable_grads or self.world_size > 1 else []
+        held = self.stable_grads or self.world_size > 1
+        static = [p.grad for p in self.params if p.grad is not None] if held else []
         static += [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
         static += [g["lr"] for g in self.optimizer.param_groups if torch.is_tensor(g["lr"])]
         for tensor in static:
