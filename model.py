@@ -20,7 +20,7 @@ from kernels.cross_entropy import (LOSS_IMPLEMENTATIONS, chunked_cross_entropy, 
 from kernels.linear_cross_entropy import linear_cross_entropy_epilogue
 from kernels.linear_cross_entropy_fp8 import MULTIPLE as FP8_MULTIPLE
 from kernels.linear_cross_entropy_fp8 import check_shape as check_fp8_shape, linear_cross_entropy_fp8
-from kernels.quack_ops import check_shape as check_quack_shape
+from kernels.quack_ops import LOSS_PATHS as QUACK_LOSS_PATHS, check_shape as check_quack_shape
 from kernels.quack_ops import linear_cross_entropy as linear_cross_entropy_quack, swiglu_mlp as swiglu_mlp_quack
 from kernels.swiglu import swiglu_down
 
@@ -274,7 +274,7 @@ class Transformer(nn.Module):
         flat_h, flat_targets = h.flatten(0, 1), targets.flatten()
         # evaluation (no gradient to compute) of the ops that make gradients in forward: each token's loss from
         # our losses-only op (quack's gives only their sum)
-        fused = self.loss_impl in ("fused", "fused_epilogue", "quack")
+        fused = self.loss_impl in ("fused", "fused_epilogue", *QUACK_LOSS_PATHS)
         if fused and not torch.is_grad_enabled():
             losses = linear_cross_entropy_losses(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
             if reduction == "none":
@@ -287,8 +287,9 @@ class Transformer(nn.Module):
             total = fused_loss(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
         elif self.loss_impl == "fused_epilogue":
             total = linear_cross_entropy_epilogue(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
-        elif self.loss_impl == "quack":
-            total = linear_cross_entropy_quack(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
+        elif self.loss_impl in QUACK_LOSS_PATHS:
+            total = linear_cross_entropy_quack(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens,
+                                               scaled_exp=QUACK_LOSS_PATHS[self.loss_impl])
         elif self.loss_impl == "chunked":
             total = chunked_cross_entropy(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
         else:

@@ -186,8 +186,9 @@ class TrainSettings:
         if cfg.stop_at_target and not cfg.target_loss:
             raise ConfigError("stop_at_target needs a target: set target_loss (the validation-subset loss to reach)")
         check_fp8_head(cfg)
-        if cfg.loss_impl == "quack" and cfg.loss_chunk_tokens % quack_ops.ROW_TILE:
-            raise ConfigError(f"loss_impl quack needs loss_chunk_tokens to be a multiple of {quack_ops.ROW_TILE} (its "
+        multiple = quack_ops.CHUNK_MULTIPLE.get(cfg.loss_impl)
+        if multiple and cfg.loss_chunk_tokens % multiple:
+            raise ConfigError(f"loss_impl {cfg.loss_impl} needs loss_chunk_tokens to be a multiple of {multiple} (its "
                               f"kernels' tile of tokens), got {cfg.loss_chunk_tokens}")
 
 
@@ -352,13 +353,13 @@ def check_device(cfg, device):
 
 
 def check_quack(cfg, device):
-    """loss_impl and mlp_impl "quack" run quack-kernels' CuTe kernels: a CUDA GPU of compute capability 9.0 with
-    the package (kernels/quack_ops.py)."""
+    """loss_impl's and mlp_impl's quack choices run quack-kernels' CuTe kernels: a CUDA GPU of compute capability
+    9.0 with the package (kernels/quack_ops.py)."""
     for key in ("loss_impl", "mlp_impl"):
-        problem = cfg[key] == "quack" and quack_ops.quack_problem(device)
+        problem = cfg[key].startswith("quack") and quack_ops.quack_problem(device)
         if problem:
-            others = [c for c in field_of(TrainSettings, key).metadata["choices"] if c != "quack"]
-            raise ConfigError(f"{key} 'quack' needs a CUDA GPU of compute capability 9.0 and the quack-kernels "
+            others = [c for c in field_of(TrainSettings, key).metadata["choices"] if not c.startswith("quack")]
+            raise ConfigError(f"{key} {cfg[key]!r} needs a CUDA GPU of compute capability 9.0 and the quack-kernels "
                               f"package (pip install -r requirements-gpu.txt), but {problem}; choose "
                               f"{', '.join(others)} instead")
 

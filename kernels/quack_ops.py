@@ -46,9 +46,14 @@ import torch
 
 CAPABILITY = (9, 0)  # the scaled-exp loss's mainloop is SM90's, and the H200 is what these are measured on
 ROW_TILE = 128  # the scaled-exp loss's tile over tokens: each slice of loss_chunk_tokens is whole tiles of it
+ROW_ALIGN = 8  # the chunked loss's slices: rows of whole 16-byte groups for its TMA matmuls
 VOCAB_MULTIPLE = 128  # the scaled-exp loss's dw tile over the vocabulary (else quack falls back to its other path)
 WIDTH_MULTIPLE = 8  # rows of 16 bytes in bf16, as quack's TMA loads take them
 TUNED = True  # quack's default: each matmul autotuned on the first call of a shape (cached on disk, ~/.quack)
+# loss_impl's quack choices: the path each takes (chunked_linear_cross_entropy's use_scaled_exp; None: quack's
+# own choice, its scaled-exp path wherever it runs)
+LOSS_PATHS = {"quack": None, "quack_chunked": False}
+CHUNK_MULTIPLE = {"quack": ROW_TILE, "quack_chunked": ROW_ALIGN}  # what loss_chunk_tokens must be a multiple of
 MLP_ARGUMENTS = dict(activation="swiglu", concat_layout=True)  # silu(gate) * up, on w13 = [gate; up] (above)
 
 
@@ -83,9 +88,9 @@ def install_hint(exc):
 
 def check_shape(config, loss_impl, mlp_impl):
     """The model's shape (a ModelConfig) as the chosen quack kernels take it: a ValueError naming what they do not."""
-    if loss_impl == "quack" and config.dim % WIDTH_MULTIPLE:
-        raise ValueError(f"loss_impl quack needs the model's width to be a multiple of {WIDTH_MULTIPLE} (rows of 16 "
-                         f"bytes for quack's loads), got {config.dim}")
+    if loss_impl in LOSS_PATHS and config.dim % WIDTH_MULTIPLE:
+        raise ValueError(f"loss_impl {loss_impl} needs the model's width to be a multiple of {WIDTH_MULTIPLE} (rows "
+                         f"of 16 bytes for quack's loads), got {config.dim}")
     if loss_impl == "quack" and config.vocab_size % VOCAB_MULTIPLE:
         raise ValueError(f"loss_impl quack needs the vocabulary size to be a multiple of {VOCAB_MULTIPLE} (its "
                          f"scaled-exp path's tile), got {config.vocab_size}")

@@ -144,15 +144,17 @@ def test_quack_concat_layout_on_our_w13_is_our_mlp_math_forward_and_backward():
     assert not torch.allclose(interleaved[0], expected[0], rtol=1e-3)
 
 
-def test_the_model_with_both_quack_choices_trains_the_same_math(quack_stand_in):
-    """Transformer(loss_impl="quack", mlp_impl="quack") through quack's entry points (as their references) has the
-    full loss's value and every parameter's gradient; evaluation's per-token losses too. The model is in float64,
-    but the full loss takes float32 logits: agreement to float32's precision. Each call gets what quack_ops says:
-    the loss summed with -100 ignored over loss_chunk_tokens slices, the MLP on our [gate; up] w13, no biases."""
+@pytest.mark.parametrize("loss_impl, scaled_exp", [("quack", None), ("quack_chunked", False)])
+def test_the_model_with_both_quack_choices_trains_the_same_math(quack_stand_in, loss_impl, scaled_exp):
+    """Transformer(loss_impl="quack" or "quack_chunked", mlp_impl="quack") through quack's entry points (as their
+    references) has the full loss's value and every parameter's gradient; evaluation's per-token losses too. The
+    model is in float64, but the full loss takes float32 logits: agreement to float32's precision. Each call gets
+    what quack_ops says: the loss summed with -100 ignored over loss_chunk_tokens slices on the loss_impl's path
+    (quack's choice, or its chunked one), the MLP on our [gate; up] w13, no biases."""
     config = tiny_config()
     x, y = random_batch(config, 2, 50)
     reference = seeded_model(config, loss_impl="full").double()
-    quack = seeded_model(config, loss_impl="quack", mlp_impl="quack", loss_chunk_tokens=37).double()
+    quack = seeded_model(config, loss_impl=loss_impl, mlp_impl="quack", loss_chunk_tokens=37).double()
     for reduction in ("sum", "mean"):
         losses = []
         for m in (reference, quack):
@@ -170,7 +172,7 @@ def test_the_model_with_both_quack_choices_trains_the_same_math(quack_stand_in):
     assert mlp_calls and all(c == dict(fn="mlp_func", activation="swiglu", bias1=None, bias2=None,
                                        tuned=quack_ops.TUNED, concat_layout=True) for c in mlp_calls)
     assert loss_calls == 2 * [dict(fn="chunked_linear_cross_entropy", chunk_size=37, ignore_index=-100,
-                                   reduction="sum", use_scaled_exp=None)]  # evaluation uses our losses op
+                                   reduction="sum", use_scaled_exp=scaled_exp)]  # evaluation uses our losses op
 
 
 def test_the_wrappers_trace_into_one_compiled_graph(quack_stand_in):
@@ -192,14 +194,15 @@ def test_an_unknown_mlp_impl_is_refused_naming_the_choices():
 
 # ---------------------------------------------------------------- settings, device and shapes
 
-@pytest.mark.parametrize("key, others", [("loss_impl", "full, chunked, fused, fused_epilogue"),
-                                         ("mlp_impl", "torch")])
-def test_quack_is_refused_on_the_cpu_in_one_sentence_naming_the_setting_and_what_runs_it(key, others):
-    cfg = train.Config(train.DEFAULTS, **{key: "quack"})
+@pytest.mark.parametrize("key, value, others", [("loss_impl", "quack", "full, chunked, fused, fused_epilogue"),
+                                                ("loss_impl", "quack_chunked", "full, chunked, fused, fused_epilogue"),
+                                                ("mlp_impl", "quack", "torch")])
+def test_quack_is_refused_on_the_cpu_in_one_sentence_naming_the_setting_and_what_runs_it(key, value, others):
+    cfg = train.Config(train.DEFAULTS, **{key: value})
     with pytest.raises(ConfigError) as refused:
         settings.check_device(cfg, torch.device("cpu"))
     message = str(refused.value)
-    assert message == (f"{key} 'quack' needs a CUDA GPU of compute capability 9.0 and the quack-kernels package "
+    assert message == (f"{key} '{value}' needs a CUDA GPU of compute capability 9.0 and the quack-kernels package "
                        f"(pip install -r requirements-gpu.txt), but this run's device is the cpu; choose {others} "
                        f"instead")
 
@@ -257,10 +260,16 @@ def test_the_quack_loss_takes_slices_of_whole_token_tiles():
     with pytest.raises(ConfigError, match=r"^loss_impl quack needs loss_chunk_tokens to be a multiple of 128 .*1000$"):
         settings.check(TrainSettings, train.Config(train.DEFAULTS, loss_impl="quack", loss_chunk_tokens=1000))
     settings.check(TrainSettings, train.Config(train.DEFAULTS, loss_impl="quack"))  # 8,192
+    # the chunked path's slices only need rows its TMA matmuls load whole
+    with pytest.raises(ConfigError, match=r"^loss_impl quack_chunked needs loss_chunk_tokens to be a multiple of 8 "
+                                          r".*1001$"):
+        settings.check(TrainSettings, train.Config(train.DEFAULTS, loss_impl="quack_chunked", loss_chunk_tokens=1001))
+    settings.check(TrainSettings, train.Config(train.DEFAULTS, loss_impl="quack_chunked", loss_chunk_tokens=1000))
 
 
 @pytest.mark.parametrize("change, words", [
     (dict(dim=100, n_heads=2, loss_impl="quack"), "loss_impl quack needs the model's width to be a multiple of 8"),
+    (dict(dim=100, n_heads=2, loss_impl="quack_chunked"), "loss_impl quack_chunked needs the model's width to be"),
     (dict(vocab_size=50257, loss_impl="quack"), "loss_impl quack needs the vocabulary size to be a multiple of 128"),
     (dict(hidden_dim=900, mlp_impl="quack"), "mlp_impl quack needs the model's width and hidden width"),
 ])
