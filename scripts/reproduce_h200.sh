@@ -3,9 +3,10 @@
 #     bash scripts/reproduce_h200.sh PART... [-- RESULTS_FILE]      # default RESULTS_FILE: out/h200/results.json
 # Parts, in the document's order, with their time on one H200 (warm compiler caches; cold adds about 20 s per
 # compiled shape): ceilings (1 min), current (8 min), accumulation (2 min), loss (2 min), matched (5 min, then
-# compare.py with no GPU), tune (15 min), levers (12 min), quack (7 min), all (about 52 min). Merge the results
-# file into results/h200.json with scripts/merge_results.py (part quack's into results/h200-levers.json). Needs
-# data/cache/gutenberg; requirements-gpu.txt for the fa4 and quack rows, which are skipped without it.
+# compare.py with no GPU), tune (15 min), levers (12 min), quack (7 min), push (10 min), all (about 62 min).
+# Merge the results file into results/h200.json with scripts/merge_results.py (parts quack's and push's into
+# results/h200-levers.json). Needs data/cache/gutenberg; requirements-gpu.txt for the fa4 and quack rows, which
+# are skipped without it.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 parts=()
@@ -94,12 +95,31 @@ quack() {  # quack-kernels' choices and update_graph, each beside the default of
   python scripts/mlp_microbench.py --results_file="$R"
 }
 
-[ ${#parts[@]} -gt 0 ] || { echo "usage: bash scripts/reproduce_h200.sh PART... [-- RESULTS_FILE]; parts: ceilings current accumulation loss matched tune levers quack all" >&2; exit 2; }
+push() {  # the third push beside the tree before it (68eb922, unpacked under out/), the fa4 profile, the 50m/90m rows
+  local before=out/h200/tree-68eb922 results
+  results=$(realpath "$R")
+  if [ ! -d $before ]; then
+    mkdir -p $before && git archive 68eb922 | tar -x -C $before && ln -s "$PWD/data/cache" $before/data/cache
+  fi
+  (cd $before && timeout 300 python bench.py $REF --name=lever-before-push --results_file="$results")
+  bench $REF --name=lever-after-push
+  bench $REF --name=lever-default-profile --profile=True
+  bench $REF --name=lever-update-graph-first-update --update_graph=True
+  bench config/50m.py --name=lever-50m-baseline
+  bench config/90m.py --name=lever-90m-baseline
+  has_quack || { echo "quack-kernels cannot run here: its rows are skipped"; return 0; }
+  bench $REF --name=lever-quack-chunked --loss_impl=quack_chunked
+  bench config/50m.py --name=lever-50m-quack-chunked --loss_impl=quack_chunked
+  bench config/50m.py --name=lever-50m-quack-mlp --mlp_impl=quack
+  bench config/90m.py --name=lever-90m-quack-mlp --mlp_impl=quack
+}
+
+[ ${#parts[@]} -gt 0 ] || { echo "usage: bash scripts/reproduce_h200.sh PART... [-- RESULTS_FILE]; parts: ceilings current accumulation loss matched tune levers quack push all" >&2; exit 2; }
 for part in "${parts[@]}"; do
   case $part in
-    all) ceilings; current; accumulation; loss; matched; tune; levers; quack ;;
-    ceilings|current|accumulation|loss|matched|tune|levers|quack) echo "=== $part"; $part ;;
-    *) echo "unknown part '$part'; parts: ceilings current accumulation loss matched tune levers quack all" >&2; exit 2 ;;
+    all) ceilings; current; accumulation; loss; matched; tune; levers; quack; push ;;
+    ceilings|current|accumulation|loss|matched|tune|levers|quack|push) echo "=== $part"; $part ;;
+    *) echo "unknown part '$part'; parts: ceilings current accumulation loss matched tune levers quack push all" >&2; exit 2 ;;
   esac
 done
 python scripts/summarize.py "$R"
