@@ -15,7 +15,8 @@ from kernels import in_autocast_dtype, uses_triton
 # - "quack" (kernels/quack_ops.py) is quack-kernels' linear cross-entropy: "fused"'s work in CuTe matmuls whose
 #   epilogues keep only a bf16 scaled exp of the logits (Hopper only; 3.0% slower at 20m, docs/PERFORMANCE.md);
 # - "quack_chunked" is quack's other path: "fused"'s structure (each slice's bf16 logits, overwritten by their
-#   gradient) with quack's cross-entropy kernel and its autotuned weight-gradient matmul (Hopper only).
+#   gradient) with quack's cross-entropy kernel and its autotuned weight-gradient matmul (Hopper only; 1.3%
+#   faster at 20m with 2.1 GiB more at its peak, docs/PERFORMANCE.md).
 # "fused" also runs the declared FP8 head (lm_head_fp8, kernels/linear_cross_entropy_fp8.py): other math.
 LOSS_IMPLEMENTATIONS = ("full", "chunked", "fused", "fused_epilogue", "quack", "quack_chunked")
 

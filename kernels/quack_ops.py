@@ -1,12 +1,14 @@
-"""quack-kernels (Tri Dao's CuTe-DSL kernels for Hopper, requirements-gpu.txt) behind two declared execution
-choices, both off by default: loss_impl "quack" (the LM head and its cross-entropy) and mlp_impl "quack" (the
-SwiGLU MLP). Why: both paths are mostly matmuls, and quack carries the work between them in the matmuls'
-epilogues; whether that wins at our small widths is what these choices exist to measure. What they have to beat,
+"""quack-kernels (Tri Dao's CuTe-DSL kernels for Hopper, requirements-gpu.txt) behind declared execution
+choices, all off by default: loss_impl "quack" and "quack_chunked" (the LM head and its cross-entropy, quack's
+two paths) and mlp_impl "quack" (the SwiGLU MLP). Why: both are mostly matmuls, and quack carries the work
+between them in the matmuls' epilogues; whether that wins at our small widths is what these choices exist to measure. What they have to beat,
 on the H200 at 32,768 tokens, forward and backward: the "fused" loss's 4.91 / 6.60 / 8.97 ms at widths 320 / 512 /
 768 (its three matmuls alone take 3.43 / 5.20 / 7.48: `loss-microbench-*`, docs/PERFORMANCE.md), and our MLP (the
 w13 matmul, then SwiGLU with the down projection as one op: kernels/swiglu.py), timed beside quack's by
-scripts/mlp_microbench.py. Measured on the H200 (docs/PERFORMANCE.md), neither wins at 20m: the loss 5.40
-against 4.80 ms alone and -3.0% on the update, the MLP -6.4% on the update with 0.66 GiB more at its peak.
+scripts/mlp_microbench.py. Measured on the H200 (docs/PERFORMANCE.md), none is kept: the scaled-exp loss is
+5.40 against 4.80 ms alone at width 320 (-3.0% on the 20m update) and 5.60 / 8.10 against 6.59 / 9.00 at 512 /
+768, where its tiles fit; the chunked loss +1.3% at 20m with 5.74 GiB at its peak (over the 4 GB bar), +0.3% at
+50m; the MLP -6.4% at 20m, -24% at 50m and +1.4% at 90m, each with more memory.
 
 The loss: quack.linear_cross_entropy.chunked_linear_cross_entropy(x (M, d), weight (V, d), target (M,),
 chunk_size, ignore_index, reduction "mean" or "sum", tuned, use_scaled_exp). use_scaled_exp None takes the
