@@ -104,7 +104,8 @@ def hub_text_error(split, where, found):
 
 def check_local_text(builder, files):
     """Raise the PrepareError naming the first file, and place in it, whose text datasets cannot take as
-    documents: a byte that is not UTF-8 in a .txt, a 'text' that is not a string in a jsonl/json/parquet row.
+    documents: a byte that is not UTF-8 in a .txt, a line of a JSON-lines file that is not JSON, a 'text' that is
+    not a string in a jsonl/json/parquet row.
     Returns when it finds none (the caller then reports datasets' own error)."""
     for path in files:
         if builder == "text":
@@ -173,11 +174,21 @@ def first_non_string_json(path):
                 continue
             try:
                 row = json.loads(line)
-            except ValueError:
-                return f"line {n:,}", None  # not JSON: datasets' own error names no line
+            except ValueError:  # not JSON lines: one JSON document over several lines (datasets reads it
+                return None if parses_whole(path) else (f"line {n:,}", None)  # whole), or a line that is not JSON
             if what := non_string_text(row):
                 return f"line {n:,}", what
     return None
+
+
+def parses_whole(path):
+    """Whether the file is one JSON document (a pretty-printed object, say): datasets reads such a file whole."""
+    with io.TextIOWrapper(open_local(path), encoding="utf-8", errors="replace") as f:
+        try:
+            json.loads(f.read())
+        except ValueError:
+            return False
+    return True
 
 
 def first_non_string_parquet(path):

@@ -42,6 +42,7 @@ from results import atomic_write_text  # noqa: E402
 FORMAT = 1
 EOT = "<|endoftext|>"
 BATCH = 64  # documents per map batch: whole books are ~0.5 MB each, so this bounds memory per worker
+VOCAB_SIZE = 32000  # the trained BPE's vocabulary unless --vocab_size says otherwise (the Llama tokenizer's size)
 # BPE training time grows with the square of the longest piece the pre-tokenizer leaves (a run of letters, digits,
 # symbols or whitespace): a run of 100,000 letters (DNA, a long base64 or JSON value) adds seconds, one of 1,000,000
 # minutes, with no progress shown. So runs of LONG_RUN or more characters without whitespace (or all whitespace)
@@ -187,7 +188,7 @@ def tokenizer_identity(tokenizer, vocab_size, max_vocab):
     return tok, tok_name, tok_vocab, tok_files
 
 
-def prepare(source, out, tokenizer=None, vocab_size=32000, val_fraction=0.01, num_proc=None, seed=0,
+def prepare(source, out, tokenizer=None, vocab_size=VOCAB_SIZE, val_fraction=0.01, num_proc=None, seed=0,
             streaming=False, max_documents=None, max_vocab=None):
     """Build (or find up to date) the token cache `out` from `source`; returns its meta dict."""
     t0 = time.time()
@@ -356,7 +357,7 @@ def main(argv=None):
     ap.add_argument("--source", required=True, help="folder, file or glob of .txt/.jsonl/.json/.parquet, or hf:NAME[:CONFIG][@SPLIT]")
     ap.add_argument("--out", required=True, help="cache folder to write (replaced atomically)")
     ap.add_argument("--tokenizer", help="transformers tokenizer (hub name or folder); default: train a byte-level BPE")
-    ap.add_argument("--vocab_size", type=int, help="vocabulary of the trained BPE (default 32000)")
+    ap.add_argument("--vocab_size", type=int, default=VOCAB_SIZE, help=f"vocabulary of the trained BPE (default {VOCAB_SIZE})")
     ap.add_argument("--val_fraction", type=float, default=0.01, help="held-out fraction of documents when SRC has no val split")
     ap.add_argument("--num_proc", type=int, help="tokenizing processes (default: all cores)")
     ap.add_argument("--seed", type=int, default=0, help="salt of the held-out document hash (0: plain sha256)")
@@ -366,14 +367,13 @@ def main(argv=None):
     args = ap.parse_args(argv)
     try:
         with stopped_by_signals(Path(args.out)):
-            vocab_size = 32000 if args.vocab_size is None else args.vocab_size  # 0 is refused, not the default
-            meta = prepare(args.source, args.out, tokenizer=args.tokenizer, vocab_size=vocab_size,
+            meta = prepare(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                            val_fraction=args.val_fraction, num_proc=args.num_proc, seed=args.seed,
                            streaming=args.streaming, max_documents=args.max_documents, max_vocab=args.max_vocab)
     except PrepareError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    if args.tokenizer and args.vocab_size and meta["tokenizer"] == args.tokenizer:
+    if args.tokenizer and args.vocab_size != VOCAB_SIZE and meta["tokenizer"] == args.tokenizer:
         print(f"note: --vocab_size {args.vocab_size} was ignored: tokenizer {args.tokenizer!r} has {meta['vocab_size']} tokens")
 
 

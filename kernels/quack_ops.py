@@ -2,10 +2,11 @@
 choices, all off by default: loss_impl "quack" and "quack_chunked" (the LM head and its cross-entropy, quack's
 two paths) and mlp_impl "quack" (the SwiGLU MLP). Why: both are mostly matmuls, and quack carries the work
 between them in the matmuls' epilogues; whether that wins at our small widths is what these choices exist to measure. What they have to beat,
-on the H200 at 32,768 tokens, forward and backward: the "fused" loss's 4.91 / 6.60 / 8.97 ms at widths 320 / 512 /
-768 (its three matmuls alone take 3.43 / 5.20 / 7.48: `loss-microbench-*`, docs/PERFORMANCE.md), and our MLP (the
+on the H200 at 32,768 tokens, forward and backward: the "fused" loss's 4.80 / 6.59 / 9.00 ms at widths 320 / 512 /
+768 (its three matmuls alone take 3.21 / 5.21 / 7.74: `loss-microbench-quack-*`, docs/PERFORMANCE.md), and our MLP (the
 w13 matmul, then SwiGLU with the down projection as one op: kernels/swiglu.py), timed beside quack's by
-scripts/mlp_microbench.py. Measured on the H200 (docs/PERFORMANCE.md), none is kept: the scaled-exp loss is
+scripts/mlp_microbench.py (its quack rows not yet measured on the H200: docs/PERFORMANCE.md). Measured in training
+on the H200, none is kept: the scaled-exp loss is
 5.40 against 4.80 ms alone at width 320 (-3.0% on the 20m update) and 5.60 / 8.10 against 6.59 / 9.00 at 512 /
 768, where its tiles fit; the chunked loss +1.3% at 20m with 5.74 GiB at its peak (over the 4 GB bar), +0.3% at
 50m; the MLP -6.4% at 20m, -24% at 50m and +1.4% at 90m, each with more memory.
@@ -104,9 +105,11 @@ def check_shape(config, loss_impl, mlp_impl):
 
 def scaled_exp_tiles(vocab_size, width):
     """The tiles quack 0.6.5's scaled-exp loss picks (linear_cross_entropy.py), recorded beside its times: the
-    logits matmul's over the vocabulary (None: no tile divides it, quack takes its other path), the dx and dw
-    matmuls' over the width, and the columns of the width those two compute."""
-    vocab_tile = next((tile for tile in (192, 256, 128, 64) if vocab_size % tile == 0), None)
+    logits matmul's over the vocabulary (None: a vocabulary that is not a multiple of VOCAB_MULTIPLE, where quack
+    takes its other path), the dx and dw matmuls' over the width, and the columns of the width those two compute."""
+    vocab_tile = None
+    if vocab_size % VOCAB_MULTIPLE == 0:
+        vocab_tile = next(tile for tile in (192, 256, 128, 64) if vocab_size % tile == 0)
     width_tile = 192 if width % 192 == 0 else 256
     return {"vocab_tile": vocab_tile, "width_tile": width_tile, "width_computed": -(-width // width_tile) * width_tile}
 

@@ -40,10 +40,10 @@ def add_run_arguments(parser, name, reps):
 def names_in(parser, flag, text, valid):
     """The comma-separated names of a flag's text, each one of `valid`; else argparse's one-line error naming the
     valid ones."""
-    names = text.split(",")
+    names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in valid]
-    if unknown:
-        parser.error(f"{flag}: {', '.join(unknown)} not among {', '.join(valid)}")
+    if unknown or not names:
+        parser.error(f"{flag}: {', '.join(unknown) or 'no name'} not among {', '.join(valid)}")
     return names
 
 

@@ -14,8 +14,8 @@ for all; each one's loss and the relative error of both gradients against the ea
 beside its time, under NAME in the results file (with the fingerprint, the launch configs the autotuner chose
 for the fused_epilogue kernels, and the tiles of quack's scaled-exp path).
 
-    python scripts/loss_microbench.py [--tokens=32768] [--dim=320] [--name=loss-microbench] \
-        [--results_file=results.json]
+    python scripts/loss_microbench.py [--tokens=32768] [--dim=320] [--vocab=32000] [--reps=20] \
+        [--name=loss-microbench] [--results_file=results.json]
 """
 import argparse
 import sys
@@ -153,7 +153,8 @@ def main():
     record(args.results_file, [args.name], {
         "run_id": env.new_run_id(), "tokens": args.tokens, "dim": args.dim, "vocab": args.vocab, "reps": args.reps,
         "results": results, "fused_epilogue_configs": tuned_configs(),
-        "quack_scaled_exp_tiles": quack_ops.scaled_exp_tiles(args.vocab, args.dim), "environment": env.fingerprint()})
+        "quack_scaled_exp_tiles": quack_ops.scaled_exp_tiles(args.vocab, args.dim) if "quack" in results else None,
+        "environment": env.fingerprint()})
     common.print_variants("variant", results, [("ms fwd+bwd", "ms_forward_backward", ".3f"),
                                             ("extra GiB", "peak_extra_gib", ".3f"), ("loss", "loss", ".2f"),
                                             ("grad_h err", "grad_h_relative_error", ".2e"),

@@ -9,15 +9,26 @@
 # are skipped without it.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
+PARTS="ceilings current accumulation loss matched tune levers quack push all"
+usage() { echo "usage: bash scripts/reproduce_h200.sh PART... [-- RESULTS_FILE]; parts: $PARTS" >&2; exit 2; }
 parts=()
 R=out/h200/results.json
 while [ $# -gt 0 ]; do
-  if [ "$1" = "--" ]; then R=$2; shift 2; else parts+=("$1"); shift; fi
+  if [ "$1" = "--" ]; then
+    [ $# -ge 2 ] || usage
+    R=$2; shift 2
+  else
+    case " $PARTS " in *" $1 "*) parts+=("$1") ;; *) echo "unknown part '$1'" >&2; usage ;; esac
+    shift
+  fi
 done
+[ ${#parts[@]} -gt 0 ] || usage
 mkdir -p "$(dirname "$R")"
 REF=config/20m_gh200.py
 bench() { timeout 300 python bench.py "$@" --results_file="$R"; }
-has_quack() { python -c "from kernels.quack_ops import quack_problem; import torch, sys; sys.exit(quack_problem(torch.device('cuda')) is not None)"; }
+has_quack() {  # quack's kernels run here; else why not, on stderr
+  python -c "from kernels.quack_ops import quack_problem; import torch, sys; p = quack_problem(torch.device('cuda')); sys.exit(p and f'quack-kernels cannot run here ({p}): its rows are skipped')"
+}
 has_fa4() { python -c "from kernels.attention import fa4_problem; import torch, sys; sys.exit(fa4_problem(torch.device('cuda')) is not None)"; }
 
 ceilings() {
@@ -84,7 +95,7 @@ quack() {  # quack-kernels' choices and update_graph, each beside the default of
   bench $REF --name=lever-update-graph --update_graph=True
   bench $REF --name=lever-muon-update-graph-baseline --optimizer=muon
   bench $REF --name=lever-muon-update-graph --optimizer=muon --update_graph=True
-  has_quack || { echo "quack-kernels cannot run here: its rows are skipped"; return 0; }
+  has_quack || return 0
   bench $REF --name=lever-quack-baseline
   bench $REF --name=lever-quack-loss --loss_impl=quack
   bench $REF --name=lever-quack-mlp --mlp_impl=quack
@@ -92,34 +103,31 @@ quack() {  # quack-kernels' choices and update_graph, each beside the default of
   for dim in 320 512 768; do
     python scripts/loss_microbench.py --dim=$dim --name=loss-microbench-quack-$dim --results_file="$R"
   done
-  python scripts/mlp_microbench.py --results_file="$R"
+  timeout 900 python scripts/mlp_microbench.py --results_file="$R"  # quack autotunes each shape: minutes
 }
 
-push() {  # the third push beside the tree before it (68eb922, unpacked under out/), the fa4 profile, the 50m/90m rows
+push() {  # the third push beside the tree before it (68eb922, a worktree under out/), the fa4 profile, 50m and 90m
   local before=out/h200/tree-68eb922 results
-  results=$(realpath "$R")
-  if [ ! -d $before ]; then
-    mkdir -p $before && git archive 68eb922 | tar -x -C $before && ln -s "$PWD/data/cache" $before/data/cache
-  fi
-  (cd $before && timeout 300 python bench.py $REF --name=lever-before-push --results_file="$results")
+  results=$(realpath -m "$R")
+  git cat-file -e 68eb922^{commit} 2>/dev/null || { echo "part push needs commit 68eb922 (git fetch --unshallow)" >&2; return 1; }
+  [ -f $before/bench.py ] || git worktree add --detach $before 68eb922 || return 1
+  (cd $before && R=$results bench $REF --name=lever-before-push --data_dir="$OLDPWD/data/cache/gutenberg")
   bench $REF --name=lever-after-push
   bench $REF --name=lever-default-profile --profile=True
   bench $REF --name=lever-update-graph-first-update --update_graph=True
   bench config/50m.py --name=lever-50m-baseline
   bench config/90m.py --name=lever-90m-baseline
-  has_quack || { echo "quack-kernels cannot run here: its rows are skipped"; return 0; }
+  has_quack || return 0
   bench $REF --name=lever-quack-chunked --loss_impl=quack_chunked
   bench config/50m.py --name=lever-50m-quack-chunked --loss_impl=quack_chunked
   bench config/50m.py --name=lever-50m-quack-mlp --mlp_impl=quack
   bench config/90m.py --name=lever-90m-quack-mlp --mlp_impl=quack
 }
 
-[ ${#parts[@]} -gt 0 ] || { echo "usage: bash scripts/reproduce_h200.sh PART... [-- RESULTS_FILE]; parts: ceilings current accumulation loss matched tune levers quack push all" >&2; exit 2; }
 for part in "${parts[@]}"; do
   case $part in
     all) ceilings; current; accumulation; loss; matched; tune; levers; quack; push ;;
-    ceilings|current|accumulation|loss|matched|tune|levers|quack|push) echo "=== $part"; $part ;;
-    *) echo "unknown part '$part'; parts: ceilings current accumulation loss matched tune levers quack push all" >&2; exit 2 ;;
+    *) echo "=== $part"; $part ;;
   esac
 done
 python scripts/summarize.py "$R"

@@ -1,4 +1,5 @@
 """env.py: configuration, the results file, atomic writes, the fingerprint and the machine facts."""
+import argparse
 import ast
 import json
 import os
@@ -516,7 +517,6 @@ def test_a_config_file_is_python_that_sees_the_settings_so_far(tmp_path):
 
 
 def test_gpu_scripts_refuse_a_broken_results_file_before_any_work(tmp_path, monkeypatch, capsys):
-    import argparse
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past the GPU check, as on the device
     broken = tmp_path / "r.json"
@@ -525,6 +525,15 @@ def test_gpu_scripts_refuse_a_broken_results_file_before_any_work(tmp_path, monk
         common.check_gpu_script(argparse.ArgumentParser(prog="x"), broken, "attention")
     assert exit_info.value.code == 2 and str(broken) in capsys.readouterr().err
     common.check_gpu_script(argparse.ArgumentParser(prog="x"), tmp_path / "new.json", "attention")  # a new file is fine
+
+
+def test_the_gpu_scripts_name_lists_take_spaces_and_refuse_unknown_or_no_names(capsys):
+    parser = argparse.ArgumentParser(prog="x")
+    assert common.names_in(parser, "--presets", "20m, 50m,", ("20m", "50m", "90m")) == ["20m", "50m"]
+    for text, said in (("20m,70m", "--presets: 70m not among 20m, 50m, 90m"), (" , ", "--presets: no name not among")):
+        with pytest.raises(SystemExit) as exit_info:
+            common.names_in(parser, "--presets", text, ("20m", "50m", "90m"))
+        assert exit_info.value.code == 2 and said in capsys.readouterr().err
 
 
 def test_the_gpu_scripts_table_has_a_row_per_variant_and_errors_in_theirs(capsys):

@@ -434,6 +434,16 @@ def test_a_line_that_is_not_json_is_named(tmp_path, capsys):
     assert f"{src / 'rows.jsonl'}' line 3 is not JSON" in err and err.count("\n") == 1, err
 
 
+def test_a_json_document_over_several_lines_is_not_taken_for_a_line_that_is_not_json(tmp_path, capsys):
+    """A pretty-printed .json (which datasets reads whole) whose 'text' is not strings: the column's type is what is
+    wrong, not its first line."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "rows.json").write_text('{\n  "text": [1, 2, 3]\n}\n')
+    err = cli_error(capsys, "--source", src, "--out", tmp_path / "cache", "--vocab_size", 300, "--num_proc", 1)
+    assert "holds List(Value('int64')), not strings" in err and "not JSON" not in err, err
+
+
 def test_a_null_text_is_an_empty_document(tmp_path):
     rows = [{"text": "the fox jumps over the dog."}, {"text": None}, {"text": "a dog sleeps."}, {"text": "cats."}]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
