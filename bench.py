@@ -23,6 +23,7 @@ import train
 from data.loader import CacheError, Prefetcher, TokenCache, TrainData
 import settings
 from configurator import ConfigError, load_config
+from plots import fmt
 from settings import TrainSettings, run_name_problem, setting
 from results import check_writable, lookup, record
 from trainer import Trainer, all_reduce_sum, distributed, peak_memory_bytes
@@ -417,7 +418,7 @@ def print_table(entries):
         now = e.get("tokens_per_second")
         ratio = f"{now / before:.2f}" if now and before else "-"
         mfu = f"{100 * e['mfu']:.1f}%" if e.get("mfu") else "-"
-        first = f"{e['first_update_seconds']:.1f}" if e.get("first_update_seconds") is not None else "-"
+        first = fmt(e.get("first_update_seconds"), ".1f")
         print(f"{name:<28}{e['status']:>7}{(f'{now:,.0f}' if now else '-'):>12}"
               f"{(f'{before:,.0f}' if before else '-'):>12}{ratio:>7}{mfu:>7}{first:>9}"
               f"{gb(e.get('peak_memory_bytes')):>9}{gb(e.get('device_peak_used_bytes')):>9}")

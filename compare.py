@@ -264,16 +264,19 @@ def finished_run(results, name, results_file):
         raise CompareError(f"results file {results_file} has no run named {name!r}; runs there: "
                            f"{', '.join(runs) or 'none'}")
     fv = entry.get("final_validation")
-    if entry.get("status") != "complete" or not fv:
-        what = "" if fv else ", without a final validation"
-        raise CompareError(f"run {name} is not complete (status {entry.get('status')!r}{what}); finish it "
+    if entry.get("status") != "complete":
+        raise CompareError(f"run {name} is not complete (status {entry.get('status')!r}); finish it "
                            f"(train.py --resume=True --name={name}) or compare another run")
+    if not fv:
+        raise CompareError(f"run {name} is complete without a final validation (full_validation was off); train "
+                           f"it again with full_validation=True, or compare another run")
     if not isinstance(fv, dict):  # a file edited by hand, or not written by train.py
         raise CompareError(f"run {name}'s final_validation is a {type(fv).__name__}, not train.py's record of it")
-    if fv.get("loss") is None:  # results.py writes a diverged run's NaN as null
+    if not plots.finite_number(fv.get("loss")):  # results.py writes a diverged run's NaN as null
         raise CompareError(f"run {name} diverged: its final validation loss is not a finite number, so it matches "
                            f"nothing; lower its learning rate, or compare another run")
     missing = [k for k in ("loss_std", "tokens") if not plots.finite_number(fv.get(k))]
+    missing += ["tokens"] if not missing and fv["tokens"] <= 0 else []  # a count that divides the error
     if missing:
         raise CompareError(f"run {name}'s final validation has no {' or '.join(missing)}, so no tolerance can be "
                            f"computed; train it again with this train.py")
@@ -376,7 +379,8 @@ def compare_runs(results_file, baseline_name, optimized_name, allow_recipe_chang
     tol = verdict_tolerance(results, results_file, baseline_name, optimized_name, names)
     difference = o["final_validation"]["loss"] - b["final_validation"]["loss"]
     agree = abs(difference) <= tol["tolerance"]
-    rb, ro = b.get("median_training_tokens_per_second"), o.get("median_training_tokens_per_second")
+    rb, ro = (e.get("median_training_tokens_per_second") for e in (b, o))
+    rb, ro = (r if plots.finite_number(r) and r > 0 else None for r in (rb, ro))  # a rate, or none to compare
     comparison = {
         baseline_name: run_summary(b),
         optimized_name: run_summary(o),
@@ -429,7 +433,7 @@ def table_rows(entry):
         ("median training tok/s", plots.fmt(entry.get("median_training_tokens_per_second"), ",.0f")),
         ("training seconds", plots.fmt(entry.get("training_seconds"), ".1f")),
         ("elapsed seconds", plots.fmt(entry.get("training_elapsed_seconds"), ".1f")),
-        ("peak memory", plots.fmt(peak / 2**30 if peak is not None else None, ".2f", " GiB")),
+        ("peak memory", plots.fmt(peak / 2**30 if plots.finite_number(peak) else None, ".2f", " GiB")),
     ]
 
 

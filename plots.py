@@ -42,8 +42,9 @@ def training_runs(results):
 
 
 def fmt(value, spec, suffix=""):
-    """A table cell: value in format spec (and a suffix), or "-" for a value that is missing."""
-    return "-" if value is None else f"{value:{spec}}{suffix}"
+    """A table cell: a number in format spec (and a suffix), or "-" for one that is missing, not finite or not a
+    number at all (a results file edited by hand)."""
+    return f"{value:{spec}}{suffix}" if finite_number(value) else "-"
 
 
 def finite_number(value):

@@ -11,7 +11,7 @@ import torch
 
 import env
 import train
-from configurator import load_config, write_config_file
+from configurator import ConfigError, load_config, write_config_file
 from results import lookup
 
 LAUNCH_KEYS = ("resume", "overwrite")  # how a run was launched, not what it trains: ignored when reusing it
@@ -58,22 +58,20 @@ class SignalForwarder:
         return signal.Signals(self.signal).name
 
 
-def stream(side, cmd, signals=None):
-    """Run cmd, printing its output line by line with a [side] prefix; returns its exit status. With signals
-    (a SignalForwarder), a signal to compare.py is passed on to it."""
+def stream(side, cmd, signals):
+    """Run cmd, printing its output line by line with a [side] prefix; returns its exit status. A signal to
+    compare.py is passed on to it (signals: the SignalForwarder)."""
     child_env = dict(os.environ, PYTHONUNBUFFERED="1")  # progress lines as they happen, not at exit
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env,
-                            start_new_session=signals is not None)
-    if signals is not None:
-        signals.proc = proc
-        signals.forward()  # a signal that came while it was starting
+                            start_new_session=True)
+    signals.proc = proc
+    signals.forward()  # a signal that came while it was starting
     try:
         for line in proc.stdout:  # reading on through a signal: the child's last lines say where it stopped
             print(f"[{side}] {line}", end="", flush=True)
         return proc.wait()
     finally:
-        if signals is not None:
-            signals.proc = None
+        signals.proc = None
 
 
 def launch_free(config):
@@ -103,14 +101,18 @@ def checkpoint_run_id(path):
     return ckpt.get("run_id") if isinstance(ckpt, dict) else None
 
 
-def train_or_reuse(side, c, recipe_identity, rerun, signals=None):
+def train_or_reuse(side, c, recipe_identity, rerun, signals):
     """Train the run with train.py, unless a complete run of the same config, recipe and code is recorded;
     resume it when it was stopped with its checkpoint in place."""
     out = train.run_dir(c)
     config_path = out / "compare_config.py"
-    write_config_file(config_path, c, train.DEFAULTS,
-                      header=f"The {side} run {c.name}, written by compare.py.\n"
-                             f"Rerun it with: python train.py {config_path}")
+    try:
+        write_config_file(config_path, c, train.DEFAULTS,
+                          header=f"The {side} run {c.name}, written by compare.py.\n"
+                                 f"Rerun it with: python train.py {config_path}")
+    except OSError as exc:  # out_dir names a file, say, or a folder this user cannot write
+        raise ConfigError(f"the {side} run {c.name} cannot keep its files in {out} ({exc.strerror}); set out_dir "
+                          f"to a folder that can hold them, or leave it empty for out/NAME") from None
     args = [str(config_path), f"--name={c.name}", f"--results_file={c.results_file}"]
     old = None if rerun else recorded_run(c, args, recipe_identity)
     # complete, with the full validation its config asked for (time-to-target runs need none)
@@ -128,7 +130,7 @@ def train_or_reuse(side, c, recipe_identity, rerun, signals=None):
     cmd = [sys.executable, str(env.REPO / "train.py"), *args, *launch]
     print(f"{side}: {shlex.join(cmd)}", flush=True)
     code = stream(side, cmd, signals)
-    signalled = signals is not None and signals.signal is not None
+    signalled = signals.signal is not None
     if signalled or code == train.EXIT_INTERRUPTED:  # the second: stop_after_updates, or a signal sent to it alone
         by = f"by {signals.name()}" if signalled else "by train.py itself"
         raise Stopped(stopped_message(side, c.name, args, code, by, rerun))
@@ -141,7 +143,7 @@ def go_on(rerun):
     return "run this compare.py command again" + (" without --rerun=True" if rerun else "")
 
 
-def stopped_message(side, name, args, code, by, rerun=False):
+def stopped_message(side, name, args, code, by, rerun):
     """One line: what stopped ("by SIGTERM", say), and how to go on."""
     again = go_on(rerun)
     if code == train.EXIT_INTERRUPTED:

@@ -26,6 +26,7 @@ import train
 from configurator import ConfigError, write_config_file
 from data.loader import CacheError, TokenCache
 from kernels import attention
+from plots import fmt
 from settings import TrainSettings, run_name_problem, setting
 from trainer import uses_cudagraphs
 
@@ -467,7 +468,6 @@ def tuning_record(cfg, sweep, selected, refused, source):
 
 def print_report(tuning):
     """The candidates' table, the selection and its gain, where the budget went, and the selected config."""
-    fmt = lambda v, f: format(v, f) if v is not None else "-"
     inc = tuning["incumbent"]["tokens_per_second"]
     print(f"\n{'candidate':<46}{'screen tok/s':>13}{'x inc':>7}{'confirm tok/s':>14}{'gain':>8}{'compile s':>10}"
           f"{'peak GiB':>9}  status")

@@ -379,12 +379,33 @@ def test_a_diverged_run_is_named_as_such_not_a_missing_field():
     ({"loss": 4.0, "loss_std": 1.0}, "has no tokens, so no tolerance"),
     ({"loss": 4.0, "tokens": 100}, "has no loss_std, so no tolerance"),
     ("4.0", "final_validation is a str, not train.py's record"),
+    ({"loss": 4.0, "loss_std": 1.0, "tokens": 0}, "has no tokens, so no tolerance"),
+    ({"loss": "4.0", "loss_std": 1.0, "tokens": 100}, "its final validation loss is not a finite number"),
+    (None, "is complete without a final validation"),
 ])
 def test_a_hand_edited_final_validation_is_one_line_not_a_traceback(final_validation, words):
     """Before, a missing tokens count was a KeyError in the tolerance, a string an AttributeError."""
     entry = {"recipe_identity": "r", "status": "complete", "final_validation": final_validation}
     with pytest.raises(compare.CompareError, match=words):
         compare.finished_run({"b": entry}, "b", "results.json")
+
+
+def test_a_rate_that_is_not_a_number_gives_no_speed_ratio(tmp_path):
+    results = tmp_path / "results.json"
+    record(results, ["a"], finished(4.0))
+    record(results, ["b"], dict(finished(4.0), median_training_tokens_per_second="fast"))
+    comparison = compare.compare_runs(results, "a", "b", False, tmp_path / "v.png")
+    assert comparison["speed_ratio"] is None and comparison["losses_agree"]
+
+
+def test_an_out_dir_that_is_a_file_is_one_line_before_any_training(tiny, tmp_path, capsys):
+    config, results = tiny
+    (tmp_path / "taken").write_text("not a folder")
+    assert compare.main([config, f"--results_file={results}", f"--out_dir={tmp_path / 'taken'}",
+                         "--baseline_micro_batch_size=4", "--micro_batch_size=4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the baseline run") and "cannot keep its files in" in err and err.count("\n") == 1
+    assert not read_results(results)
 
 
 def test_a_tuned_config_path_that_is_not_a_path_is_one_line(tmp_path):
