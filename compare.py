@@ -275,6 +275,9 @@ def finished_run(results, name, results_file):
     if not plots.finite_number(fv.get("loss")):  # results.py writes a diverged run's NaN as null
         raise CompareError(f"run {name} diverged: its final validation loss is not a finite number, so it matches "
                            f"nothing; lower its learning rate, or compare another run")
+    if curve := plots.bad_curve(entry):
+        raise CompareError(f"run {name}'s {curve} is not a list of points (objects with a loss), as train.py "
+                           f"records it; compare another run")
     missing = [k for k in ("loss_std", "tokens") if not plots.finite_number(fv.get(k))]
     missing += ["tokens"] if not missing and fv["tokens"] <= 0 else []  # a count that divides the error
     if missing:

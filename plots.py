@@ -47,6 +47,16 @@ def fmt(value, spec, suffix=""):
     return f"{value:{spec}}{suffix}" if finite_number(value) else "-"
 
 
+def bad_curve(entry):
+    """The first of a run entry's curves that is not a list of points (objects), or None: a results file edited by
+    hand, or not written by results.py."""
+    for curve, _, _ in CURVES:
+        points = entry.get(curve)
+        if points is not None and not (isinstance(points, list) and all(isinstance(p, dict) for p in points)):
+            return curve
+    return None
+
+
 def finite_number(value):
     """A number that is neither NaN nor infinite (nor a bool, nor the null results.py writes for those)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -48,12 +48,10 @@ def selected_runs(path, names):
         raise plots.PlotError(f"results file {path} has no run named {', '.join(map(repr, unknown))}; runs there: "
                               f"{', '.join(available)}")
     runs = [(n, results[n]) for n in dict.fromkeys(names or available)]
-    for name, entry in runs:  # a file edited by hand, or not written by results.py
-        for curve, _, _ in plots.CURVES:
-            points = entry.get(curve)
-            if points is not None and not (isinstance(points, list) and all(isinstance(p, dict) for p in points)):
-                raise plots.PlotError(f"results file {path}: run {name}'s {curve} is not a list of points "
-                                      f"(objects with a loss)")
+    for name, entry in runs:
+        if curve := plots.bad_curve(entry):
+            raise plots.PlotError(f"results file {path}: run {name}'s {curve} is not a list of points "
+                                  f"(objects with a loss)")
     return runs
 
 

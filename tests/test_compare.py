@@ -390,6 +390,12 @@ def test_a_hand_edited_final_validation_is_one_line_not_a_traceback(final_valida
         compare.finished_run({"b": entry}, "b", "results.json")
 
 
+def test_a_hand_edited_curve_is_one_line_not_a_traceback():
+    entry = dict(finished(4.0), validation_curve="x")
+    with pytest.raises(compare.CompareError, match="run b's validation_curve is not a list of points"):
+        compare.finished_run({"b": entry}, "b", "results.json")
+
+
 def test_a_rate_that_is_not_a_number_gives_no_speed_ratio(tmp_path):
     results = tmp_path / "results.json"
     record(results, ["a"], finished(4.0))
