@@ -369,8 +369,8 @@ class BenchRunner:
         self.where = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                       "cpu": env.cpu_model(), "cache_identity": cache}
         # only successes, from the same code: an error may have been the budget's cut or a passing fault
-        tuning, self.previous = results.lookup(cfg.results_file, ["tuning"]) or {}, {}
-        tuning = tuning if isinstance(tuning, dict) else {}  # a section edited by hand: nothing to reuse
+        tuning, self.previous = results.lookup(cfg.results_file, ["tuning"]), {}
+        tuning = tuning if isinstance(tuning, dict) else {}  # none, or a section edited by hand: nothing to reuse
         records = tuning.get("candidates") if isinstance(tuning.get("candidates"), list) else []
         for res in [record.get(s) for record in records if isinstance(record, dict) for s in STAGES]:
             if isinstance(res, dict) and res.get("status") == "ok" and res.get("source_hash") == self.source:
@@ -433,7 +433,8 @@ def shared_environment(records):
 
 def with_environment(run, shared):
     """A run as measured: its own fingerprint fields over the sweep's shared ones."""
-    return dict(run, environment={**(shared or {}), **(run.get("environment") or {})})
+    own, shared = run.get("environment"), shared if isinstance(shared, dict) else {}  # a hand-edited file's
+    return dict(run, environment={**shared, **(own if isinstance(own, dict) else {})})
 
 
 def trial_record(sweep, trial, selected):

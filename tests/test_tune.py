@@ -104,6 +104,11 @@ def test_only_successes_are_reused(tmp_path, text_cache, monkeypatch):
     again = tune.BenchRunner(cfg).previous
     assert list(again) == [runner.identity(ok, protocol)]
     assert again[runner.identity(ok, protocol)]["environment"] == {"cpu": "x", "gpu": None}
+    # a section edited by hand: what is not a record is left out, the rest still reused
+    record(results, ["tuning"], {"environment": "x", "candidates": [5, {"screen": dict(run(ok, "ok"), environment=3)}]})
+    assert tune.BenchRunner(cfg).previous[runner.identity(ok, protocol)]["environment"] == {}
+    record(results, ["tuning"], [1, 2])
+    assert tune.BenchRunner(cfg).previous == {}
 
 
 def test_the_tuning_record_states_the_machine_once_and_each_run_keeps_its_own_fields():
