@@ -188,17 +188,18 @@ def test_train_refuses_init_from_weights_of_another_tokenizer_before_any_work(tm
 
 @pytest.mark.parametrize("make, words", [
     (lambda tmp: "", "results file '' is empty"),
-    (lambda tmp: str(tmp), "is a folder"),
+    (lambda tmp: (tmp / "d").mkdir() or str(tmp / "d"), "is a folder"),
     (lambda tmp: (tmp / "r.json").write_text("{not json") and str(tmp / "r.json"), "is not valid JSON"),
 ])
-def test_a_results_file_that_cannot_be_one_is_refused_before_any_work(tmp_path, make, words):
+def test_a_results_file_that_cannot_be_one_is_refused_before_any_work(tmp_path, monkeypatch, make, words):
     """Before, an empty path or a folder passed the check and failed only when the run first recorded itself,
-    after the model was built and its folder made (and "" left a stray "..lock" where the script ran)."""
+    after the model was built and its folder made (and "" left a stray ".lock" where the script ran)."""
     from results import check_writable
+    monkeypatch.chdir(tmp_path)  # where "" would have put its lock
     path = make(tmp_path)
     with pytest.raises(ResultsFileError, match=words):
         check_writable(path)
-    assert not list(tmp_path.glob("*.lock"))
+    assert not list(tmp_path.glob("*.lock")) and not list(tmp_path.glob(".lock"))
 
 
 def test_a_run_that_fails_to_build_gives_its_folder_back(text_cache, tmp_path, monkeypatch):

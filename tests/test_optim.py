@@ -364,3 +364,5 @@ def test_step_with_a_closure_evaluates_it_with_gradients_and_returns_its_loss():
     assert torch.is_tensor(loss) and loss.item() > 0
     assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), before))  # every parameter stepped
     assert built.muon.step() is None  # without a closure, no loss
+    with torch.no_grad():
+        assert torch.is_tensor(built.muon.step(closure))  # Muon alone, too

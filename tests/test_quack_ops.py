@@ -21,6 +21,7 @@ from configurator import ConfigError
 from kernels import quack_ops
 from kernels.swiglu import swiglu_down
 from settings import TrainSettings
+from trainer import Trainer
 from tests.test_model import random_batch, relative_error, seeded_model, tiny_config
 from tests.test_train import small_config
 
@@ -173,6 +174,21 @@ def test_the_model_with_both_quack_choices_trains_the_same_math(quack_stand_in, 
                                        tuned=quack_ops.TUNED, concat_layout=True) for c in mlp_calls)
     assert loss_calls == 2 * [dict(fn="chunked_linear_cross_entropy", chunk_size=37, ignore_index=-100,
                                    reduction="sum", use_scaled_exp=scaled_exp)]  # evaluation uses our losses op
+
+
+def test_the_trainer_builds_the_model_with_the_configured_quack_choices(quack_stand_in):
+    """loss_impl and mlp_impl reach the model the Trainer trains: its update calls quack's loss and its MLP in
+    every layer (the settings that refuse them on a CPU are checked before a Trainer is built)."""
+    from tests.test_update_graph import run_updates
+    cfg = train.Config(dict(train.DEFAULTS, preset="20m", dim=64, n_layers=2, n_heads=2, hidden_dim=128, seq_len=32,
+                            device="cpu", cpu_threads=1, tokens_per_update=4 * 32, micro_batch_size=4,
+                            loss_impl="quack_chunked", mlp_impl="quack", loss_chunk_tokens=64))
+    mcfg = model_lib.get_preset("20m", dim=64, n_layers=2, n_heads=2, hidden_dim=128, vocab_size=256, max_seq_len=32)
+    trainer = Trainer(cfg, mcfg, "cpu", total_updates=1)
+    run_updates(trainer, 1)
+    assert [c["fn"] for c in quack_stand_in].count("mlp_func") == mcfg.n_layers
+    assert [c for c in quack_stand_in if c["fn"] == "chunked_linear_cross_entropy"] == [dict(
+        fn="chunked_linear_cross_entropy", chunk_size=64, ignore_index=-100, reduction="sum", use_scaled_exp=False)]
 
 
 def test_the_wrappers_trace_into_one_compiled_graph(quack_stand_in):

@@ -12,6 +12,7 @@ import torch
 
 import model as model_lib
 import optim
+import plots
 import train
 import trainer as trainer_lib
 from tests.test_optim import SETTINGS, saved, tiny_model, train_steps
@@ -102,6 +103,13 @@ def compiled_trainer(name, update_graph, micro_batch_size=4):
     return trainer_lib.Trainer(cfg, mcfg, "cpu", total_updates=4)
 
 
+def fresh_compiler():
+    """torch.compile's caches and its counters emptied (reset alone keeps the counters, which then hold the graphs
+    of an earlier trainer)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+
 def run_updates(trainer, n=4):
     """n updates of seeded random tokens (4 sequences of 32, in the trainer's micro-batches); the losses and
     gradient norms, and the count of graphs compiled so far after each update."""
@@ -120,17 +128,24 @@ def test_the_compiled_step_updates_as_the_eager_step_and_compiles_once(name, mic
     """A compiled model with the eager clip and step, against the same with update_graph: the same losses,
     gradient norms and weights to float tolerance (other kernels, the same formula) over 4 updates whose learning
     rate changes each time (warmup, then cosine); the step is compiled (more graphs than the model's alone), at
-    the first update and never again. Micro-batch 2: two micro-steps into the gradients the trainer keeps."""
+    the first update and never again. Micro-batch 2: two micro-steps accumulated into each gradient."""
     runs, compiled = {}, {}
     for update_graph in (False, True):
-        torch._dynamo.reset()
+        fresh_compiler()
         trainer = compiled_trainer(name, update_graph, micro_batch_size)
         start = [p.detach().clone() for p in trainer.raw_model.parameters()]
         out, graphs = run_updates(trainer)
         assert graphs[1:] == graphs[:1] * 3, graphs  # the new learning rates compiled nothing more
         runs[update_graph] = out, [p.detach() - p0 for p, p0 in zip(trainer.raw_model.parameters(), start)]
         compiled[update_graph] = graphs[0]
-    assert compiled[True] > compiled[False], compiled  # the clip and the step are graphs of their own
+    # the clip and the step are graphs of their own (AdamW's step is 2, torch.optim breaking it on purpose)
+    assert compiled[True] - compiled[False] >= 2, compiled
+    assert hasattr(trainer.optimizer_step, "_torchdynamo_orig_callable")  # the step the updates ran: compiled
+    # what lives across updates is marked static: the learning rates, and the gradients the trainer keeps
+    marked = lambda t: getattr(t, "_dynamo_static_input_type", None) is not None
+    assert all(marked(g["lr"]) for each in getattr(trainer.optimizer, "optimizers", (trainer.optimizer,))
+               for g in each.param_groups)
+    assert not trainer.stable_grads  # the CPU's compile has no CUDA graphs: backward makes the gradients afresh
     (eager, eager_moves), (graph, graph_moves) = runs[False], runs[True]
     # Muon's Newton-Schulz runs in bf16, which the compiler fuses and rounds otherwise (tests/test_optim.py: about
     # one bf16 step of the update, a few per cent of an element's move); AdamW is float32 throughout
@@ -140,6 +155,18 @@ def test_the_compiled_step_updates_as_the_eager_step_and_compiles_once(name, mic
     for ours, theirs in zip(graph_moves, eager_moves):  # each weight's change over the 4 updates
         assert (ours - theirs).norm() <= moves * theirs.norm()
 
+
+def test_the_gradients_the_trainer_keeps_are_marked_static(monkeypatch):
+    """Under CUDA graphs with accumulation the trainer keeps each gradient in place across updates (tests above
+    run the CPU's plain compile, where backward makes them afresh): those tensors are what the step marks."""
+    monkeypatch.setattr(trainer_lib, "uses_cudagraphs", lambda cfg: True)  # the GPU's rule, on the CPU
+    fresh_compiler()
+    trainer = compiled_trainer("adamw", update_graph=True, micro_batch_size=2)
+    assert trainer.stable_grads
+    kept = [p.grad for p in trainer.params]
+    run_updates(trainer, 2)
+    assert all(p.grad is g for p, g in zip(trainer.params, kept))  # the same tensors, zeroed in place
+    assert all(getattr(g, "_dynamo_static_input_type", None) is not None for g in kept)
 
 
 @pytest.mark.parametrize("updates_before", [0, 2])
@@ -151,13 +178,40 @@ def test_a_resumed_run_compiles_its_step_once_around_the_loaded_state(updates_be
     only."""
     plain = compiled_trainer("muon", update_graph=False)
     run_updates(plain, updates_before)
-    checkpoint = saved(plain.optimizer)
-    torch._dynamo.reset()
+    checkpoint, weights, step = saved(plain.optimizer), copy.deepcopy(plain.raw_model.state_dict()), plain.step
+    run_updates(plain, 1)  # one more update, without update_graph: the momentum the resumed run must reach
+    momentum = lambda t: [t.optimizer.muon.state[p]["momentum_buffer"] for p in t.optimizer.muon.param_groups[0]["params"]]
+    expected = [b.clone() for b in momentum(plain)]
+    fresh_compiler()
     resumed = compiled_trainer("muon", update_graph=True)
+    resumed.raw_model.load_state_dict(weights)
+    resumed.step = step
     optim.load_state(resumed.optimizer, checkpoint)
     buffers = list(resumed.optimizer.muon.state.values())
     assert len(buffers) == (0 if updates_before == 0 else len(resumed.optimizer.muon.param_groups[0]["params"]))
-    _, graphs = run_updates(resumed)
-    assert graphs[1:] == graphs[:1] * 3, graphs
-    for state in resumed.optimizer.muon.state.values():  # the buffers the step updated: marked static
-        assert getattr(state["momentum_buffer"], "_dynamo_static_input_type", None) is not None
+    _, first = run_updates(resumed, 1)
+    for ours, theirs in zip(momentum(resumed), expected):  # the loaded momentum carried on, not made afresh
+        assert (ours - theirs).norm() <= 1e-4 * theirs.norm()
+    _, graphs = run_updates(resumed, 3)
+    assert graphs == first * 3, (first, graphs)  # compiled at the first update only
+    for buffer in momentum(resumed):  # the buffers the step updated: marked static
+        assert getattr(buffer, "_dynamo_static_input_type", None) is not None
+
+
+def test_train_py_resumes_a_run_saved_without_update_graph_with_it(text_cache, tmp_path, monkeypatch):
+    """train.py's resume path (Run.load) keeps this run's optimizer options: with update_graph, the capturable
+    foreach AdamW and device learning rates, whatever the checkpoint's run used (torch's own load would take the
+    saved groups' fused form and float rates)."""
+    from tests.test_train import small_config
+    cfg = small_config(text_cache, tmp_path, compile=True, epochs=1)
+    assert train.train(train.Config(cfg, stop_after_updates=2))["status"] == "interrupted"
+    seen = []
+    compile_step = trainer_lib.Trainer.compile_step
+
+    def spy(self):  # the optimizer as the compiled step first finds it: after the load
+        seen.extend(dict(g) for g in self.optimizer.param_groups)
+        return compile_step(self)
+    monkeypatch.setattr(trainer_lib.Trainer, "compile_step", spy)
+    last = train.train(train.Config(cfg, resume=True, update_graph=True))
+    assert last["status"] == "complete" and last["sessions"] == 2 and plots.finite_number(last["final_validation"]["loss"])
+    assert seen and all(torch.is_tensor(g["lr"]) and g["capturable"] and g["foreach"] for g in seen)
