@@ -38,7 +38,7 @@ def test_eval_interval_records_each_point_and_the_first_time_the_target_is_reach
                                        target_loss=target, stop_at_target=True, **INTERVAL))
     assert stopped["status"] == "complete" and stopped["step"] == first["update"]
     assert stopped["target"]["reached"]["update"] == first["update"] and stopped["target"]["stop_at_target"]
-    assert stopped["training_seconds"] <= run["training_seconds"]
+    assert stopped["step"] < run["step"]  # fewer updates (their seconds are the CPU's, too noisy to order)
     ckpt = checkpoint_parameters(tmp_path / "stop")  # checkpointed where it stopped
     assert ckpt and lookup(stopped["config"]["results_file"], ["stop", "step"]) == first["update"]
 
