@@ -64,29 +64,35 @@ def _declared(settings):
 
 
 def print_usage(settings):
-    """--help: the running script's docstring, then every key by role: default, help, choices."""
+    """--help: the running script's docstring, then its keys group by group (a composed settings class, settings.py,
+    names its groups): default, help, choices."""
     import __main__
     defaults, _, meta = _declared(settings)
     print((__main__.__doc__ or "").strip() + "\n\nsettings (config files assign them; --key=value overrides):")
-    for role in ("model", "recipe", "weights", "execution", None):
-        keys = [k for k in defaults if (meta.get(k) or {}).get("role") == role]
+    groups = [(g.__doc__ or "").strip().splitlines()[0] for g in getattr(settings, "groups", ())]
+    keys_of = [[f.name for f in dataclasses.fields(g)] for g in getattr(settings, "groups", ())]
+    listed = {k for keys in keys_of for k in keys}
+    rest = [k for k in defaults if k not in listed]
+    for title, keys in zip(groups + ["other"], keys_of + [rest]):
         if keys:
-            print(f"\n{role or 'other'}:")
+            print(f"\n{title}:")
         for key in keys:
             m = meta.get(key) or {}
             extra = f" [{' | '.join(m['choices'])}]" if m.get("choices") else ""
-            extra += " (in the recipe only off its default)" if m.get("later") else ""
             print(f"  {f'--{key}={defaults[key]!r}':<34} {m.get('help', '')}{extra}")
 
 
-def load_config(settings, argv):
+def load_config(settings, argv, file_keys=None):
     """nanoGPT-style configuration: defaults <- config files (plain assignments) <- --key=value overrides.
 
     settings: a settings class (settings.py), or a dict of defaults whose values give the types (compare.py
     layers a config over another this way). argv holds config file paths and overrides in order; overrides are
-    `--key=value` or `--key value`. Every key must be declared and keep its type. Returns a new dict.
+    `--key=value` or `--key value`. Every key must be declared and keep its type. file_keys (a settings class):
+    keys a config file may also assign, type-checked and then left out (a config file is a recipe, which a script
+    that reads a few of its keys still takes). Returns a new dict.
     """
     defaults, kinds, _ = _declared(settings)
+    also, also_kinds, _ = _declared(file_keys) if file_keys is not None else ({}, {}, {})
     config = dict(defaults)
     args = list(argv)
     if "-h" in args or "--help" in args:
@@ -103,6 +109,9 @@ def load_config(settings, argv):
             key, eq, text = arg[2:].partition("=")
             key = key.replace("-", "_")
             if key not in defaults:
+                if key in also:
+                    raise ConfigError(f"--{key} is a key this script does not use (config files may set it, for "
+                                      f"train.py); --help lists this script's keys")
                 raise _unknown_key(key, defaults, f"--{key}")
             if not eq:  # --key value, or a bare --flag for a boolean
                 takes_next = args and not args[0].startswith("--")
@@ -123,7 +132,7 @@ def load_config(settings, argv):
             # One namespace holding the settings so far, as nanoGPT's configurator runs a file in the script's
             # globals: `tokens_per_update = seq_len * 32` sees the default seq_len, and a comprehension or
             # function in the file sees the names assigned above it (with separate locals it did not).
-            namespace = dict(config)
+            namespace = dict(also, **config)
             try:
                 exec(compile(path.read_text(), str(path), "exec"), namespace)
             except Exception as exc:  # a config file is user input: report, don't trace back
@@ -132,6 +141,9 @@ def load_config(settings, argv):
                 if key.startswith("_") or isinstance(value, (types.ModuleType, types.FunctionType, type,
                                                              types.BuiltinFunctionType)):
                     continue  # `import math`, `from math import sqrt`, a helper function: not settings
+                if key not in defaults and key in also:
+                    _check_type(key, value, also[key], also_kinds[key], f"config file {arg}")
+                    continue
                 if key not in defaults:
                     raise _unknown_key(key, defaults, f"config file {arg}")
                 config[key] = _check_type(key, value, defaults[key], kinds[key], f"config file {arg}")

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 import traceback
 import uuid
@@ -81,6 +82,19 @@ def compiler_cache():
             inductor = cache_dir()
     triton = os.environ.get("TRITON_CACHE_DIR") or str(Path.home() / ".triton" / "cache")
     return {"TORCHINDUCTOR_CACHE_DIR": inductor, "TRITON_CACHE_DIR": triton}
+
+
+def compiler_cache_state(fresh=False):
+    """(the compiler caches' folders, whether Inductor's is empty); fresh points them at new, empty folders first
+    (a cold compile)."""
+    if fresh:
+        root = tempfile.mkdtemp(prefix="tiny-llm-cold-")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(root, "triton")
+    folders = compiler_cache()
+    inductor = folders["TORCHINDUCTOR_CACHE_DIR"]
+    was_cold = not (inductor and Path(inductor).is_dir() and any(Path(inductor).iterdir()))
+    return folders, was_cold
 
 
 def cpu_model():

@@ -1,6 +1,9 @@
-"""The run's accounting, as torchtitan's metrics processor: the training clock (what counts as training time and
-what is a pause), the log line and the dashboards, the validation points and the target, the results entry and
-the closing summary. train.py's loop calls it; nothing here changes what is trained."""
+"""The run's accounting, as torchtitan's metrics processor: the run's state (what it has done so far, the one
+record a checkpoint keeps and a resume restores), the training clock (what counts as training time and what is a
+pause), the log line and the dashboards, the validation points and the target, the results entry and the closing
+summary. train.py's loop calls it; nothing here changes what is trained."""
+import contextlib
+import dataclasses
 import math
 import time
 
@@ -8,8 +11,37 @@ import torch
 
 import env
 from dashboard import Dashboards
+from distributed import all_reduce_sum
 from results import record
-from trainer import all_reduce_sum, peak_memory_bytes
+from trainer import peak_memory_bytes
+
+
+@dataclasses.dataclass
+class RunState:
+    """What a run has done so far: saved in its checkpoint, restored on resume, reported in its entry. Only Metrics
+    changes it."""
+    epoch: int = 0
+    update_in_epoch: int = 0
+    tokens: int = 0
+    validation_curve: list = dataclasses.field(default_factory=list)
+    best_subset_loss: float = None
+    best_epoch: int = None
+    training_seconds: float = 0.0
+    training_elapsed_seconds: float = 0.0
+    interval_tokens_per_second: list = dataclasses.field(default_factory=list)
+    run_id: str = dataclasses.field(default_factory=env.new_run_id)
+    sessions: int = 0  # how many processes have trained this run (1 + the resumes)
+    first_update_seconds: float = None
+    final_validation: dict = None
+    # the logged training loss, learning rate and gradient norm, one point per log interval
+    training_curve: list = dataclasses.field(default_factory=list)
+    target_reached: dict = None  # where the validation-subset loss first reached target_loss
+
+
+# A checkpoint must hold these to be resumed; the others start at their defaults when it has none of them (a final
+# validation exists only once the run is complete).
+RESUME_FIELDS = [f.name for f in dataclasses.fields(RunState)
+                 if f.name not in ("final_validation", "training_curve", "target_reached")]
 
 
 def format_seconds(seconds):
@@ -18,17 +50,29 @@ def format_seconds(seconds):
 
 
 class Metrics:
-    """Counts, times and reports one run. `state` is the run's RunState (train.py), which the checkpoint keeps;
-    `facts` what does not change while it trains (parameters, flops, recipe, fingerprint, ...)."""
+    """Counts, times and reports one run, and owns its state (a RunState), which the checkpoint keeps; `facts` is
+    what does not change while it trains (parameters, flops, recipe, fingerprint, ...)."""
 
-    def __init__(self, cfg, state, trainer, facts):
-        self.cfg, self.state, self.trainer, self.facts = cfg, state, trainer, facts
+    def __init__(self, cfg, trainer, facts):
+        self.cfg, self.trainer, self.facts = cfg, trainer, facts
+        self.state = RunState()
         self.main = facts["main_process"]
         self.world_size = facts["world_size"]
         self.session_start = time.time()
         self.dashboards = None
+        self.diverged = None  # what was not finite, once something is
         self.interval_tokens, self.loss_total = 0, None
         self.segment_start = self.interval_start = time.time()
+
+    def restore(self, saved):
+        """The state a checkpoint saved (a dict with at least RESUME_FIELDS)."""
+        self.state = RunState(**{f.name: saved[f.name] for f in dataclasses.fields(RunState) if f.name in saved})
+
+    def state_dict(self):
+        return dataclasses.asdict(self.state)
+
+    def start_session(self):
+        self.state.sessions += 1
 
     def open_dashboards(self, out_dir):
         if self.main:
@@ -60,6 +104,15 @@ class Metrics:
         self.interval_start += paused  # a mid-interval pause is not training time
         self.segment_start = time.time()
 
+    @contextlib.contextmanager
+    def paused(self):
+        """Out of the training clock (a validation, a checkpoint, a record); yields when the pause began."""
+        start = self.pause_clock()
+        try:
+            yield start
+        finally:
+            self.resume_clock(start)
+
     def training_seconds_now(self):
         return self.state.training_seconds + time.time() - self.segment_start
 
@@ -68,6 +121,7 @@ class Metrics:
     def count(self, loss_sum, n_tokens):
         """One update's tokens and loss; the first update's time (compile included) is measured and printed."""
         state = self.state
+        state.update_in_epoch += 1
         if state.first_update_seconds is None:
             self.synchronize()
             state.first_update_seconds = time.time() - self.segment_start
@@ -86,6 +140,8 @@ class Metrics:
         now = time.time()
         rate = self.interval_tokens / (now - self.interval_start)
         lr, norm = trainer.lr_at(trainer.step - 1), grad_norm.item()
+        if not math.isfinite(loss) or not math.isfinite(norm):
+            self.diverged = self.diverged or f"training loss {loss} and gradient norm {norm} at update {trainer.step}"
         state.interval_tokens_per_second.append(rate)
         state.training_curve.append({"update": trainer.step, "tokens": state.tokens, "loss": loss, "lr": lr,
                                      "grad_norm": norm, "training_seconds": self.training_seconds_now()})
@@ -102,10 +158,16 @@ class Metrics:
 
     # -- validation points and the target
 
-    def add_validation(self, result, epoch, seconds, epoch_end):
-        """One validation-subset point (at an epoch's end, or every eval_interval updates): the curve, the best
-        loss, and the first time the target was reached. Returns whether this point reached the target first."""
+    def add_validation(self, result, seconds, epoch_end):
+        """One validation-subset point (at an epoch's end, which it then counts, or every eval_interval updates): the
+        curve, the best loss, and the first time the target was reached."""
         state, step = self.state, self.trainer.step
+        if epoch_end:
+            state.epoch += 1
+            state.update_in_epoch = 0
+        epoch = state.epoch if epoch_end else state.epoch + 1
+        if not math.isfinite(result["loss"]):
+            self.diverged = self.diverged or f"validation-subset loss {result['loss']} at update {step}"
         point = {"epoch": epoch, "update": step, "tokens": state.tokens, "loss": result["loss"], "seconds": seconds,
                  "training_seconds": state.training_seconds}
         state.validation_curve.append(point)
@@ -120,7 +182,6 @@ class Metrics:
             print(f"{where}: validation-subset loss {result['loss']:.4f} over {result['tokens']:,} tokens"
                   + (f"; target {self.cfg.target_loss} reached after {state.training_seconds:.1f} training s"
                      if first else ""), flush=True)
-        return first
 
     def add_final_validation(self, result):
         self.state.final_validation = result
@@ -162,9 +223,9 @@ class Metrics:
         if self.main:
             record(self.cfg.results_file, [self.cfg.name], dict(self.entry(status), **extra))
 
-    def close(self, status):
+    def close(self, status, **extra):
         """The final entry, recorded (with SLURM's accounting when under SLURM) and summarized."""
-        result = self.entry(status)
+        result = dict(self.entry(status), **extra)
         if self.main:
             self.close_dashboards()
             record(self.cfg.results_file, [self.cfg.name], result)

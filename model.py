@@ -95,6 +95,14 @@ def flops_per_token(config, seq_len):
     return 6 * matmul_params + attention
 
 
+def parameter_count(config):
+    """The model's parameters without building it: the tied embedding, each block's projections and norms, the
+    final norm."""
+    c = config
+    per_layer = 4 * c.dim * c.dim + 3 * c.dim * c.hidden_dim + 2 * c.dim
+    return c.vocab_size * c.dim + c.n_layers * per_layer + c.dim
+
+
 def rotary_tables(config, device=None):
     """cos and sin of shape (max_seq_len, head_dim), transformers' rotate-half layout, in float32."""
     half = torch.arange(0, config.head_dim, 2, dtype=torch.int64, device=device).float() / config.head_dim

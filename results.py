@@ -17,6 +17,13 @@ class ResultsFileError(RuntimeError):
     """The results file cannot be safely read or written."""
 
 
+# The file's sections that are not training runs (a run is a top-level entry named by its --name, which may
+# therefore not be one of these).
+SECTIONS = frozenset({"environment", "benchmarks", "tuning", "profiles", "history", "matched-comparison",
+                      "partial-probe", "trained-parity", "allocation-usage", "loss-microbench", "accumulation-check",
+                      "ceilings", "time-to-target", "mlp-microbench"})
+
+
 _UMASK = os.umask(0o022)  # read once, at import (single-threaded): os.umask can only be read by setting it
 os.umask(_UMASK)
 

@@ -1,6 +1,7 @@
-"""train.py runs as subprocesses, one after the other, for compare.py: each trained, or reused when a complete run of
-the same config, recipe and code is recorded, or resumed when it stopped with its checkpoint in place; SIGINT and
-SIGTERM pass on to the running train.py, which checkpoints and stops, and compare.py then stops too (Stopped)."""
+"""compare.py's runs, for both its modes: each one's config, folders and recipe, checked before any trains; then
+train.py subprocesses, one after the other, each trained, or reused when a complete run of the same config, recipe
+and code is recorded, or resumed when it stopped with its checkpoint in place; SIGINT and SIGTERM pass on to the
+running train.py, which checkpoints and stops, and compare.py then stops too (Stopped)."""
 import os
 import shlex
 import signal
@@ -10,12 +11,53 @@ import sys
 import torch
 
 import env
-import train
+import plan as plan_lib
+import plots
+import settings
 from configurator import ConfigError, load_config, write_config_file
+from plan import run_dir
 from results import lookup
+
+TRAIN_DEFAULTS = settings.defaults(settings.TrainSettings)
+EXIT_INTERRUPTED = 3  # train.py's exit status for a run stopped with its checkpoint
 
 LAUNCH_KEYS = ("resume", "overwrite")  # how a run was launched, not what it trains: ignored when reusing it
 
+
+class CompareError(ValueError):
+    """A comparison that cannot be made as asked: a user mistake, reported in one line."""
+
+
+# ---------------------------------------------------------------- the runs' configs, checked
+
+def run_folders(cfg, side):
+    """A run's own out_dir ("" for out/<its name>) and TensorBoard folder, so that no two runs share one."""
+    return {"out_dir": str(Path(cfg.out_dir) / side) if cfg.out_dir else "",
+            "tensorboard_dir": str(Path(cfg.tensorboard_dir) / side) if cfg.get("tensorboard_dir") else ""}
+
+
+def seed_run_name(baseline_name, seed):
+    return f"{baseline_name}-seed{seed}"
+
+
+def run_recipe(side, c, hint=""):
+    """The recipe train.py will record for run c; what train.py would refuse is refused now, in one line (hint
+    follows a refusal of the micro-batch)."""
+    try:
+        return plan_lib.resolve(c, world=(0, 0, 1)).recipe
+    except ConfigError as exc:
+        raise CompareError(f"{side} run: {exc}{hint if 'micro_batch_size' in str(exc) else ''}") from None
+
+
+def check_plot_path(path):
+    """Refuse a plot path matplotlib cannot write, before anything is trained or compared."""
+    try:
+        plots.check_path(path, "--plot")
+    except plots.PlotError as exc:
+        raise CompareError(str(exc)) from None
+
+
+# ---------------------------------------------------------------- training them
 
 class RunFailed(RuntimeError):
     """A training subprocess exited with an error (its own output says why)."""
@@ -82,7 +124,7 @@ def recorded_run(c, args, recipe_identity):
     """The results entry of this run when it ran this config and recipe on this code (else None)."""
     old = lookup(c.results_file, [c.name])
     # The config train.py will record: the same loader on the same arguments.
-    expected = load_config(train.DEFAULTS, args)
+    expected = load_config(TRAIN_DEFAULTS, args)
     if (isinstance(old, dict) and old.get("recipe_identity") == recipe_identity
             and launch_free(old.get("config") or {}) == launch_free(expected)
             and (old.get("environment") or {}).get("source_hash") == env.source_hash()):
@@ -104,10 +146,10 @@ def checkpoint_run_id(path):
 def train_or_reuse(side, c, recipe_identity, rerun, signals):
     """Train the run with train.py, unless a complete run of the same config, recipe and code is recorded;
     resume it when it was stopped with its checkpoint in place."""
-    out = train.run_dir(c)
+    out = run_dir(c)
     config_path = out / "compare_config.py"
     try:
-        write_config_file(config_path, c, train.DEFAULTS,
+        write_config_file(config_path, c, TRAIN_DEFAULTS,
                           header=f"The {side} run {c.name}, written by compare.py.\n"
                                  f"Rerun it with: python train.py {config_path}")
     except OSError as exc:  # out_dir names a file, say, or a folder this user cannot write
@@ -131,7 +173,7 @@ def train_or_reuse(side, c, recipe_identity, rerun, signals):
     print(f"{side}: {shlex.join(cmd)}", flush=True)
     code = stream(side, cmd, signals)
     signalled = signals.signal is not None
-    if signalled or code == train.EXIT_INTERRUPTED:  # the second: stop_after_updates, or a signal sent to it alone
+    if signalled or code == EXIT_INTERRUPTED:  # the second: stop_after_updates, or a signal sent to it alone
         by = f"by {signals.name()}" if signalled else "by train.py itself"
         raise Stopped(stopped_message(side, c.name, args, code, by, rerun))
     if code:
@@ -146,7 +188,7 @@ def go_on(rerun):
 def stopped_message(side, name, args, code, by, rerun):
     """One line: what stopped ("by SIGTERM", say), and how to go on."""
     again = go_on(rerun)
-    if code == train.EXIT_INTERRUPTED:
+    if code == EXIT_INTERRUPTED:
         script = os.path.relpath(env.REPO / "train.py")
         script = str(env.REPO / "train.py") if script.startswith("..") else script
         resume = shlex.join(["python", script, *args, "--resume=True"])

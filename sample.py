@@ -23,16 +23,16 @@ from pathlib import Path
 import torch
 
 import checkpoint
+import plan as plan_lib
 import results
 import settings
-import train
-from configurator import ConfigError, load_config
-from settings import TrainSettings, setting
+from configurator import ConfigError
+from settings import Execution, Paths, Recipe, setting
 from data.loader import CacheError, TokenCache, prepare_command
 from hf import to_hf, weight_files as hf_weight_files
 
-# ---------------------------------------------------------------- settings (train.py's keys are accepted too:
-# seed, device, name, out_dir and data_dir mean what they mean there)
+# ---------------------------------------------------------------- settings (sampling's; name, out_dir, data_dir,
+# device and seed mean what they mean in train.py, whose other keys a config file may set and sampling ignores)
 
 def prompt_problem(text):
     """A prompt the tokenizer can take: bytes that are not UTF-8 reach Python's argv as lone surrogates
@@ -54,7 +54,8 @@ def temperature_problem(t):
 
 
 @dataclasses.dataclass
-class SampleSettings(TrainSettings):
+class Sampling:
+    """sampling and export"""
     prompt: str = setting("Once upon a time", '"" starts from the end-of-text token, i.e. a new document',
                           rule=prompt_problem)
     max_new_tokens: int = setting(200, "tokens generated after the prompt", bounds=">= 0")
@@ -64,12 +65,14 @@ class SampleSettings(TrainSettings):
     export_hf: str = setting("", "a folder: save the model as transformers' LlamaForCausalLM there, with the "
                                  "tokenizer (new, empty, or an earlier export)")
 
-    @staticmethod
-    def rules(cfg):
-        if cfg.export_hf:
-            check_export_folder(Path(cfg.export_hf))
 
 
+SampleSettings = settings.compose(
+    "SampleSettings", Sampling, settings.pick(Paths, "name", "out_dir", "data_dir"),
+    settings.pick(Execution, "device", device=setting("auto", "auto (a GPU if there is one, else the CPU), cuda or "
+                                                              "cpu", choices=settings.DEVICES)),
+    settings.pick(Recipe, "seed"))
+SampleSettings.rules = staticmethod(lambda cfg: check_export_folder(Path(cfg.export_hf)) if cfg.export_hf else None)
 DEFAULTS = settings.defaults(SampleSettings)
 
 
@@ -250,8 +253,8 @@ def export(model, tokenizer, folder, eot_token_id=None):
 def sample(cfg):
     """The configured samples as texts (each the prompt and its continuation); with export_hf, export instead."""
     settings.check(SampleSettings, cfg)
-    device = settings.resolve_device(cfg)
-    out_dir = train.run_dir(cfg)
+    device = plan_lib.resolve_device(cfg)
+    out_dir = plan_lib.run_dir(cfg)
     model, ckpt = load_checkpoint(out_dir, device)
     data_dir = tokenizer_folder(cfg, ckpt)
     tokenizer = load_tokenizer(data_dir, model.config.vocab_size)
@@ -273,7 +276,7 @@ def sample(cfg):
 
 def main(argv):
     try:
-        cfg = settings.Config(load_config(SampleSettings, argv))
+        cfg = settings.load(SampleSettings, argv)
         texts = sample(cfg)  # which checks the settings
     except (ConfigError, SampleError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -1,68 +1,81 @@
-"""The settings, declared once: every key train.py takes, with its type, default, one line of help, its role and
-its rules. bench.py, tune.py, compare.py and sample.py subclass TrainSettings with their own keys.
+"""The settings, declared once and grouped by role: each key with its type, default, one line of help, its role and
+its own rules; the combinations of keys, each checked once; and the recipe identity.
 
-From the declaration come `--help`, the type checks (configurator.py reads config files and --key=value), the
-checks of each value and of the combinations (check(), before any work; the model and the trainer trust what it
-passed), the recipe identity (recipe(): the keys whose role is the recipe or the model's shape) and the execution
-keys that compare.py and tune.py may vary.
+Each script composes the groups it uses (`compose`): train.py all of TRAIN_GROUPS, bench.py and tune.py the model,
+the recipe and the execution with their protocol, sample.py the few keys it reads. A config file may assign any key
+of train.py's (a config file is a recipe); a script takes those it declares and ignores the others, while a
+--key=value it does not declare is refused. From the declaration come `--help` (the script's own keys, by group),
+the type checks (configurator.py), the checks of each value and of the combinations (check(), before any work;
+what the machine and the data decide is plan.py's), and the recipe identity (recipe()).
 
 A role says what a key changes:
   recipe     the math of the run: in the recipe identity, so a resume or a matched comparison refuses a change
   model      the model's shape: in the recipe as the resolved model config (dim=0, the preset's, is dim=320)
   weights    init_from: in the recipe as the hash of the weights it names, not as its path
   execution  how the math runs, never what it is (compare.py and tune.py vary these)
-A recipe key declared `later=True` was added after runs were recorded: it enters the recipe only off its
-default, so those runs keep their identities (and stay resumable and comparable).
+  run        where a run reads and writes, and when it validates, logs, checkpoints and stops
 """
 import dataclasses
 import math
 import os
 
-import torch
-
 import model as model_lib
 from configurator import ConfigError
-from kernels import quack_ops
+from kernels.attention import ATTENTION_BACKENDS
+from kernels.cross_entropy import LOSS_IMPLEMENTATIONS
 from optim import MUON_ADJUST, OPTIMIZERS, SCHEDULES
+from results import SECTIONS
 
-RECIPE, MODEL, WEIGHTS, EXECUTION = "recipe", "model", "weights", "execution"
+RECIPE, MODEL, WEIGHTS, EXECUTION, RUN = "recipe", "model", "weights", "execution", "run"
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILE_SCOPES = ("model", "blocks")
 DEVICES = ("cuda", "cpu", "auto")
 MODEL_SHAPE_KEYS = ("dim", "n_layers", "n_heads", "hidden_dim", "vocab_size")  # 0: the preset's (the data's)
-# Sections of the results file that are not runs: a run may not take their names.
-RESERVED_NAMES = {"environment", "benchmarks", "tuning", "profiles", "history", "matched-comparison",
-                  "partial-probe", "trained-parity", "allocation-usage", "loss-microbench", "accumulation-check",
-                  "ceilings", "time-to-target", "mlp-microbench"}
+# The recipe keys the identity hashes at any value. Every other recipe key enters it only off its default, so that
+# declaring a new key never changes the identity of a run recorded without it (nor its resume or comparison).
+IDENTITY_KEYS = frozenset({"train_subset_tokens", "val_subset_tokens", "full_validation", "seed", "epochs",
+                           "tokens_per_update", "learning_rate", "min_lr", "warmup_updates", "weight_decay", "beta1",
+                           "beta2", "adam_eps", "grad_clip"})
 
 
-def setting(default, help, role=EXECUTION, *, choices=None, bounds=None, later=False, rule=None):
+def setting(default, help, role=EXECUTION, *, choices=None, bounds=None, rule=None):
     """One declared key. bounds: "> 0", ">= 0", ">= 1", "[0, 1)", "(0, 1]" or "[0, 1]"; every float must also be
     finite. rule(value) returns why a value is refused (None when it is fine), for a rule that is none of these."""
     return dataclasses.field(default=default, metadata=dict(help=help, role=role, choices=choices, bounds=bounds,
-                                                            later=later, rule=rule))
+                                                            rule=rule))
 
 
 def run_name_problem(name):
     if not name or "/" in name or name in (".", ".."):
         return f"name {name!r} cannot name a run's folder and results entry; give a name without '/'"
-    if name in RESERVED_NAMES:
+    if name in SECTIONS:
         return f"name {name!r} is a section of the results file; choose another --name"
     return None
 
 
+def one_val_token(v):
+    return ("val_subset_tokens 1 holds no target (the first token is only an input); give 0 (all) or at least 2"
+            if v == 1 else None)
+
+
+# ---------------------------------------------------------------- the groups
+
 @dataclasses.dataclass
-class TrainSettings:
-    # run
-    name: str = setting("run", "entry name in the results file; checkpoints go to out/<name>", rule=run_name_problem)
-    out_dir: str = setting("", '"" means out/<name>')
-    results_file: str = setting("results.json", "the JSON results file every script appends to")
-    resume: bool = setting(False, "continue from out_dir/ckpt.pt (refused if the recipe differs)")
-    overwrite: bool = setting(False, "start afresh over an existing out_dir/ckpt.pt (else a rerun of a name is refused)")
+class Paths:
+    """the run's inputs and outputs"""
+    name: str = setting("run", "entry name in the results file; checkpoints go to out/<name>", RUN,
+                        rule=run_name_problem)
+    out_dir: str = setting("", '"" means out/<name>', RUN)
+    results_file: str = setting("results.json", "the JSON results file every script appends to", RUN)
+    data_dir: str = setting("data/cache/gutenberg", "the token cache (data/prepare.py makes it)", RUN)
     init_from: str = setting("", "start from these weights: a transformers Llama folder, or a train.py checkpoint "
                                  "(ckpt.pt or its run folder); the model's shape is taken from them", WEIGHTS)
-    # model: a preset, any field overridable (0 keeps the preset's value)
+
+
+@dataclasses.dataclass
+class ModelShape:
+    """the model: a preset, any field overridable (0 keeps the preset's value)"""
     preset: str = setting("20m", "the model preset (python model.py lists them)", MODEL,
                           choices=tuple(model_lib.PRESETS))
     vocab_size: int = setting(0, "0: the tokenizer's vocabulary, from the data cache", MODEL, bounds=">= 0")
@@ -72,16 +85,16 @@ class TrainSettings:
     hidden_dim: int = setting(0, "SwiGLU hidden width (0: the preset's)", MODEL, bounds=">= 0")
     seq_len: int = setting(1024, "context length of training sequences (the model's max_seq_len)", MODEL,
                            bounds="> 0")
-    # data
-    data_dir: str = setting("data/cache/gutenberg", "the token cache (data/prepare.py makes it)")
+
+
+@dataclasses.dataclass
+class Recipe:
+    """the recipe: what is trained, and how the math goes"""
     train_subset_tokens: int = setting(10_000_000, "an epoch is the first N tokens of train.bin (0: all)", RECIPE,
                                        bounds=">= 0")
     val_subset_tokens: int = setting(262_144, "the validation-subset loss uses the first N val tokens (0: all)",
-                                     RECIPE, bounds=">= 0", rule=lambda v: (
-                                         "val_subset_tokens 1 holds no target (the first token is only an input); "
-                                         "give 0 (all) or at least 2") if v == 1 else None)
+                                     RECIPE, bounds=">= 0", rule=one_val_token)
     full_validation: bool = setting(True, "a full validation pass at the end", RECIPE)
-    # recipe
     seed: int = setting(1337, "initial weights and data order", RECIPE, bounds=">= 0")
     epochs: int = setting(10, "passes over the training subset (0 only with init_from: evaluate those weights)",
                           RECIPE, bounds=">= 0")
@@ -98,25 +111,27 @@ class TrainSettings:
     grad_clip: float = setting(1.0, "clip the gradient's global norm to this (0: no clipping; the norm is still "
                                     "logged)", RECIPE, bounds=">= 0")
     residual_dtype: str = setting("float32", "float32, or bfloat16: a declared change of math (compare.py "
-                                             "--allow_recipe_change)", RECIPE, choices=tuple(model_lib.RESIDUAL_DTYPES),
-                                  later=True)
+                                             "--allow_recipe_change)", RECIPE, choices=tuple(model_lib.RESIDUAL_DTYPES))
     lm_head_fp8: bool = setting(False, "the LM head's matmuls in FP8 (loss_impl fused, Hopper or newer): declared, "
-                                       "as above", RECIPE, later=True)
+                                       "as above", RECIPE)
     optimizer: str = setting("adamw", "adamw; or muon: Muon on the blocks' 2-D weights, AdamW on the embedding and "
-                                      "the norms", RECIPE, choices=OPTIMIZERS, later=True)
+                                      "the norms", RECIPE, choices=OPTIMIZERS)
     muon_lr: float = setting(0.02, "Muon's peak learning rate (scaled by the schedule as learning_rate is)", RECIPE,
-                             bounds="> 0", later=True)
-    muon_momentum: float = setting(0.95, "Muon's momentum (Nesterov)", RECIPE, bounds="[0, 1)", later=True)
-    muon_ns_steps: int = setting(5, "Newton-Schulz iterations of Muon's orthogonalization", RECIPE, bounds=">= 1",
-                                 later=True)
+                             bounds="> 0")
+    muon_momentum: float = setting(0.95, "Muon's momentum (Nesterov)", RECIPE, bounds="[0, 1)")
+    muon_ns_steps: int = setting(5, "Newton-Schulz iterations of Muon's orthogonalization", RECIPE, bounds=">= 1")
     muon_adjust_lr: str = setting("original", "torch.optim.Muon's adjust_lr_fn: original (sqrt(max(1, rows/cols))) "
                                               "or match_rms_adamw (0.2 sqrt(max(rows, cols)))", RECIPE,
-                                  choices=MUON_ADJUST, later=True)
+                                  choices=MUON_ADJUST)
     lr_schedule: str = setting("cosine", "cosine: warmup, then cosine decay to min_lr; wsd: warmup, stable, then "
-                                         "a linear cooldown to min_lr", RECIPE, choices=SCHEDULES, later=True)
+                                         "a linear cooldown to min_lr", RECIPE, choices=SCHEDULES)
     cooldown_fraction: float = setting(0.2, "wsd: the share of the updates that decay to min_lr", RECIPE,
-                                       bounds="[0, 1]", later=True)
-    # execution: how the math is run, never what it is
+                                       bounds="[0, 1]")
+
+
+@dataclasses.dataclass
+class Execution:
+    """execution: how the math is run, never what it is"""
     device: str = setting("cuda", "cuda, cpu, or auto (a GPU if there is one); the CPU only when asked for",
                           choices=DEVICES)
     micro_batch_size: int = setting(8, "sequences per forward pass; an update accumulates the rest", bounds=">= 1")
@@ -128,8 +143,8 @@ class TrainSettings:
     attention_backend: str = setting("auto", "auto: fa4 where it can run, else sdpa; sdpa (SDPA's choice), flash, "
                                              "efficient, cudnn, math (one SDPA kernel), or fa4 (cuDNN's forward, "
                                              "flash-attn-4's backward; Hopper or Blackwell)",
-                                     choices=tuple(model_lib.ATTENTION_BACKENDS))
-    loss_impl: str = setting("full", "see kernels/cross_entropy.py", choices=tuple(model_lib.LOSS_IMPLEMENTATIONS))
+                                     choices=tuple(ATTENTION_BACKENDS))
+    loss_impl: str = setting("full", "see kernels/cross_entropy.py", choices=tuple(LOSS_IMPLEMENTATIONS))
     loss_chunk_tokens: int = setting(8192, "tokens per slice of the chunked, fused and quack losses", bounds="> 0")
     mlp_impl: str = setting("torch", "the SwiGLU MLP: torch (the w13 matmul, then SwiGLU and the down projection as "
                                      "one op, kernels/swiglu.py) or quack (quack-kernels' gated matmuls, SwiGLU in "
@@ -142,67 +157,79 @@ class TrainSettings:
     activation_memory_budget: float = setting(1.0, "compiled only: the share of the compiler's activation memory to "
                                                    "keep; below 1 it recomputes cheap ops in backward", bounds="(0, 1]")
     cpu_threads: int = setting(0, "0: PyTorch's default", bounds=">= 0")
-    ddp_bucket_mb: int = setting(100, "DistributedDataParallel gradient bucket, MB (100 measured +1.9% over 25)",
+    ddp_bucket_mb: int = setting(100, "DistributedDataParallel gradient bucket, MB (docs/PERFORMANCE.md, levers)",
                                  bounds="> 0")
     eval_batch_size: int = setting(32, "sequences per validation batch", bounds="> 0")
+
+
+@dataclasses.dataclass
+class Lifecycle:
+    """the run's lifecycle: resume, validation, target, logs, checkpoints and stops"""
+    resume: bool = setting(False, "continue from out_dir/ckpt.pt (refused if the recipe differs)", RUN)
+    overwrite: bool = setting(False, "start afresh over an existing out_dir/ckpt.pt (else a rerun of a name is "
+                                     "refused)", RUN)
     eval_interval: int = setting(0, "updates between validation-subset evaluations (0: once per epoch, at its end)",
+                                 RUN, bounds=">= 0")
+    target_loss: float = setting(0.0, "record when the validation-subset loss first reaches this (0: no target)", RUN,
                                  bounds=">= 0")
-    target_loss: float = setting(0.0, "record when the validation-subset loss first reaches this (0: no target)",
-                                 bounds=">= 0")
-    stop_at_target: bool = setting(False, "end the run, checkpointed, when target_loss is reached")
-    log_interval: int = setting(50, "updates between log lines", bounds="> 0")
+    stop_at_target: bool = setting(False, "end the run, checkpointed, when target_loss is reached", RUN)
+    log_interval: int = setting(50, "updates between log lines", RUN, bounds="> 0")
     checkpoint_minutes: float = setting(0.0, "also checkpoint every N minutes (0: only at epoch ends and on signals)",
-                                        bounds=">= 0")
-    tensorboard_dir: str = setting("", "also log the curves to TensorBoard in this folder (pip install tensorboard)")
-    wandb_log: bool = setting(False, "also log them to Weights & Biases, offline (pip install wandb)")
-    wandb_project: str = setting("tiny-llm", "the Weights & Biases project")
+                                        RUN, bounds=">= 0")
+    tensorboard_dir: str = setting("", "also log the curves to TensorBoard in this folder (pip install tensorboard)",
+                                   RUN)
+    wandb_log: bool = setting(False, "also log them to Weights & Biases, offline (pip install wandb)", RUN)
+    wandb_project: str = setting("tiny-llm", "the Weights & Biases project", RUN)
     stop_after_updates: int = setting(0, "stop (checkpointed) after N updates of this process, as a scheduler's "
-                                         "time limit would", bounds=">= 0")
-
-    @staticmethod
-    def rules(cfg):
-        """The combinations of train.py's keys, each a ConfigError."""
-        if cfg.min_lr > cfg.learning_rate:
-            raise ConfigError(f"min_lr {cfg.min_lr} is above learning_rate {cfg.learning_rate}; the schedule "
-                              f"decays from learning_rate to min_lr")
-        if cfg.tokens_per_update % cfg.seq_len:
-            raise ConfigError(f"tokens_per_update {cfg.tokens_per_update} is not a multiple of seq_len "
-                              f"{cfg.seq_len}; an update is a whole number of sequences")
-        if cfg.epochs == 0 and not cfg.init_from:
-            raise ConfigError("epochs 0 trains nothing and would record random weights as a complete run; give at "
-                              "least 1 (or init_from, to evaluate those weights)")
-        muon_keys = [k for k in ("muon_lr", "muon_momentum", "muon_ns_steps", "muon_adjust_lr")
-                     if cfg[k] != field_of(TrainSettings, k).default]
-        if muon_keys and cfg.optimizer != "muon":
-            raise ConfigError(f"{', '.join(muon_keys)} set but optimizer is {cfg.optimizer!r}; set optimizer=muon "
-                              f"or leave the muon_ keys at their defaults")
-        if cfg.lr_schedule != "wsd" and cfg.cooldown_fraction != field_of(TrainSettings, "cooldown_fraction").default:
-            raise ConfigError(f"cooldown_fraction {cfg.cooldown_fraction} is wsd's and lr_schedule is "
-                              f"{cfg.lr_schedule!r}, which would ignore it; set lr_schedule=wsd or leave "
-                              f"cooldown_fraction at its default")
-        if cfg.update_graph and not cfg.compile:
-            raise ConfigError("update_graph compiles the clip and the optimizer step with the model; set compile=True "
-                              "(or leave update_graph off)")
-        if cfg.stop_at_target and not cfg.target_loss:
-            raise ConfigError("stop_at_target needs a target: set target_loss (the validation-subset loss to reach)")
-        check_fp8_head(cfg)
-        multiple = quack_ops.CHUNK_MULTIPLE.get(cfg.loss_impl)
-        if multiple and cfg.loss_chunk_tokens % multiple:
-            raise ConfigError(f"loss_impl {cfg.loss_impl} needs loss_chunk_tokens to be a multiple of {multiple} (its "
-                              f"kernels' tile of tokens), got {cfg.loss_chunk_tokens}")
+                                         "time limit would", RUN, bounds=">= 0")
 
 
-def check_fp8_head(cfg):
-    """lm_head_fp8 runs inside the fused loss, on token counts its FP8 matmuls take."""
-    if not cfg.lm_head_fp8:
-        return
-    if cfg.loss_impl != "fused":
-        raise ConfigError(f"lm_head_fp8 runs inside the fused loss; set loss_impl=fused (got {cfg.loss_impl!r})")
-    for key, tokens in (("micro_batch_size x seq_len", cfg.micro_batch_size * cfg.seq_len),
-                        ("loss_chunk_tokens", cfg.loss_chunk_tokens)):
-        if tokens % model_lib.FP8_MULTIPLE:
-            raise ConfigError(f"lm_head_fp8 needs {key} to be a multiple of {model_lib.FP8_MULTIPLE} tokens (FP8 "
-                              f"matmuls), got {tokens}")
+@dataclasses.dataclass
+class Protocol:
+    """the benchmark's protocol (bench.py; tune.py runs it)"""
+    warmup: int = setting(20, "updates before the timed windows (the first one compiles)", bounds=">= 1")
+    steps: int = setting(100, "updates in each timed window", bounds=">= 1")
+    windows: int = setting(3, "timed windows; the headline is the median window's tokens/s", bounds=">= 1")
+    data_mode: str = setting("real", "real: the token cache; synthetic: random tokens, no dataset needed (the "
+                                     "vocabulary still follows a cache at data_dir when there is one, else 32,000)",
+                             choices=("real", "synthetic"))
+    profile: bool = setting(False, "GPU kernel time by category over profile_updates updates, in profiles.NAME")
+    profile_updates: int = setting(3, "updates the profiler records", bounds=">= 1")
+    cold: bool = setting(False, "compile with fresh, empty inductor and Triton caches")
+    partial_probe: bool = setting(False, "time single updates of 32, 11, 25 and 32 sequences")
+    presets: str = setting("", 'e.g. "20m,50m,90m": run each preset, shown beside its previous entry')
+    scaling_reference: str = setting("", "a one-GPU benchmarks entry to compute scaling efficiency against")
+
+
+# ---------------------------------------------------------------- composing a script's settings
+
+def pick(group, *keys, **defaults):
+    """The group with only these keys (defaults= gives a script its own default for one of them)."""
+    chosen = [f for f in dataclasses.fields(group) if f.name in keys]
+    missing = set(keys) - {f.name for f in chosen}
+    assert not missing, f"{group.__name__} has no {missing}"
+    specs = [(f.name, f.type, dataclasses.field(default=defaults.get(f.name, f.default), metadata=f.metadata))
+             for f in chosen]
+    return dataclasses.make_dataclass(group.__name__, specs, namespace={"__doc__": group.__doc__})
+
+
+def compose(class_name, *groups, **defaults):
+    """A script's settings class: the groups' keys in order, each group's title kept for --help; defaults= gives
+    the script its own default for a key, or its own declaration (a setting(), for bench.py's name, say)."""
+    specs = []
+    for group in groups:
+        for f in dataclasses.fields(group):
+            own = defaults.get(f.name, f.default)
+            field = own if isinstance(own, dataclasses.Field) else dataclasses.field(default=own, metadata=f.metadata)
+            specs.append((f.name, f.type, field))
+    return dataclasses.make_dataclass(class_name, specs, namespace={"groups": groups})
+
+
+TRAIN_GROUPS = (Paths, ModelShape, Recipe, Execution, Lifecycle)
+TrainSettings = compose("TrainSettings", *TRAIN_GROUPS)
+BENCH_GROUPS = (Protocol, pick(Paths, "name", "results_file", "data_dir", "init_from"), ModelShape, Recipe, Execution)
+BenchSettings = compose("BenchSettings", *BENCH_GROUPS, name=setting(
+    "bench", "entry name under benchmarks. in the results file", RUN, rule=run_name_problem))
 
 
 # ---------------------------------------------------------------- the declaration, read
@@ -235,10 +262,10 @@ def execution_keys():
 
 def recipe(cfg, mcfg, cache_identity, init_weights=None, cls=TrainSettings):
     """Everything that changes the math of a run, and nothing that only changes its execution: the recipe keys
-    (a later one only off its default), the resolved model config, the data's identity and the initial weights'
-    hash (only when given, so that every run without them keeps the identity it has always had)."""
+    (those outside IDENTITY_KEYS only off their defaults), the resolved model config, the data's identity and the
+    initial weights' hash (only when given: a run from the seed's weights has none)."""
     fields_ = {f.name: cfg[f.name] for f in dataclasses.fields(cls) if f.metadata["role"] == RECIPE
-               and not (f.metadata["later"] and cfg[f.name] == f.default)}
+               and (f.name in IDENTITY_KEYS or cfg[f.name] != f.default)}
     fields_.update(model=mcfg.to_dict(), cache_identity=cache_identity)
     if init_weights:
         fields_["init_weights"] = init_weights
@@ -250,30 +277,21 @@ def recipe_differences(old, new):
     return [k for k in keys if old.get(k) != new.get(k)]
 
 
-# ---------------------------------------------------------------- the model's shape
-
-def model_config(cfg, vocab):
-    """The model's shape: the preset with the config's overrides; a bad one is a ConfigError."""
-    overrides = {k: cfg[k] for k in MODEL_SHAPE_KEYS[:-1] if cfg[k]}
-    try:
-        return model_lib.get_preset(cfg.preset, vocab_size=cfg.vocab_size or vocab, max_seq_len=cfg.seq_len,
-                                    **overrides)
-    except ValueError as exc:  # width not divisible by heads, ...
-        raise ConfigError(str(exc)) from None
+def load(cls, argv):
+    """Read a script's settings, unchecked: defaults <- config files <- --key=value. A config file may assign any
+    of train.py's keys; those this script does not declare are left out."""
+    from configurator import load_config
+    return Config(load_config(cls, argv, file_keys=TrainSettings))
 
 
-def initial_model_config(cfg, initial):
-    """With init_from, the model's shape is the weights' own; a shape key that contradicts it is refused."""
-    mcfg = dataclasses.replace(initial.config, max_seq_len=cfg.seq_len)  # rotary tables are not weights
-    contradicted = [f"{k}={cfg[k]} (the weights have {getattr(mcfg, k)})" for k in MODEL_SHAPE_KEYS
-                    if cfg[k] and cfg[k] != getattr(mcfg, k)]
-    if contradicted:
-        raise ConfigError(f"init_from {cfg.init_from} fixes the model's shape, which the settings contradict: "
-                          f"{', '.join(contradicted)}; leave them at 0 or match the weights")
-    return mcfg
+def resolve(cls, argv):
+    """Read a script's settings and check every value and combination: a Config."""
+    cfg = load(cls, argv)
+    check(cls, cfg)
+    return cfg
 
 
-# ---------------------------------------------------------------- the checks
+# ---------------------------------------------------------------- the checks of values
 
 def bounds_problem(key, value, bounds):
     if bounds in ("> 0", ">= 0", ">= 1"):
@@ -302,11 +320,137 @@ def check_value(key, value, field):
     return meta["rule"](value) if meta.get("rule") else None
 
 
+# ---------------------------------------------------------------- the checks of combinations
+
+COMBINATIONS = []  # (the keys a rule reads, the rule): a script's settings run the rules whose keys they all hold
+
+
+def combination(*keys):
+    def register(rule):
+        COMBINATIONS.append((keys, rule))
+        return rule
+    return register
+
+
+@combination("min_lr", "learning_rate")
+def _lr_floor(cfg):
+    if cfg.min_lr > cfg.learning_rate:
+        return (f"min_lr {cfg.min_lr} is above learning_rate {cfg.learning_rate}; the schedule decays from "
+                f"learning_rate to min_lr")
+
+
+@combination("tokens_per_update", "seq_len")
+def _whole_sequences(cfg):
+    if cfg.tokens_per_update % cfg.seq_len:
+        return (f"tokens_per_update {cfg.tokens_per_update} is not a multiple of seq_len {cfg.seq_len}; an update is "
+                f"a whole number of sequences")
+
+
+@combination("epochs", "init_from")
+def _epochs(cfg):
+    if cfg.epochs == 0 and not cfg.init_from:
+        return ("epochs 0 trains nothing and would record random weights as a complete run; give at least 1 (or "
+                "init_from, to evaluate those weights)")
+
+
+@combination("optimizer", "muon_lr", "muon_momentum", "muon_ns_steps", "muon_adjust_lr")
+def _muon_keys(cfg):
+    muon_keys = [k for k in ("muon_lr", "muon_momentum", "muon_ns_steps", "muon_adjust_lr")
+                 if cfg[k] != field_of(Recipe, k).default]
+    if muon_keys and cfg.optimizer != "muon":
+        return (f"{', '.join(muon_keys)} set but optimizer is {cfg.optimizer!r}; set optimizer=muon or leave the "
+                f"muon_ keys at their defaults")
+
+
+@combination("lr_schedule", "cooldown_fraction")
+def _cooldown(cfg):
+    if cfg.lr_schedule != "wsd" and cfg.cooldown_fraction != field_of(Recipe, "cooldown_fraction").default:
+        return (f"cooldown_fraction {cfg.cooldown_fraction} is wsd's and lr_schedule is {cfg.lr_schedule!r}, which "
+                f"would ignore it; set lr_schedule=wsd or leave cooldown_fraction at its default")
+
+
+@combination("update_graph", "compile")
+def _update_graph(cfg):
+    if cfg.update_graph and not cfg.compile:
+        return "update_graph compiles the clip and the optimizer step with the model; set compile=True (or leave " \
+               "update_graph off)"
+
+
+@combination("stop_at_target", "target_loss")
+def _target(cfg):
+    if cfg.stop_at_target and not cfg.target_loss:
+        return "stop_at_target needs a target: set target_loss (the validation-subset loss to reach)"
+
+
+@combination("resume", "overwrite")
+def _resume_or_overwrite(cfg):
+    if cfg.resume and cfg.overwrite:
+        return ("resume=True continues the checkpoint and overwrite=True starts afresh over it; give one of them, "
+                "not both")
+
+
+@combination("lm_head_fp8", "loss_impl", "micro_batch_size", "seq_len", "loss_chunk_tokens")
+def _fp8_head(cfg):
+    """lm_head_fp8 runs inside the fused loss, on token counts its FP8 matmuls take."""
+    if not cfg.lm_head_fp8:
+        return None
+    if cfg.loss_impl != "fused":
+        return f"lm_head_fp8 runs inside the fused loss; set loss_impl=fused (got {cfg.loss_impl!r})"
+    for key, tokens in (("micro_batch_size x seq_len", cfg.micro_batch_size * cfg.seq_len),
+                        ("loss_chunk_tokens", cfg.loss_chunk_tokens)):
+        if tokens % model_lib.FP8_MULTIPLE:
+            return (f"lm_head_fp8 needs {key} to be a multiple of {model_lib.FP8_MULTIPLE} tokens (FP8 matmuls), got "
+                    f"{tokens}")
+
+
+@combination("loss_impl", "loss_chunk_tokens")
+def _loss_slices(cfg):
+    from kernels import quack_ops
+    multiple = quack_ops.CHUNK_MULTIPLE.get(cfg.loss_impl)
+    if multiple and cfg.loss_chunk_tokens % multiple:
+        return (f"loss_impl {cfg.loss_impl} needs loss_chunk_tokens to be a multiple of {multiple} (its kernels' tile "
+                f"of tokens), got {cfg.loss_chunk_tokens}")
+
+
+@combination("presets", *MODEL_SHAPE_KEYS[:-1])
+def _presets(cfg):
+    """bench.py's presets: known names, and no shape key beside them (each preset runs in its own shape, so a dim
+    given with presets would be dropped without a word)."""
+    if not cfg.presets:
+        return None
+    names = preset_names(cfg)
+    if not names:
+        return f"presets={cfg.presets!r} names no preset; valid: {', '.join(model_lib.PRESETS)}"
+    unknown = [p for p in names if p not in model_lib.PRESETS]
+    if unknown:
+        return f"unknown model preset {unknown[0]!r}; valid presets: {', '.join(model_lib.PRESETS)}"
+    shape = [f"{k}={cfg[k]}" for k in MODEL_SHAPE_KEYS[:-1] if cfg[k]]
+    if shape:
+        return (f"presets={cfg.presets} runs each preset in its own shape, so {', '.join(shape)} would be ignored; "
+                f"leave them at 0 with presets, or drop presets to time this shape")
+
+
+@combination("scaling_reference")
+def _scaling_reference(cfg):
+    if cfg.scaling_reference and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return (f"scaling_reference={cfg.scaling_reference} compares several processes with that one-GPU entry, and "
+                f"this is one process; run under torchrun --nproc_per_node=N, or drop scaling_reference")
+
+
+def preset_names(cfg):
+    return [p.strip() for p in cfg.presets.split(",") if p.strip()]
+
+
 def check(cls, cfg):
-    """Every key's own rules, then each settings class's combinations (TrainSettings' first): a ConfigError
-    before any work."""
-    for key, field in fields(cls).items():
+    """Every key's own rules, then the combinations of the keys cls holds, then cls's own `rules` (a script's, or a
+    test's subclass): a ConfigError before any work."""
+    declared = fields(cls)
+    for key, field in declared.items():
         problem = check_value(key, cfg[key], field)
+        if problem:
+            raise ConfigError(problem)
+    for keys, rule in COMBINATIONS:
+        problem = set(keys) <= set(declared) and rule(cfg)
         if problem:
             raise ConfigError(problem)
     for klass in reversed(cls.__mro__):
@@ -326,54 +470,9 @@ def sequences_per_update(cfg, world_size=1):
     return sequences
 
 
-def check_device(cfg, device):
-    """What the machine decides: a GPU config without a GPU, an attention backend, the FP8 head or quack's kernels
-    where they cannot run. device: the torch.device the run will use."""
-    from kernels.attention import CUDA_ONLY_BACKENDS, fa4_problem, resolve_backend
-    if cfg.attention_backend == "fa4":
-        try:
-            model_lib.flash_attn_4()
-        except ValueError as exc:  # flash-attn-4 is not installed, or lacks the backward function the op calls
-            raise ConfigError(f"attention_backend: {exc}") from None
-    attention, reason = resolve_backend(cfg.attention_backend, device)
-    problem = fa4_problem(device) if attention == "fa4" else None
-    if problem:
-        raise ConfigError(f"attention_backend 'fa4': {problem}; choose auto, sdpa, flash, efficient, cudnn or math")
-    if attention in CUDA_ONLY_BACKENDS and device.type != "cuda":
-        raise ConfigError(f"attention_backend {attention!r} runs only on CUDA GPUs, not on {device.type}; choose "
-                          f"auto, sdpa, flash or math")
-    if cfg.lm_head_fp8 and device.type == "cuda":
-        capability = torch.cuda.get_device_capability(device)
-        if capability < (8, 9):
-            raise ConfigError(f"lm_head_fp8 needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, "
-                              f"Blackwell); {torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}; "
-                              f"set lm_head_fp8=False")
-    check_quack(cfg, device)
-    return attention, reason
-
-
-def check_quack(cfg, device):
-    """loss_impl's and mlp_impl's quack choices run quack-kernels' CuTe kernels: a CUDA GPU of compute capability
-    9.0 with the package (kernels/quack_ops.py)."""
-    for key in ("loss_impl", "mlp_impl"):
-        problem = cfg[key].startswith("quack") and quack_ops.quack_problem(device)
-        if problem:
-            others = [c for c in field_of(TrainSettings, key).metadata["choices"] if not c.startswith("quack")]
-            raise ConfigError(f"{key} {cfg[key]!r} needs a CUDA GPU of compute capability 9.0 and the quack-kernels "
-                              f"package (pip install -r requirements-gpu.txt), but {problem}; choose "
-                              f"{', '.join(others)} instead")
-
-
-def resolve_device(cfg, local_rank=None):
-    """"cpu" or "cuda"; given this process's local rank, its own GPU ("cuda:N"), made the current one."""
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("this config trains on a GPU (device 'cuda') and PyTorch sees none; pass --device=cpu to "
-                          "run it on the CPU anyway (config/tiny_cpu.py is the model sized for one)")
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
-    if device == "cuda" and local_rank is not None:
-        torch.cuda.set_device(local_rank)
-        return f"cuda:{local_rank}"
-    return device
+def micro_steps(cfg, world_size=1):
+    """Micro-batches per update on each process: the gradient accumulation count."""
+    return max(1, cfg.tokens_per_update // cfg.seq_len // (cfg.micro_batch_size * world_size))
 
 
 def doubtful_values(cfg, total_updates):
@@ -387,11 +486,3 @@ def doubtful_values(cfg, total_updates):
         lines.append(f"cpu_threads {cfg.cpu_threads} is more than the {cores} cores this process may use; the "
                      f"extra threads only contend")
     return lines
-
-
-def resolve(cls, argv):
-    """Read a script's settings: defaults <- config files <- --key=value, then every check: a Config."""
-    from configurator import load_config
-    cfg = Config(load_config(cls, argv))
-    check(cls, cfg)
-    return cfg

@@ -1,15 +1,43 @@
-"""The time-to-target verdict of `compare.py --mode=time-to-target` (docs/TIME_TO_QUALITY.md): a recipe trained at
-several seeds reaches a validation-subset loss when every seed ends below it and a one-sided one-sample t-test
-puts the mean below it at p < 0.01; its time is the median of the seeds' training seconds, and beside a baseline
-recipe its speed-up is the baseline's time to first reach the target over that median.
+"""compare.py's time-to-target mode (docs/TIME_TO_QUALITY.md): a recipe trained at several seeds reaches a
+validation-subset loss when every seed ends below it and a one-sided one-sample t-test puts the mean below it at
+p < 0.01; its time is the median of the seeds' training seconds, and beside a baseline recipe its speed-up is the
+baseline's time to first reach the target over that median.
 
-Pure functions of results entries and numbers (compare.py trains the runs and records the verdict), so that the
-arithmetic is tested directly; the figure is drawn with plots.py's helpers.
+The verdict's arithmetic is pure functions of results entries and numbers, tested directly; the mode below trains
+the runs (runs.py) and records the verdict in results["time-to-target"][name], with a plot of every run's
+validation-subset loss against training seconds.
 """
+import dataclasses
 import math
 import statistics
+from pathlib import Path
 
+import env
 import plots
+import settings
+from configurator import ConfigError, load_config
+from plan import resolve_device
+from results import read_results, record
+from runs import TRAIN_DEFAULTS, CompareError, check_plot_path, run_folders, run_recipe, seed_run_name, train_all
+from settings import setting
+
+
+def at_least_two_seeds(seeds):
+    return None if seeds >= 2 else (f"seeds {seeds} cannot pass: the t-test needs at least 2 runs (5 is the "
+                                    f"default)")
+
+
+@dataclasses.dataclass
+class Target:
+    """the time-to-target mode (--mode=time-to-target): the config's runs at several seeds, to target_loss"""
+    seeds: int = setting(5, "runs of the config at seed, seed+1, ... (<name>-seed<N>), each to its end; the one-sided "
+                            "t-test passes at p < 0.01, which needs a mean 3.7 standard errors below the target with 5 "
+                            "runs, about 7 with 3, 32 with 2", rule=at_least_two_seeds)
+    target_baseline: str = setting("", "the baseline recipe's config file (such as config/20m_gh200.py), run as it is "
+                                       "with this eval_interval and target, stopping there: its time to the target "
+                                       "over the config's median time is the speed-up (\"\": none)")
+    target_baseline_seeds: int = setting(1, "runs of target_baseline at its seed, seed+1, ... "
+                                            "(<name>-target-baseline-seed<N>)", bounds=">= 1")
 
 ALPHA = 0.01  # the significance a record asks for: the mean lies below the target at p < 0.01
 
@@ -174,3 +202,118 @@ def save_figure(path, runs, target, title):
     ax.legend(fontsize=8)
     plots.save_figure(fig, path)
     return fig
+
+
+# ---------------------------------------------------------------- the mode: its runs and its record
+
+# What decides the tokens a validation-subset loss averages (the cache aside): a target is one loss on one set.
+MEASUREMENT_KEYS = ("val_subset_tokens", "seq_len")
+
+
+def target_configs(cfg):
+    """The config's runs at seeds seed .. seed+seeds-1, each under its own name (<name>-seed<N>) and folder, trained
+    to their end with this eval_interval and target_loss: a seed's time is the whole recipe's, as a record's is."""
+    given = {k: cfg[k] for k in TRAIN_DEFAULTS}
+    return [settings.Config(dict(given, seed=s, name=seed_run_name(cfg.name, s), results_file=cfg.results_file,
+                              **run_folders(cfg, f"seed{s}")))
+            for s in range(cfg.seed, cfg.seed + cfg.seeds)]
+
+
+def target_baseline_configs(cfg):
+    """The baseline recipe's runs: its config file as it is (its execution too), at its seed .. seed +
+    target_baseline_seeds - 1 (<name>-target-baseline-seed<N>), with this eval_interval and target_loss, stopping at
+    the target: its time to first reach it is all that is measured, and the updates after it would not change it."""
+    if not cfg.target_baseline:
+        return []
+    if not Path(cfg.target_baseline).is_file():
+        raise CompareError(f"--target_baseline {cfg.target_baseline} is not a file; give the baseline recipe's "
+                           f"config file, such as config/20m_gh200.py")
+    try:
+        base = load_config(TRAIN_DEFAULTS, [cfg.target_baseline])
+    except ConfigError as exc:
+        raise CompareError(f"--target_baseline: {exc}") from None
+    runs = []
+    for s in range(base["seed"], base["seed"] + cfg.target_baseline_seeds):
+        side = f"target-baseline-seed{s}"
+        runs.append(settings.Config(dict(base, seed=s, name=f"{cfg.name}-{side}", results_file=cfg.results_file,
+                                      eval_interval=cfg.eval_interval, target_loss=cfg.target_loss,
+                                      stop_at_target=True, **run_folders(cfg, side))))
+    return runs
+
+
+def check_target_runs(cfg, candidates, baselines):
+    """Every run's checks before any trains; returns their recipe identities. A baseline whose validation-subset
+    loss averages other tokens (another cache, subset or context) is refused: its loss is another quantity."""
+    # the baseline's keys are its file's alone: an error about them is fixed there, not on this command line
+    side = f"target baseline (as {cfg.target_baseline} sets it)"
+    recipes = [run_recipe("candidate", c) for c in candidates] + [run_recipe(side, c) for c in baselines]
+    if baselines:
+        c, b = candidates[0], baselines[0]
+        devices = [resolve_device(x) for x in (c, b)]
+        if devices[0] != devices[1]:
+            raise CompareError(f"the config trains on {devices[0]} and --target_baseline {cfg.target_baseline} on "
+                               f"{devices[1]}: times on two devices say nothing of the recipes; set one device")
+        differ = [f"{k} {c[k]} against {b[k]}" for k in MEASUREMENT_KEYS if c[k] != b[k]]
+        if recipes[0]["cache_identity"] != recipes[len(candidates)]["cache_identity"]:
+            differ.insert(0, f"data_dir {c.data_dir} against {b.data_dir} (another cache)")
+        if differ:
+            raise CompareError(f"--target_baseline {cfg.target_baseline} measures the validation-subset loss on "
+                               f"other tokens than the config ({'; '.join(differ)}); give both the same data, "
+                               f"val_subset_tokens and seq_len")
+    return [env.hash_json(rec) for rec in recipes]
+
+
+def target_outcomes(results, configs, failed):
+    """{name: run outcome} of runs just trained or reused; a failed run's entry may be an older run's, so unread."""
+    return {c.name: time_to_target.failed_outcome(c.seed, failed[c.name]) if c.name in failed
+            else time_to_target.run_outcome(results.get(c.name) or {}) for c in configs}
+
+
+def target_section(cfg, results, candidates, baselines, failed, plot):
+    """results["time-to-target"][name]: the seeds' outcomes, the t-test verdict, the median time, the baseline's
+    runs and the speed-up."""
+    runs, base_runs = target_outcomes(results, candidates, failed), target_outcomes(results, baselines, failed)
+    verdict = time_to_target.target_verdict(time_to_target.verdict_losses(runs), cfg.target_loss)
+    section = {"target_loss": cfg.target_loss, "eval_interval": cfg.eval_interval, **verdict,
+               "median_training_seconds": time_to_target.median_seconds(runs), "candidate_runs": runs,
+               "baseline_config": cfg.target_baseline or None, "baseline_runs": base_runs, "speedup": None,
+               "recipe_differences": None, "plot": str(plot), "run_id": env.new_run_id()}
+    if baselines:
+        times = {n: o["training_seconds"] for n, o in runs.items() if o["status"] == "complete"}
+        to_target = {n: o["seconds_to_target"] if o["status"] == "complete" else None for n, o in base_runs.items()}
+        trained = {n: o["training_seconds"] for n, o in base_runs.items() if o["status"] == "complete"}
+        section["speedup"] = time_to_target.speedup(to_target, times, trained)
+        recipes = [(results.get(c.name) or {}).get("recipe") for c in (candidates[0], baselines[0])]
+        if all(recipes):  # what makes the candidate another recipe than the baseline (the seed aside)
+            section["recipe_differences"] = [k for k in settings.recipe_differences(*recipes) if k != "seed"]
+    section["verdict"] = time_to_target.verdict_line(section)
+    return section
+
+
+def time_to_target_mode(cfg):
+    """--mode=time-to-target: train the config's seeds, then the baseline's runs, one after the other; record
+    results["time-to-target"][name], print the table and draw the plot; returns the recorded section."""
+    plot = plot_file(cfg)
+    check_plot_path(plot)
+    candidates, baselines = target_configs(cfg), target_baseline_configs(cfg)
+    identities = check_target_runs(cfg, candidates, baselines)
+    if baselines and not cfg.eval_interval:
+        print("note: eval_interval is 0, so the baseline's time to the target is measured at epoch ends only (an "
+              "upper bound); --eval_interval=N measures it every N updates")
+    sides = ["candidate"] * len(candidates) + ["target baseline"] * len(baselines)
+    failed = train_all(cfg, zip(sides, candidates + baselines, identities), keep_going=True)
+    results = read_results(cfg.results_file)
+    section = target_section(cfg, results, candidates, baselines, failed, plot)
+    record(cfg.results_file, ["time-to-target", cfg.name], section)
+    print("\n".join(time_to_target.table(section)))
+    runs = [(c.name, {} if c.name in failed else results.get(c.name) or {}) for c in candidates + baselines]
+    time_to_target.save_figure(plot, runs, cfg.target_loss,
+                               f"{cfg.name}: validation-subset loss against training time, target {cfg.target_loss:g}")
+    print(f"recorded time-to-target.{cfg.name} in {cfg.results_file}; plot {plot}")
+    return section
+
+
+
+
+def plot_file(cfg):
+    return cfg.plot or f"out/{cfg.name}-time-to-target.png"

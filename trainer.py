@@ -1,7 +1,5 @@
-"""The model, its optimizer and schedule, and the one update step that train.py runs and bench.py times.
-
-Also the process group (one process per GPU under torchrun) and the evaluation pass.
-"""
+"""The model, its optimizer and schedule, and the one update step that train.py runs and bench.py times; and the
+evaluation pass."""
 import contextlib
 import inspect
 import math
@@ -13,37 +11,9 @@ import torch._functorch.config  # activation_memory_budget
 
 import model as model_lib
 import optim
+from distributed import all_reduce_sum
 from kernels.attention import resolve_backend
-
-
-# ---------------------------------------------------------------- distributed
-
-def distributed():
-    """(rank, local_rank, world_size); initializes the process group under torchrun."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size == 1:
-        return 0, 0, 1
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
-    return dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0")), world_size
-
-
-def end_distributed():
-    """Free the DDP wrapper (it sits in reference cycles) and the process group now, if there is one: left to
-    interpreter exit, gloo's threads can abort the process (SIGABRT, "terminate called without an active
-    exception"), and torchrun then fails the job and kills rank 0, maybe before it records the run."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        import gc
-        gc.collect()
-        torch.distributed.destroy_process_group()
-
-
-def all_reduce_sum(tensor, world_size):
-    if world_size > 1:
-        import torch.distributed as dist
-        dist.all_reduce(tensor)
-    return tensor
+from settings import micro_steps
 
 
 def peak_memory_bytes(device):
@@ -62,11 +32,6 @@ def uses_cudagraphs(cfg):
 def compile_mode(cfg):
     """torch.compile's mode argument for cfg.compile_mode ("default" is torch's None)."""
     return None if cfg.compile_mode == "default" else cfg.compile_mode
-
-
-def micro_steps(cfg, world_size=1):
-    """Micro-batches per update on each process: the gradient accumulation count."""
-    return max(1, cfg.tokens_per_update // cfg.seq_len // (cfg.micro_batch_size * world_size))
 
 
 class Trainer:
@@ -104,6 +69,13 @@ class Trainer:
         self.step = 0
         # bf16 autocast on the GPU; None (float32) on the CPU. A test turns it on there too.
         self.autocast_dtype = torch.bfloat16 if self.device.type == "cuda" else None
+
+    @classmethod
+    def from_plan(cls, plan, total_updates):
+        """The trainer of a resolved run (plan.py): its model, its optimizer over total_updates, on its device."""
+        return cls(plan.cfg, plan.model, plan.device, total_updates, plan.world_size, plan.local_rank,
+                   initial_state=plan.initial.state if plan.initial else None,
+                   attention=(plan.attention, plan.attention_reason))
 
     def allocate_gradients(self):
         """Give every parameter a zeroed .grad that the optimizer step keeps (zero_grad without set_to_none).

@@ -18,23 +18,26 @@ from pathlib import Path
 
 import torch
 
-import bench
 import env
+import plan as plan_lib
 import results
 import settings
-import train
 from configurator import ConfigError, write_config_file
 from data.loader import CacheError, TokenCache
 from kernels import attention
+from plan import USER_ERRORS
 from plots import fmt
-from settings import TrainSettings, run_name_problem, setting
+from settings import BENCH_GROUPS, BenchSettings, TrainSettings, setting
 from trainer import uses_cudagraphs
 
-# ---------------------------------------------------------------- settings (bench.py's, plus the sweep's)
+TRAIN_DEFAULTS = settings.defaults(TrainSettings)  # the keys of a candidate's config file, which train.py runs
+
+
+# ---------------------------------------------------------------- settings (the sweep's, then bench.py's)
 
 @dataclasses.dataclass
-class TuneSettings(bench.BenchSettings):
-    name: str = setting("tune", "prefix of the candidates' entries under benchmarks.", rule=run_name_problem)
+class Tuning:
+    """the sweep"""
     budget: float = setting(45.0, "minutes for the whole sweep", bounds="> 0")
     candidate_timeout: float = setting(10.0, "minutes; a longer run is ended, recorded as an error", bounds="> 0")
     tuned_dir: str = setting("out/tuned", "candidate configs go here (git ignores out/); never over a tracked file")
@@ -52,13 +55,16 @@ class TuneSettings(bench.BenchSettings):
                                        bounds="[0, 1]")
     tune_noise: float = setting(0.01, "the share by which a candidate must beat the incumbent", bounds=">= 0")
 
-    @staticmethod
-    def rules(cfg):
-        """Each list names values its lever takes (which of them can run here is why_not's to say)."""
-        for key in LISTS:
-            listed(cfg, key)
+
+def check_lists(cfg):
+    """Each list names values its lever takes (which of them can run here is why_not's to say)."""
+    for key in LISTS:
+        listed(cfg, key)
 
 
+TuneSettings = settings.compose("TuneSettings", Tuning, *BENCH_GROUPS, name=setting(
+    "tune", "prefix of the candidates' entries under benchmarks.", settings.RUN, rule=settings.run_name_problem))
+TuneSettings.rules = staticmethod(check_lists)
 DEFAULTS = settings.defaults(TuneSettings)
 # The lists of values to try, and the train.py key each one sets ("eager" is a compile mode here).
 LISTS = {"tune_backends": "attention_backend", "tune_loss_impls": "loss_impl", "tune_compile_modes": "compile_mode",
@@ -162,15 +168,16 @@ def why_not(cfg, candidate, device):
     """Why a candidate is left out on this device (a torch.device), or None: train.py's checks and the machine's,
     CUDA graphs without a GPU, and a backend that runs what the incumbent's does ("auto" is fa4 where it can run,
     else SDPA: under another name its screen would measure the incumbent again; named ones are tried as asked)."""
-    c, runs = train.Config(cfg, **candidate), lambda backend: attention.resolve_backend(backend, device)[0]
+    c, runs = settings.Config(cfg, **candidate), lambda backend: attention.resolve_backend(backend, device)[0]
     if not cfg.tune_backends.strip() and c.attention_backend != cfg.attention_backend \
             and runs(c.attention_backend) == runs(cfg.attention_backend):
         return f"what the incumbent's {cfg.attention_backend!r} runs here"
     if uses_cudagraphs(c) and device.type != "cuda":
         return "CUDA graphs need a GPU"
     try:
-        train.check_execution(c)
-        settings.check_device(c, device)
+        settings.check(BenchSettings, c)
+        settings.sequences_per_update(c)
+        plan_lib.check_device(c, device)
     except ConfigError as exc:
         return str(exc)
     return None
@@ -385,7 +392,7 @@ class BenchRunner:
 
     def identity(self, candidate, protocol):
         """What a measurement depends on: the training config, the protocol, the machine, not names or paths."""
-        keys = {k: v for k, v in dict(self.cfg, **candidate).items() if k in train.DEFAULTS
+        keys = {k: v for k, v in dict(self.cfg, **candidate).items() if k in TRAIN_DEFAULTS
                 and k not in ("name", *WHERE_KEYS)}
         return env.hash_json({"settings": keys, "protocol": protocol, "machine": self.where})
 
@@ -393,9 +400,9 @@ class BenchRunner:
         cfg, protocol = self.cfg, dict(protocol, data_mode=self.cfg.data_mode)
         name, path = candidate_name(candidate), self.config_path(candidate)
         identity = self.identity(candidate, protocol)
-        keys = {k: v for k, v in dict(cfg, **candidate, name=name).items() if k in train.DEFAULTS
+        keys = {k: v for k, v in dict(cfg, **candidate, name=name).items() if k in TRAIN_DEFAULTS
                 and k not in WHERE_KEYS}
-        write_config_file(path, keys, train.DEFAULTS, header=f"tune.py candidate {name}\nreproduce: python train.py "
+        write_config_file(path, keys, TRAIN_DEFAULTS, header=f"tune.py candidate {name}\nreproduce: python train.py "
                                                              f"{path}")
         if identity in self.previous:
             return dict(self.previous[identity], reused=True, config_path=str(path))
@@ -464,7 +471,7 @@ def tuning_record(cfg, sweep, selected, refused, source):
             "gain_over_incumbent": chosen["tokens_per_second"] / inc_rate - 1 if chosen and inc_rate else None,
             "budget_split": sweep.budget_split(), "minutes_to_finish": sweep.seconds_to_finish() / 60,
             "noise": sweep.noise, "screen_noise": sweep.screen_noise, "refused": refused,
-            "base_config": {k: v for k, v in cfg.items() if k in train.DEFAULTS}}
+            "base_config": {k: v for k, v in cfg.items() if k in TRAIN_DEFAULTS}}
 
 
 def print_report(tuning):
@@ -507,14 +514,10 @@ def print_report(tuning):
 # ---------------------------------------------------------------- the sweep
 
 def tune(cfg):
-    """Every check first (a mistake that would fail every candidate is one line, not a sweep), then the sweep.
-    cfg has passed settings.check (main's settings.resolve): its rules, bench's and train.py's among them."""
-    results.check_writable(cfg.results_file)
-    bench.cache_and_model(cfg)
-    settings.sequences_per_update(cfg)  # the incumbent's micro-batch, which settings.check leaves to the run
-    cuda = settings.resolve_device(cfg) == "cuda"
-    device = torch.device("cuda" if cuda else "cpu")
-    settings.check_device(cfg, device)
+    """Every check first (a mistake that would fail every candidate is one line, not a sweep), then the sweep."""
+    plan = plan_lib.resolve(cfg, TuneSettings, world=(0, 0, 1), synthetic=cfg.data_mode == "synthetic")
+    device = torch.device(plan.device)
+    cuda = device.type == "cuda"
     incumbent, space, refused = plan(cfg, lever_choices(cfg, cuda), device)
     screen = {"warmup": cfg.tune_screen_warmup, "steps": cfg.tune_screen_steps or (20 if cuda else 10), "windows": 1}
     confirm = {"warmup": cfg.warmup, "steps": cfg.steps, "windows": cfg.windows}  # bench.py's: protocol v2
@@ -535,9 +538,9 @@ def tune(cfg):
 
 def main(argv):
     try:
-        cfg = settings.resolve(TuneSettings, argv)
+        cfg = settings.load(TuneSettings, argv)  # tune() checks it
         tuning = tune(cfg)
-    except train.USER_ERRORS as exc:
+    except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0 if tuning["selected"] else 1

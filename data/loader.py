@@ -238,3 +238,19 @@ class Prefetcher:
                             for x, y in batches], n_tokens
         finally:  # also when the consumer stops early (a signal, an error): let the thread end
             self.close()
+
+
+def synthetic_batches(cfg, vocab, sequences_per_update, rank=0, world_size=1):
+    """(data, make_batches(u)): a few updates of random tokens, cycled: the shapes of real data, no dataset needed
+    (bench.py's data_mode=synthetic)."""
+    rng = np.random.default_rng(cfg.seed)
+    n_seq = 4 * sequences_per_update
+    tokens = rng.integers(0, vocab, size=n_seq * cfg.seq_len + 1, dtype=np.int64)
+    data = TrainData(tokens, cfg.seq_len, sequences_per_update, cfg.seed)
+    return data, lambda u: data.micro_batches(0, u % data.updates_per_epoch, cfg.micro_batch_size, rank, world_size)
+
+
+def batch_stream(make_batches, device, total):
+    """(micro-batches, target tokens) of updates 0 .. total-1, prefetched onto the device."""
+    for _, micro_batches, n_tokens in Prefetcher(make_batches, range(total), device):
+        yield micro_batches, n_tokens

@@ -17,8 +17,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import env  # noqa: E402
+import plan as plan_lib  # noqa: E402
 import settings  # noqa: E402
-import train  # noqa: E402
+from plan import USER_ERRORS  # noqa: E402
 from results import record  # noqa: E402
 from trainer import Trainer  # noqa: E402
 
@@ -33,12 +34,11 @@ class AccumulationSettings(settings.TrainSettings):
 
 def losses_of(cfg, mode, micro, updates):
     """The token-mean loss of each of the first `updates` updates of cfg run as (mode, micro)."""
-    run_cfg = train.Config(cfg, compile=mode != "eager", compile_mode="default" if mode == "eager" else mode,
-                           micro_batch_size=micro)
-    sequences = train.check_execution(run_cfg)
-    cache, mcfg, _ = train.setup(run_cfg)
-    data = train.training_data(run_cfg, cache, sequences)
-    trainer = Trainer(run_cfg, mcfg, settings.resolve_device(run_cfg), total_updates=data.updates_per_epoch)
+    run_cfg = settings.Config(cfg, compile=mode != "eager", compile_mode="default" if mode == "eager" else mode,
+                              micro_batch_size=micro)
+    plan = plan_lib.resolve(run_cfg, AccumulationSettings, world=(0, 0, 1))
+    data = plan_lib.training_data(plan)
+    trainer = Trainer.from_plan(plan, total_updates=data.updates_per_epoch)
     losses = []
     for u in range(updates):
         batches, n_tokens = data.micro_batches(0, u, micro)
@@ -54,9 +54,8 @@ def losses_of(cfg, mode, micro, updates):
 def main(argv):
     try:
         cfg = settings.resolve(AccumulationSettings, argv)
-        settings.resolve_device(cfg)
-        train.setup(cfg)  # a missing cache or a bad setting: one line now, not a failed variant each
-    except train.USER_ERRORS as exc:
+        plan_lib.resolve(cfg, AccumulationSettings, world=(0, 0, 1))  # a missing cache or a bad setting: one line now
+    except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     results = {}

@@ -12,22 +12,24 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import bench  # noqa: E402
+import env  # noqa: E402
+import plan as plan_lib  # noqa: E402
 from kernels import cross_entropy  # noqa: E402
 import settings  # noqa: E402
-import train  # noqa: E402
+from data.loader import batch_stream, synthetic_batches  # noqa: E402
+from plan import USER_ERRORS  # noqa: E402
 from trainer import Trainer  # noqa: E402
 
 
 def main(argv):
-    cfg = settings.resolve(bench.BenchSettings, argv)
-    device = settings.resolve_device(cfg)
-    sequences_per_update = train.check_execution(cfg)  # before any folder is made
-    folders, was_cold = bench.cache_state(True)
+    cfg = settings.resolve(settings.BenchSettings, argv)
+    plan = plan_lib.resolve(settings.Config(cfg, data_mode="synthetic"), settings.BenchSettings, world=(0, 0, 1),
+                            synthetic=True)  # synthetic tokens, as bench's; every check before any folder is made
+    device, mcfg, sequences_per_update = plan.device, plan.model, plan.sequences_per_update
+    folders, was_cold = env.compiler_cache_state(fresh=True)
     print(f"compiler caches {folders}, cold: {was_cold}")
-    _, mcfg = bench.cache_and_model(train.Config(cfg, data_mode="synthetic"))  # synthetic tokens, as bench's
-    _, make = bench.synthetic_batches(cfg, mcfg.vocab_size, sequences_per_update, 0, 1)
-    batches = bench.batch_stream(make, device, 3)
+    _, make = synthetic_batches(cfg, mcfg.vocab_size, sequences_per_update, 0, 1)
+    batches = batch_stream(make, device, 3)
     start = time.perf_counter()
     trainer = Trainer(cfg, mcfg, device, total_updates=3)
     print(f"model and optimizer: {time.perf_counter() - start:.2f} s")
@@ -51,5 +53,5 @@ def main(argv):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except train.USER_ERRORS as exc:
+    except USER_ERRORS as exc:
         sys.exit(f"error: {exc}")

@@ -71,14 +71,14 @@ def kernel_ms(fn, reps):
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    import bench
+    from profiling import gpu_kernel_ms
     for _ in range(3):
         fn()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    return sum(bench.gpu_kernel_ms(evt) for evt in prof.key_averages()) / reps
+    return sum(gpu_kernel_ms(evt) for evt in prof.key_averages()) / reps
 
 
 def relative_error(value, reference):

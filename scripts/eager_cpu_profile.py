@@ -13,19 +13,22 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import bench  # noqa: E402
+import env  # noqa: E402
+import plan as plan_lib  # noqa: E402
 import settings  # noqa: E402
-import train  # noqa: E402
+from data.loader import batch_stream, synthetic_batches  # noqa: E402
+from plan import USER_ERRORS  # noqa: E402
+from profiling import gpu_kernel_ms  # noqa: E402
 from trainer import Trainer  # noqa: E402
 
 
 def main(argv, updates=10, top=25):
-    cfg = settings.resolve(bench.BenchSettings, argv)
-    device = settings.resolve_device(cfg)
-    sequences_per_update = train.check_execution(cfg)
-    _, mcfg = bench.cache_and_model(train.Config(cfg, data_mode="synthetic"))  # synthetic tokens, as bench's
-    _, make = bench.synthetic_batches(cfg, mcfg.vocab_size, sequences_per_update, 0, 1)
-    batches = bench.batch_stream(make, device, 10 + 2 * updates)
+    cfg = settings.resolve(settings.BenchSettings, argv)
+    plan = plan_lib.resolve(settings.Config(cfg, data_mode="synthetic"), settings.BenchSettings, world=(0, 0, 1),
+                            synthetic=True)  # synthetic tokens, as bench's; every check before any folder is made
+    device, mcfg, sequences_per_update = plan.device, plan.model, plan.sequences_per_update
+    _, make = synthetic_batches(cfg, mcfg.vocab_size, sequences_per_update, 0, 1)
+    batches = batch_stream(make, device, 10 + 2 * updates)
     trainer = Trainer(cfg, mcfg, device, total_updates=10 + 2 * updates)
     sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
     for _ in range(10):
@@ -43,7 +46,7 @@ def main(argv, updates=10, top=25):
             trainer.update(*next(batches))
         sync()
     events = prof.key_averages()
-    kernel_ms = sum(bench.gpu_kernel_ms(e) for e in events) / updates
+    kernel_ms = sum(gpu_kernel_ms(e) for e in events) / updates
     print(f"{cfg.name}: {wall_ms:.2f} ms per update unprofiled, {kernel_ms:.2f} ms of GPU kernels per update")
     print(f"{'op':<60}{'calls/update':>13}{'self CPU ms/update':>20}")
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]:
@@ -53,5 +56,5 @@ def main(argv, updates=10, top=25):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except train.USER_ERRORS as exc:
+    except USER_ERRORS as exc:
         sys.exit(f"error: {exc}")

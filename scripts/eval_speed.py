@@ -16,12 +16,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import bench  # noqa: E402
 import env  # noqa: E402
+import plan as plan_lib  # noqa: E402
 import settings  # noqa: E402
-import train  # noqa: E402
 from data.loader import Prefetcher, eval_batches  # noqa: E402
 from configurator import ConfigError  # noqa: E402
+from plan import USER_ERRORS  # noqa: E402
+from profiling import gpu_kernel_ms  # noqa: E402
 from results import read_results, record  # noqa: E402
 from trainer import Trainer  # noqa: E402
 
@@ -48,18 +49,19 @@ def kernel_ms(trainer, make_batches):
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         trainer.evaluate(make_batches())
-    return sum(bench.gpu_kernel_ms(evt) for evt in prof.key_averages())
+    return sum(gpu_kernel_ms(evt) for evt in prof.key_averages())
 
 
 def main(argv):
     cfg = settings.resolve(EvalSpeedSettings, argv)
-    device = settings.resolve_device(cfg)
+    device = plan_lib.resolve_device(cfg)
     if device != "cuda":
         raise ConfigError(f"eval_speed.py times passes on the GPU; --device={cfg.device} gives the CPU"
                               if cfg.device == "cpu" else
                               "eval_speed.py times passes on the GPU, and PyTorch sees no CUDA GPU here")
     read_results(cfg.results_file)  # a broken results file fails now, not after the work
-    cache, mcfg, _ = train.setup(cfg)
+    plan = plan_lib.resolve(cfg, EvalSpeedSettings, world=(0, 0, 1))
+    cache, mcfg = plan.cache, plan.model
 
     def loader(c):
         return eval_batches(cache.val, c.seq_len, c.eval_batch_size)
@@ -72,7 +74,7 @@ def main(argv):
     trainer = Trainer(cfg, mcfg, device, total_updates=1)
     results = {}
     for name, (batch_size, make) in variants.items():
-        c = train.Config(cfg, eval_batch_size=batch_size)
+        c = settings.Config(cfg, eval_batch_size=batch_size)
         seconds, result = timed_passes(trainer, lambda: make(c), cfg.passes)
         kernels = kernel_ms(trainer, lambda: make(c))
         results[name] = {"eval_batch_size": batch_size, "seconds": seconds, "tokens": result["tokens"],
@@ -87,6 +89,6 @@ def main(argv):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except train.USER_ERRORS as exc:
+    except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

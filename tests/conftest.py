@@ -119,3 +119,17 @@ def flash_attn_4_stand_in(monkeypatch):
 def flash_attn_4_installed():
     import importlib.util
     return importlib.util.find_spec("flash_attn") is not None
+
+
+def check_execution(cfg, world_size=1):
+    """train.py's settings checks, then the sequences of an update (as plan.resolve checks them)."""
+    import settings
+    settings.check(settings.TrainSettings, cfg)
+    return settings.sequences_per_update(cfg, world_size)
+
+
+def setup(cfg):
+    """(cache, model config, recipe) of a one-process run of cfg, as plan.resolve makes them."""
+    import plan
+    p = plan.resolve(cfg, world=(0, 0, 1))
+    return p.cache, p.model, p.recipe

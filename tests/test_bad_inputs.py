@@ -12,6 +12,7 @@ from data.loader import TokenCache
 from model import ModelConfig, Transformer
 from results import ResultsFileError, read_results, record
 from tests.test_sample import bpe_tokenizer, tokenized_cache
+import settings
 
 TEXT = " ".join(f"The {w} walked to the {p} at {n} o'clock, and said: {q}!" for w, p, n, q in zip(
     ["miller", "baker", "weaver", "sailor", "farmer"] * 8, ["mill", "market", "river", "harbour", "field"] * 8,
@@ -218,4 +219,4 @@ def test_a_run_that_fails_to_build_gives_its_folder_back(text_cache, tmp_path, m
     # the traceback is still held (as a notebook or a caller holds it), and with it the half-built run: its lock
     # must have been released, not left to the garbage collector
     assert failure.traceback
-    assert train.train(train.Config(cfg, overwrite=True))["status"] == "complete"  # not "another train.py"
+    assert train.train(settings.Config(cfg, overwrite=True))["status"] == "complete"  # not "another train.py"

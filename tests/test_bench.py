@@ -11,6 +11,8 @@ import bench
 import env
 import model as model_lib
 from data.loader import TokenCache
+import settings
+import profiling
 
 SHAPE = ["--dim=64", "--n_layers=2", "--n_heads=2", "--hidden_dim=128"]
 TINY = ["--preset=20m", *SHAPE, "--seq_len=64", "--tokens_per_update=512", "--micro_batch_size=4", "--device=cpu", "--cpu_threads=1",
@@ -163,8 +165,8 @@ def test_profile_is_refused_on_a_cpu(tmp_path, text_cache, capsys, device):
 
 def test_a_profile_goes_to_its_own_section(tmp_path):
     """record_entry (the GPU's profiles, which the CPU cannot make) puts profiles.NAME beside benchmarks.NAME."""
-    cfg = bench.train.Config(name="gpu-run", results_file=str(tmp_path / "r.json"))
-    breakdown = bench.kernel_breakdown([("nvjet_tst_128x64", 8, 3.0), ("cross_entropy_rows_kernel", 4, 2.0)])
+    cfg = settings.Config(name="gpu-run", results_file=str(tmp_path / "r.json"))
+    breakdown = profiling.kernel_breakdown([("nvjet_tst_128x64", 8, 3.0), ("cross_entropy_rows_kernel", 4, 2.0)])
     bench.record_entry(cfg, {"run_id": "r1", "status": "ok", "profile": dict(breakdown, device="cuda")})
     results = read_results(tmp_path / "r.json")
     assert results["profiles"]["gpu-run"]["run_id"] == "r1" and results["profiles"]["gpu-run"]["kernel_ms"] == 5.0
@@ -185,7 +187,7 @@ def test_a_profile_goes_to_its_own_section(tmp_path):
     ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "other"),
 ])
 def test_kernel_categories(name, category):
-    assert bench.categorize(name) == category
+    assert profiling.categorize(name) == category
 
 
 def test_gpu_profiles_count_kernels_not_the_ranges_around_them():
@@ -197,13 +199,13 @@ def test_gpu_profiles_count_kernels_not_the_ranges_around_them():
                        self_device_time_total=270.0, is_user_annotation=True)
     host_op = Event(key="aten::mm", device_type="DeviceType.CPU", self_device_time_total=0.0,
                     is_user_annotation=False)
-    assert [bench.gpu_kernel_ms(e) for e in (kernel, step_range, host_op)] == [0.2, 0, 0]
+    assert [profiling.gpu_kernel_ms(e) for e in (kernel, step_range, host_op)] == [0.2, 0, 0]
 
 
 def test_kernel_breakdown_totals_and_slowest_kernels():
     kernels = [("nvjet_tst_128x64", 8, 3.0), ("triton_poi_fused_add_mul_silu_2", 40, 1.5),
                ("cross_entropy_rows_kernel", 4, 2.0), ("x" * 300, 1, 0.5)]
-    breakdown = bench.kernel_breakdown(kernels, top=3)
+    breakdown = profiling.kernel_breakdown(kernels, top=3)
     assert breakdown["kernel_ms"] == pytest.approx(7.0) and breakdown["kernel_count"] == 53
     assert breakdown["kernel_ms_by_category"]["matmul"] == 3.0
     assert breakdown["kernel_ms_by_category"]["other"] == 0.5

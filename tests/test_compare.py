@@ -40,6 +40,8 @@ REPO = Path(__file__).resolve().parents[1]
 # predict its input token instead of the next one, as a loss kernel that misaligns its targets would.
 BREAK_HOOK = """\
 import os, sys
+import settings
+import matched
 if "--name=" + os.environ.get("BREAK_RUN", "") in sys.argv:
     sys.path.insert(0, os.environ["BREAK_REPO"])
     import torch
@@ -122,7 +124,7 @@ def test_matched_runs_pass_broken_math_fails_runs_are_reused_and_rereadable(tiny
     # difference from the baseline (or the validation noise, when larger).
     noise = runs["m-baseline-seed1338"]
     assert noise["status"] == "complete" and noise["config"]["micro_batch_size"] == 1
-    assert train.recipe_differences(runs["m-baseline"]["recipe"], noise["recipe"]) == ["seed"]
+    assert settings.recipe_differences(runs["m-baseline"]["recipe"], noise["recipe"]) == ["seed"]
     d = noise["final_validation"]["loss"] - runs["m-baseline"]["final_validation"]["loss"]
     assert c["noise_runs"] == {"m-baseline-seed1338": noise["final_validation"]["loss"]}
     assert c["training_noise_tolerance"] == pytest.approx(3 * abs(d))
@@ -325,7 +327,7 @@ def test_tuned_config_and_overrides_layer_on_the_optimized_side_only(tiny, tmp_p
     record(results, ["tuning"], {"selected": {"config_path": str(tuned)}})
     argv = [config, "--name=t", f"--results_file={results}", "--tuned=True", "--baseline_micro_batch_size=1",
             "--loss_impl=chunked", "--optimized_overrides=--eval_batch_size=4"]
-    base, opt = compare.side_configs(compare.train.Config(configurator.load_config(compare.DEFAULTS, argv)))
+    base, opt = matched.side_configs(settings.Config(configurator.load_config(compare.DEFAULTS, argv)))
     assert (base.name, opt.name) == ("t-baseline", "t-optimized")
     assert (base.micro_batch_size, base.loss_impl, base.eval_batch_size) == (1, "full", 32)
     assert (opt.micro_batch_size, opt.loss_impl, opt.eval_batch_size) == (2, "chunked", 4)
@@ -341,9 +343,9 @@ def test_every_run_has_its_own_folders_and_the_noise_runs_are_the_baseline_at_ot
     config, results = tiny
     argv = [config, "--name=f", "--out_dir=runs/f", "--tensorboard_dir=tb", "--noise_seed_runs=2", "--seed=5",
             "--baseline_micro_batch_size=1", "--micro_batch_size=4", "--attention_backend=math"]
-    cfg = compare.train.Config(configurator.load_config(compare.DEFAULTS, argv))
-    base, opt = compare.side_configs(cfg)
-    noise = compare.noise_configs(cfg, base)
+    cfg = settings.Config(configurator.load_config(compare.DEFAULTS, argv))
+    base, opt = matched.side_configs(cfg)
+    noise = matched.noise_configs(cfg, base)
     assert [c.name for c in noise] == ["f-baseline-seed6", "f-baseline-seed7"] and [c.seed for c in noise] == [6, 7]
     assert {k: v for k, v in noise[0].items() if base[k] != v} == {"name": "f-baseline-seed6", "seed": 6,
                                                                    "out_dir": "runs/f/baseline-seed6",
@@ -358,21 +360,21 @@ def test_the_table_names_every_execution_setting_off_its_default():
     """The matched table says how each side ran, down to the settings that made it lean or fast."""
     cfg = dict(train.DEFAULTS, micro_batch_size=32, compile=True, compile_scope="blocks",
                compile_mode="reduce-overhead", activation_memory_budget=0.8, loss_impl="fused")
-    summary = compare.execution_summary(cfg)
+    summary = matched.execution_summary(cfg)
     assert summary.startswith("mb 32, compile True")
     for shown in ("compile_scope blocks", "compile_mode reduce-overhead", "activation_memory_budget 0.8",
                   "loss_impl fused"):
         assert shown in summary
     assert "attention_backend" not in summary and "loss_chunk_tokens" not in summary  # at their defaults
-    assert compare.execution_summary(dict(train.DEFAULTS)) == "mb 8, compile False"
+    assert matched.execution_summary(dict(train.DEFAULTS)) == "mb 8, compile False"
 
 
 def test_a_diverged_run_is_named_as_such_not_a_missing_field():
     """results.py writes a diverged run's NaN loss as null; the comparison says the run diverged in one line."""
     entry = {"recipe_identity": "r", "status": "complete",
              "final_validation": {"loss": None, "loss_std": None, "tokens": 100}}
-    with pytest.raises(compare.CompareError, match="run b diverged: its final validation loss is not a finite"):
-        compare.finished_run({"b": entry}, "b", "results.json")
+    with pytest.raises(matched.CompareError, match="run b diverged: its final validation loss is not a finite"):
+        matched.finished_run({"b": entry}, "b", "results.json")
 
 
 @pytest.mark.parametrize("final_validation, words", [
@@ -386,21 +388,21 @@ def test_a_diverged_run_is_named_as_such_not_a_missing_field():
 def test_a_hand_edited_final_validation_is_one_line_not_a_traceback(final_validation, words):
     """Before, a missing tokens count was a KeyError in the tolerance, a string an AttributeError."""
     entry = {"recipe_identity": "r", "status": "complete", "final_validation": final_validation}
-    with pytest.raises(compare.CompareError, match=words):
-        compare.finished_run({"b": entry}, "b", "results.json")
+    with pytest.raises(matched.CompareError, match=words):
+        matched.finished_run({"b": entry}, "b", "results.json")
 
 
 def test_a_hand_edited_curve_is_one_line_not_a_traceback():
     entry = dict(finished(4.0), validation_curve="x")
-    with pytest.raises(compare.CompareError, match="run b's validation_curve is not a list of points"):
-        compare.finished_run({"b": entry}, "b", "results.json")
+    with pytest.raises(matched.CompareError, match="run b's validation_curve is not a list of points"):
+        matched.finished_run({"b": entry}, "b", "results.json")
 
 
 def test_a_rate_that_is_not_a_number_gives_no_speed_ratio(tmp_path):
     results = tmp_path / "results.json"
     record(results, ["a"], finished(4.0))
     record(results, ["b"], dict(finished(4.0), median_training_tokens_per_second="fast"))
-    comparison = compare.compare_runs(results, "a", "b", False, tmp_path / "v.png")
+    comparison = matched.compare_runs(results, "a", "b", False, tmp_path / "v.png")
     assert comparison["speed_ratio"] is None and comparison["losses_agree"]
 
 
@@ -419,6 +421,6 @@ def test_a_tuned_config_path_that_is_not_a_path_is_one_line(tmp_path):
     results = tmp_path / "results.json"
     record(results, ["tuning"], {"selected": {"config_path": 5}})
     argv = [f"--results_file={results}", "--tuned=True"]
-    cfg = compare.train.Config(configurator.load_config(compare.DEFAULTS, argv))
-    with pytest.raises(compare.CompareError, match="has no tuning.selected.config_path"):
-        compare.side_configs(cfg)
+    cfg = settings.Config(configurator.load_config(compare.DEFAULTS, argv))
+    with pytest.raises(matched.CompareError, match="has no tuning.selected.config_path"):
+        matched.side_configs(cfg)

@@ -143,21 +143,33 @@ def test_train_main_reports_a_config_error_in_one_line(args, capsys):
     assert "Traceback" not in captured.err + captured.out
 
 
-@pytest.mark.parametrize("script", ["train.py", "bench.py", "tune.py", "compare.py"])
-def test_help_lists_every_key_with_its_default_and_exits_0(script):
-    """`--help` was an unknown config key; a researcher types it first."""
+@pytest.mark.parametrize("script,settings_class", [("train.py", "settings.TrainSettings"),
+                                                    ("bench.py", "settings.BenchSettings"),
+                                                    ("tune.py", "tune.TuneSettings"),
+                                                    ("compare.py", "compare.CompareSettings"),
+                                                    ("sample.py", "sample.SampleSettings")])
+def test_help_lists_every_key_with_its_default_and_exits_0(script, settings_class):
+    """`--help` was an unknown config key; a researcher types it first. Each script lists its own keys, all of
+    them and no other (sample.py none of the optimizer's or the schedule's)."""
     done = subprocess.run([sys.executable, script, "config/tiny_cpu.py", "--help"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and not done.stderr
     docstring = ast.get_docstring(ast.parse((REPO / script).read_text()))
     assert done.stdout.startswith(docstring.splitlines()[0])
     import dataclasses
-    import settings
-    for field in dataclasses.fields(settings.TrainSettings):  # each key with its default and its help
-        keys = done.stdout.split("\nsettings (", 1)[1]  # after the docstring, whose examples use keys too
+    import importlib
+    module, cls = settings_class.split(".")
+    declared = dataclasses.fields(getattr(importlib.import_module(module), cls))
+    keys = done.stdout.split("\nsettings (", 1)[1]  # after the docstring, whose examples use keys too
+    listed = [line.split("=", 1)[0].strip()[2:] for line in keys.splitlines() if line.strip().startswith("--")]
+    assert listed == [f.name for f in declared]
+    for field in declared:  # each key with its default and its help
         line = next(line for line in keys.splitlines() if line.strip().startswith(f"--{field.name}="))
-        assert field.name == "name" or field.metadata["help"] in line, field.name  # each script names its entries
-    assert "--micro_batch_size=8 " in done.stdout and "--attention_backend='auto' " in done.stdout
+        assert field.metadata["help"] in line, field.name
+    if script != "sample.py":
+        assert "--micro_batch_size=8 " in done.stdout and "--attention_backend='auto' " in done.stdout
+    else:
+        assert not {"optimizer", "learning_rate", "lr_schedule", "muon_lr", "warmup_updates"} & set(listed)
 
 
 def test_help_piped_into_a_reader_that_stops_early_ends_quietly():

@@ -14,6 +14,9 @@ import model
 import train
 from configurator import ConfigError
 from kernels import linear_cross_entropy_fp8 as fp8
+import settings
+import plan
+from tests.conftest import check_execution, setup
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -115,18 +118,18 @@ def test_a_gpu_without_fp8_tensor_cores_is_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     import settings
-    cfg = train.Config(train.DEFAULTS, lm_head_fp8=True, loss_impl="fused", attention_backend="sdpa")
+    cfg = settings.Config(train.DEFAULTS, lm_head_fp8=True, loss_impl="fused", attention_backend="sdpa")
     with pytest.raises(ConfigError, match="needs FP8 tensor cores .* NVIDIA A100 has 8.0; set lm_head_fp8=False"):
-        settings.check_device(cfg, torch.device("cuda"))
+        plan.check_device(cfg, torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    settings.check_device(cfg, torch.device("cuda"))  # Hopper: accepted
+    plan.check_device(cfg, torch.device("cuda"))  # Hopper: accepted
 
 
 def test_a_width_its_matmuls_cannot_take_is_one_line_before_training(text_cache, tmp_path):
     from tests.test_train import small_config
     cfg = small_config(text_cache, tmp_path, loss_impl="fused", lm_head_fp8=True, dim=72, n_heads=2)
     with pytest.raises(ConfigError, match="width to be a multiple of 16 .*got 72"):
-        train.setup(cfg)
+        setup(cfg)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -135,9 +138,9 @@ def test_a_width_its_matmuls_cannot_take_is_one_line_before_training(text_cache,
     (dict(loss_chunk_tokens=1000), "loss_chunk_tokens to be a multiple of 16 tokens"),
 ])
 def test_settings_it_cannot_run_with_are_one_line_before_any_work(change, message):
-    cfg = train.Config({**train.DEFAULTS, "lm_head_fp8": True, "loss_impl": "fused", **change})
+    cfg = settings.Config({**train.DEFAULTS, "lm_head_fp8": True, "loss_impl": "fused", **change})
     with pytest.raises(ConfigError, match=message):
-        train.check_execution(cfg)
+        check_execution(cfg)
 
 
 # Triton's interpreter rounds float32 to e5m2 without carrying a rounded-up mantissa into the exponent (1.9 becomes

@@ -9,6 +9,7 @@ import plots
 import train
 from results import read_results, record
 from scripts import plot_runs
+import settings
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -96,7 +97,7 @@ def test_a_real_run_plots_its_training_curve(text_cache, tmp_path, monkeypatch):
     """What train.py records (a training point per log interval, a validation point per epoch) is what
     plots.save_plot, which compare.py's pair plot is too, draws."""
     monkeypatch.chdir(tmp_path)
-    cfg = train.Config(dict(train.DEFAULTS, preset="20m", dim=64, n_layers=2, n_heads=2, hidden_dim=128, seq_len=64,
+    cfg = settings.Config(dict(train.DEFAULTS, preset="20m", dim=64, n_layers=2, n_heads=2, hidden_dim=128, seq_len=64,
                             data_dir=str(text_cache), device="cpu", cpu_threads=1, epochs=2, train_subset_tokens=8192,
                             val_subset_tokens=2048, tokens_per_update=256, micro_batch_size=4, warmup_updates=5,
                             log_interval=8, full_validation=False, name="real",

@@ -24,6 +24,8 @@ from settings import TrainSettings
 from trainer import Trainer
 from tests.test_model import random_batch, relative_error, seeded_model, tiny_config
 from tests.test_train import small_config
+import plan
+from tests.conftest import setup
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -180,7 +182,7 @@ def test_the_trainer_builds_the_model_with_the_configured_quack_choices(quack_st
     """loss_impl and mlp_impl reach the model the Trainer trains: its update calls quack's loss and its MLP in
     every layer (the settings that refuse them on a CPU are checked before a Trainer is built)."""
     from tests.test_update_graph import run_updates
-    cfg = train.Config(dict(train.DEFAULTS, preset="20m", dim=64, n_layers=2, n_heads=2, hidden_dim=128, seq_len=32,
+    cfg = settings.Config(dict(train.DEFAULTS, preset="20m", dim=64, n_layers=2, n_heads=2, hidden_dim=128, seq_len=32,
                             device="cpu", cpu_threads=1, tokens_per_update=4 * 32, micro_batch_size=4,
                             loss_impl="quack_chunked", mlp_impl="quack", loss_chunk_tokens=64))
     mcfg = model_lib.get_preset("20m", dim=64, n_layers=2, n_heads=2, hidden_dim=128, vocab_size=256, max_seq_len=32)
@@ -214,9 +216,9 @@ def test_an_unknown_mlp_impl_is_refused_naming_the_choices():
                                                 ("loss_impl", "quack_chunked", "full, chunked, fused, fused_epilogue"),
                                                 ("mlp_impl", "quack", "torch")])
 def test_quack_is_refused_on_the_cpu_in_one_sentence_naming_the_setting_and_what_runs_it(key, value, others):
-    cfg = train.Config(train.DEFAULTS, **{key: value})
+    cfg = settings.Config(train.DEFAULTS, **{key: value})
     with pytest.raises(ConfigError) as refused:
-        settings.check_device(cfg, torch.device("cpu"))
+        plan.check_device(cfg, torch.device("cpu"))
     message = str(refused.value)
     assert message == (f"{key} '{value}' needs a CUDA GPU of compute capability 9.0 and the quack-kernels package "
                        f"(pip install -r requirements-gpu.txt), but this run's device is the cpu; choose {others} "
@@ -236,7 +238,7 @@ def test_quack_is_refused_on_another_gpu_and_without_the_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "quack", None)  # not installed: import quack raises ImportError
     assert quack_ops.quack_problem(cuda).startswith("quack did not import (ModuleNotFoundError")
     with pytest.raises(ConfigError, match=r"^mlp_impl 'quack' needs .* but quack did not import"):
-        settings.check_device(train.Config(train.DEFAULTS, mlp_impl="quack"), cuda)
+        plan.check_device(settings.Config(train.DEFAULTS, mlp_impl="quack"), cuda)
 
 
 def test_quack_installed_outside_site_packages_is_named_with_what_to_do(monkeypatch):
@@ -268,19 +270,19 @@ def test_mlp_impl_is_declared_in_help_as_an_execution_key_outside_the_recipe(cap
     assert "--mlp_impl='torch'" in help_line and "[torch | quack]" in help_line
     assert {"mlp_impl", "loss_impl"} <= settings.execution_keys()
     mcfg = model_lib.get_preset("20m", vocab_size=256)
-    recipe = lambda **change: env.hash_json(settings.recipe(train.Config(train.DEFAULTS, **change), mcfg, "c"))
+    recipe = lambda **change: env.hash_json(settings.recipe(settings.Config(train.DEFAULTS, **change), mcfg, "c"))
     assert recipe(mlp_impl="quack", loss_impl="quack") == recipe()
 
 
 def test_the_quack_loss_takes_slices_of_whole_token_tiles():
     with pytest.raises(ConfigError, match=r"^loss_impl quack needs loss_chunk_tokens to be a multiple of 128 .*1000$"):
-        settings.check(TrainSettings, train.Config(train.DEFAULTS, loss_impl="quack", loss_chunk_tokens=1000))
-    settings.check(TrainSettings, train.Config(train.DEFAULTS, loss_impl="quack"))  # 8,192
+        settings.check(TrainSettings, settings.Config(train.DEFAULTS, loss_impl="quack", loss_chunk_tokens=1000))
+    settings.check(TrainSettings, settings.Config(train.DEFAULTS, loss_impl="quack"))  # 8,192
     # the chunked path's slices only need rows its TMA matmuls load whole
     with pytest.raises(ConfigError, match=r"^loss_impl quack_chunked needs loss_chunk_tokens to be a multiple of 8 "
                                           r".*1001$"):
-        settings.check(TrainSettings, train.Config(train.DEFAULTS, loss_impl="quack_chunked", loss_chunk_tokens=1001))
-    settings.check(TrainSettings, train.Config(train.DEFAULTS, loss_impl="quack_chunked", loss_chunk_tokens=1000))
+        settings.check(TrainSettings, settings.Config(train.DEFAULTS, loss_impl="quack_chunked", loss_chunk_tokens=1001))
+    settings.check(TrainSettings, settings.Config(train.DEFAULTS, loss_impl="quack_chunked", loss_chunk_tokens=1000))
 
 
 @pytest.mark.parametrize("change, words", [
@@ -298,7 +300,7 @@ def test_shapes_the_quack_kernels_do_not_take_are_named(change, words):
 def test_a_shape_quack_does_not_take_is_refused_with_the_data_before_the_model(text_cache, tmp_path):
     cfg = small_config(text_cache, tmp_path, mlp_impl="quack", hidden_dim=100)
     with pytest.raises(ConfigError, match="mlp_impl quack needs the model's width and hidden width .* got 64 and 100"):
-        train.setup(cfg)
+        setup(cfg)
 
 
 @pytest.mark.parametrize("preset", ["20m", "50m", "90m"])

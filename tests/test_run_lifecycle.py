@@ -12,6 +12,7 @@ import train
 import trainer as trainer_lib
 from results import lookup, read_results
 from tests.test_train import REPO, checkpoint_parameters, cli_args, small_config
+import settings
 
 INTERVAL = dict(eval_interval=1, full_validation=False)
 
@@ -75,7 +76,7 @@ def test_a_signal_during_validation_is_acknowledged_and_the_resumed_run_validate
     assert stopped["status"] == "interrupted" and stopped["epochs"] == 0 and stopped["validation_curve"] == []
     assert stopped["step"] == 3 and (tmp_path / "signalled" / "ckpt.pt").exists()
     monkeypatch.undo()
-    resumed = train.train(train.Config(cfg, resume=True))
+    resumed = train.train(settings.Config(cfg, resume=True))
     assert resumed["status"] == "complete" and resumed["epochs"] == 2
     assert [p["loss"] for p in resumed["validation_curve"]] == [p["loss"] for p in straight["validation_curve"]]
     assert resumed["final_validation"]["loss"] == straight["final_validation"]["loss"]

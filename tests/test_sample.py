@@ -14,6 +14,7 @@ import sample
 import train
 from data.loader import TokenCache
 from tests.conftest import SHARED_CORPUS, write_cache
+import settings
 
 PROMPT = "It was the best of"
 
@@ -57,7 +58,7 @@ def trained(tmp_path_factory):
 
 
 def config(trained, *args):
-    return train.Config(configurator.load_config(sample.DEFAULTS, [f"--out_dir={trained['out']}", "--device=cpu",
+    return settings.Config(configurator.load_config(sample.DEFAULTS, [f"--out_dir={trained['out']}", "--device=cpu",
                                                                  "--max_new_tokens=12", *args]))
 
 

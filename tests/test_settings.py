@@ -15,12 +15,13 @@ import train
 from configurator import ConfigError
 from settings import RECIPE, TrainSettings, setting
 from tests.test_train import small_config
+import matched
 
 
 @dataclasses.dataclass
 class WithLabelSmoothing(TrainSettings):
     label_smoothing: float = setting(0.0, "share of each target's probability spread over the vocabulary", RECIPE,
-                                     bounds="[0, 1)", later=True)
+                                     bounds="[0, 1)")
 
 
 def test_a_new_recipe_key_is_declared_once_and_reaches_help_types_checks_and_the_recipe(capsys):
@@ -36,7 +37,7 @@ def test_a_new_recipe_key_is_declared_once_and_reaches_help_types_checks_and_the
     off_default = settings.resolve(WithLabelSmoothing, ["--label_smoothing=0.1"])
     recipe = lambda cfg: settings.recipe(cfg, mcfg, "cache", cls=WithLabelSmoothing)
     # a later key at its default leaves every earlier run's identity as it was; off it, it is part of the math
-    assert recipe(at_default) == settings.recipe(train.Config(train.DEFAULTS), mcfg, "cache")
+    assert recipe(at_default) == settings.recipe(settings.Config(train.DEFAULTS), mcfg, "cache")
     assert recipe(off_default)["label_smoothing"] == 0.1
     assert "label_smoothing" not in settings.execution_keys()
 
@@ -99,7 +100,7 @@ def test_every_rule_refuses_before_the_model_is_built(text_cache, tmp_path, monk
 
 def test_every_declared_key_has_a_role_help_and_a_type_the_command_line_can_give():
     for field in dataclasses.fields(TrainSettings):
-        assert field.metadata["role"] in (settings.RECIPE, settings.MODEL, settings.WEIGHTS, settings.EXECUTION)
+        assert field.metadata["role"] in (settings.RECIPE, settings.MODEL, settings.WEIGHTS, settings.EXECUTION, settings.RUN)
         assert field.metadata["help"] and field.type in (bool, int, float, str), field.name
         assert type(field.default) is field.type, field.name
         assert settings.check_value(field.name, field.default, field) is None, field.name  # defaults pass
@@ -115,19 +116,20 @@ def test_non_finite_numbers_from_the_command_line_and_config_files_are_refused(t
 
 
 def test_warnings_for_legal_values_that_are_probably_not_meant():
-    cfg = train.Config(train.DEFAULTS, warmup_updates=500, cpu_threads=10_000)
+    cfg = settings.Config(train.DEFAULTS, warmup_updates=500, cpu_threads=10_000)
     lines = settings.doubtful_values(cfg, total_updates=300)
     assert any("warmup_updates 500 is not shorter than the run's 300 updates" in line for line in lines)
     assert any("cpu_threads 10000 is more than the" in line for line in lines)
-    assert settings.doubtful_values(train.Config(train.DEFAULTS), total_updates=3000) == []
+    assert settings.doubtful_values(settings.Config(train.DEFAULTS), total_updates=3000) == []
 
 
 def test_compare_and_tune_vary_only_execution_keys():
-    import compare
     execution = settings.execution_keys()
-    assert set(compare.BASELINE_EXECUTION) <= execution
-    assert {"micro_batch_size", "compile", "attention_backend", "eval_interval", "target_loss"} <= execution
-    assert not {"learning_rate", "optimizer", "lr_schedule", "seed"} & execution
-    assert env.hash_json(settings.recipe(train.Config(train.DEFAULTS, compile=True, micro_batch_size=4),
+    assert set(matched.BASELINE_EXECUTION) <= execution
+    assert {"micro_batch_size", "compile", "attention_backend"} <= execution
+    assert not {"learning_rate", "optimizer", "lr_schedule", "seed", "eval_interval", "target_loss"} & execution
+    # how a run validates, stops and writes is its own, neither the recipe nor an execution tune.py may vary
+    assert {"eval_interval", "target_loss", "name", "results_file"} <= settings.keys_of_role(settings.RUN)
+    assert env.hash_json(settings.recipe(settings.Config(train.DEFAULTS, compile=True, micro_batch_size=4),
                                          model_lib.get_preset("20m", vocab_size=256), "c")) == \
-        env.hash_json(settings.recipe(train.Config(train.DEFAULTS), model_lib.get_preset("20m", vocab_size=256), "c"))
+        env.hash_json(settings.recipe(settings.Config(train.DEFAULTS), model_lib.get_preset("20m", vocab_size=256), "c"))

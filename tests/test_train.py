@@ -24,6 +24,8 @@ import settings
 import train
 from data.loader import IGNORE, TokenCache, TrainData
 from tests.conftest import flash_attn_4_installed, write_cache
+import plan
+from tests.conftest import check_execution, setup
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ_LEN = 64
@@ -48,7 +50,7 @@ def small_config(cache, tmp_path, **overrides):
                log_interval=1, results_file=str(tmp_path / "results.json"), out_dir=str(tmp_path / "out"))
     cfg.update(overrides)
     assert set(cfg) == set(train.DEFAULTS)
-    return train.Config(cfg)
+    return settings.Config(cfg)
 
 
 def cli_args(cfg):
@@ -57,7 +59,7 @@ def cli_args(cfg):
 
 def make_trainer(cfg, total_updates=10, world_size=1):
     cache = TokenCache(cfg.data_dir)
-    mcfg = train.model_config(cfg, cache.vocab_size)
+    mcfg = plan.model_config(cfg, cache.vocab_size)
     return trainer_lib.Trainer(cfg, mcfg, "cpu", total_updates, world_size=world_size)
 
 
@@ -134,9 +136,9 @@ def test_micro_batch_size_does_not_change_an_update(text_cache, tmp_path):
 def test_cuda_graphs_with_accumulation_keep_gradients_outside_the_graphs(compile_mode, micro, world_size, stable):
     """Under CUDA graphs a .grad made by a graph's backward is overwritten by the next micro-step's replay:
     exactly the combinations that accumulate (more than one micro-step per process) keep stable gradients."""
-    cfg = train.Config(train.DEFAULTS, compile=True, compile_mode=compile_mode, micro_batch_size=micro,
+    cfg = settings.Config(train.DEFAULTS, compile=True, compile_mode=compile_mode, micro_batch_size=micro,
                        seq_len=64, tokens_per_update=8 * 64)
-    assert (trainer_lib.uses_cudagraphs(cfg) and trainer_lib.micro_steps(cfg, world_size) > 1) is stable
+    assert (trainer_lib.uses_cudagraphs(cfg) and settings.micro_steps(cfg, world_size) > 1) is stable
 
 
 @pytest.mark.parametrize("micro, stable", [(2, True), (8, False)])
@@ -224,12 +226,12 @@ def test_one_autocast_region_per_update_casts_each_weight_once_with_the_same_mat
 def test_grad_clip_0_turns_clipping_off_and_still_reports_the_norm(text_cache, tmp_path):
     """As in nanoGPT. Before, 0 clipped every gradient to nothing, and no weight ever moved."""
     cfg = small_config(text_cache, tmp_path, grad_clip=0.0, weight_decay=0.0)
-    cache, mcfg, _ = train.setup(cfg)
-    data = train.training_data(cfg, cache, train.check_execution(cfg))
+    run_plan = plan.resolve(cfg, world=(0, 0, 1))
+    mcfg, data = run_plan.model, plan.training_data(run_plan)
     trainers = []
     for max_norm in (0.0, 1e9):  # off, and a limit no norm reaches: the same update
         torch.manual_seed(0)
-        trainers.append(trainer_lib.Trainer(train.Config(cfg, grad_clip=max_norm), mcfg, "cpu", total_updates=10))
+        trainers.append(trainer_lib.Trainer(settings.Config(cfg, grad_clip=max_norm), mcfg, "cpu", total_updates=10))
     before = [p.detach().clone() for p in trainers[0].raw_model.parameters()]
     batches, n_tokens = data.micro_batches(0, 0, cfg.micro_batch_size)
     (_, norm_off), (_, norm_far) = (t.update(batches, n_tokens) for t in trainers)
@@ -367,13 +369,13 @@ def test_stop_and_resume_is_bitwise_identical(text_cache, tmp_path, recipe):
 
     cfg = small_config(text_cache, tmp_path, name="resumed", out_dir=str(tmp_path / "resumed"), **recipe)
     # session 1 stops mid-epoch; session 2 resumes mid-epoch and stops after an epoch's end; session 3 finishes
-    first = train.train(train.Config(cfg, stop_after_updates=2))
+    first = train.train(settings.Config(cfg, stop_after_updates=2))
     assert first["status"] == "interrupted" and first["step"] == 2 and first["tokens"] == 16 * SEQ_LEN
     assert (tmp_path / "resumed" / "ckpt.pt").exists()
     assert lookup(cfg.results_file, ["resumed", "status"]) == "interrupted"
-    second = train.train(train.Config(cfg, resume=True, stop_after_updates=2))
+    second = train.train(settings.Config(cfg, resume=True, stop_after_updates=2))
     assert second["status"] == "interrupted" and second["step"] == 4 and second["epochs"] == 1
-    last = train.train(train.Config(cfg, resume=True))
+    last = train.train(settings.Config(cfg, resume=True))
     assert last["status"] == "complete" and last["sessions"] == 3
     assert last["run_id"] == first["run_id"]
     assert "history" not in read_results(cfg.results_file)  # one run, updating its own entry
@@ -392,9 +394,9 @@ def test_resume_restores_the_random_number_generators(text_cache, tmp_path):
     """Nothing in this model draws random numbers after it is built (no dropout), so equal losses cannot show
     it: a resumed process continues the saved generators' streams, whatever it drew before resuming."""
     cfg = small_config(text_cache, tmp_path, epochs=1)
-    train.train(train.Config(cfg, stop_after_updates=1))
+    train.train(settings.Config(cfg, stop_after_updates=1))
     saved = torch.load(tmp_path / "out" / "ckpt.pt", weights_only=False)["rng"]
-    run = train.Run(train.Config(cfg, resume=True))
+    run = train.Run(plan.resolve(settings.Config(cfg, resume=True)))
     torch.manual_seed(12345), np.random.seed(12345), random.seed(12345)
     run.resume_or_start()
     assert torch.equal(torch.get_rng_state(), saved["torch"])
@@ -451,16 +453,16 @@ def test_sigterm_checkpoints_and_resume_matches_an_uninterrupted_run(text_cache,
 
 def test_resume_refuses_another_recipe_but_accepts_other_execution(text_cache, tmp_path, capsys):
     cfg = small_config(text_cache, tmp_path)
-    train.train(train.Config(cfg, stop_after_updates=1))
+    train.train(settings.Config(cfg, stop_after_updates=1))
     with pytest.raises(configurator.ConfigError) as info:
-        train.train(train.Config(cfg, resume=True, learning_rate=1e-3))
+        train.train(settings.Config(cfg, resume=True, learning_rate=1e-3))
     assert "learning_rate" in str(info.value)
     assert "micro_batch_size" not in str(info.value)
     capsys.readouterr()
     assert train.main(cli_args(cfg) + ["--resume=True", "--epochs=3"]) == 2
     assert "epochs" in capsys.readouterr().err
     assert lookup(cfg.results_file, ["t", "status"]) == "interrupted"  # the refused sessions wrote nothing
-    entry = train.train(train.Config(cfg, resume=True, micro_batch_size=2, eval_batch_size=8))
+    entry = train.train(settings.Config(cfg, resume=True, micro_batch_size=2, eval_batch_size=8))
     assert entry["status"] == "complete" and entry["sessions"] == 2
     assert entry["tokens"] == 2 * N_SEQUENCES * SEQ_LEN
 
@@ -481,14 +483,16 @@ RECIPE_KEYS = {"preset", "vocab_size", "dim", "n_layers", "n_heads", "hidden_dim
 def test_every_default_is_classified():
     """The declared roles are the ones this list pins: a key that moves between recipe and execution changes
     which runs count as the same recipe."""
-    execution = settings.execution_keys()
-    assert not execution & RECIPE_KEYS
-    assert execution | RECIPE_KEYS == set(train.DEFAULTS), "classify the new key here and in settings.py"
+    execution, run = settings.execution_keys(), settings.keys_of_role(settings.RUN)
+    assert not execution & RECIPE_KEYS and not run & RECIPE_KEYS and not run & execution
+    assert execution | run | RECIPE_KEYS == set(train.DEFAULTS), "classify the new key here and in settings.py"
+    # the identity hashes these at any value; every other recipe key only off its default
+    assert settings.IDENTITY_KEYS <= RECIPE_KEYS and not {"optimizer", "residual_dtype"} & settings.IDENTITY_KEYS
 
 
 def recipe_id(cfg, cache_identity="cache"):
-    mcfg = train.model_config(cfg, 256)
-    return env.hash_json(train.recipe(cfg, mcfg, cache_identity))
+    mcfg = plan.model_config(cfg, 256)
+    return env.hash_json(settings.recipe(cfg, mcfg, cache_identity))
 
 
 @pytest.mark.parametrize("change", [dict(learning_rate=1e-3), dict(seed=1), dict(epochs=3), dict(dim=128),
@@ -497,7 +501,7 @@ def recipe_id(cfg, cache_identity="cache"):
                                     dict(tokens_per_update=1024), dict(train_subset_tokens=999)])
 def test_the_recipe_identity_follows_the_math(text_cache, tmp_path, change):
     cfg = small_config(text_cache, tmp_path)
-    assert recipe_id(train.Config(cfg, **change)) != recipe_id(cfg)
+    assert recipe_id(settings.Config(cfg, **change)) != recipe_id(cfg)
 
 
 @pytest.mark.parametrize("change", [dict(micro_batch_size=2), dict(compile=True), dict(attention_backend="math"),
@@ -505,7 +509,7 @@ def test_the_recipe_identity_follows_the_math(text_cache, tmp_path, change):
                                     dict(out_dir="elsewhere"), dict(loss_impl="chunked"), dict(log_interval=7)])
 def test_the_recipe_identity_ignores_execution(text_cache, tmp_path, change):
     cfg = small_config(text_cache, tmp_path)
-    assert recipe_id(train.Config(cfg, **change)) == recipe_id(cfg)
+    assert recipe_id(settings.Config(cfg, **change)) == recipe_id(cfg)
 
 
 # The recipe identities of the shipped configs (with a fixed cache identity), as recorded by every run of them:
@@ -521,21 +525,21 @@ SHIPPED_RECIPES = {
 @pytest.mark.parametrize("path", sorted(SHIPPED_RECIPES))
 def test_the_shipped_configs_keep_their_recipe_identity(path):
     identity, vocab = SHIPPED_RECIPES[path]
-    cfg = train.Config(configurator.load_config(train.DEFAULTS, [str(REPO / path)]))
-    mcfg = train.model_config(cfg, vocab)
-    assert env.hash_json(train.recipe(cfg, mcfg, "pinned-cache-identity")) == identity
+    cfg = settings.Config(configurator.load_config(train.DEFAULTS, [str(REPO / path)]))
+    mcfg = plan.model_config(cfg, vocab)
+    assert env.hash_json(settings.recipe(cfg, mcfg, "pinned-cache-identity")) == identity
 
 
 def test_the_recipe_identity_follows_the_data(text_cache, tmp_path):
     cfg = small_config(text_cache, tmp_path)
-    _, _, rec = train.setup(cfg)
+    _, _, rec = setup(cfg)
     assert env.hash_json(rec) == recipe_id(cfg, TokenCache(text_cache).identity)
     cache = TokenCache(text_cache)
     other = write_cache(tmp_path / "other", np.asarray(cache.train)[::-1], np.asarray(cache.val), 256)
-    _, _, rec_other = train.setup(train.Config(cfg, data_dir=str(other)))
+    _, _, rec_other = setup(settings.Config(cfg, data_dir=str(other)))
     assert env.hash_json(rec_other) != env.hash_json(rec)
     moved = write_cache(tmp_path / "moved", np.asarray(cache.train), np.asarray(cache.val), 256)
-    assert env.hash_json(train.setup(train.Config(cfg, data_dir=str(moved)))[2]) == env.hash_json(rec)
+    assert env.hash_json(setup(settings.Config(cfg, data_dir=str(moved)))[2]) == env.hash_json(rec)
 
 
 # ---------------------------------------------------------------- the results entry
@@ -546,7 +550,7 @@ def test_results_entry(text_cache, tmp_path):
     assert read_results(cfg.results_file)["t"] == json.loads(json.dumps(entry, default=str))
     val_tokens = len(TokenCache(text_cache).val)
     assert entry["status"] == "complete"
-    assert entry["parameters"] == sum(p.numel() for p in model_lib.Transformer(train.model_config(cfg, 256)).parameters())
+    assert entry["parameters"] == sum(p.numel() for p in model_lib.Transformer(plan.model_config(cfg, 256)).parameters())
     assert entry["tokens"] == 2 * N_SEQUENCES * SEQ_LEN and entry["step"] == 6 and entry["epochs"] == 2
     assert entry["best_subset_loss"] == min(p["loss"] for p in entry["validation_curve"])
     assert entry["validation_curve"][entry["best_epoch"] - 1]["loss"] == entry["best_subset_loss"]
@@ -561,11 +565,11 @@ def test_results_entry(text_cache, tmp_path):
     assert entry["training_seconds"] <= entry["training_elapsed_seconds"] <= entry["seconds_this_session"]
     assert entry["training_tokens_per_second"] == pytest.approx(entry["tokens"] / entry["training_seconds"])
     assert entry["elapsed_tokens_per_second"] == pytest.approx(entry["tokens"] / entry["training_elapsed_seconds"])
-    assert entry["recipe_identity"] == env.hash_json(train.setup(cfg)[2])
+    assert entry["recipe_identity"] == env.hash_json(setup(cfg)[2])
     assert [p["tokens"] for p in entry["validation_curve"]] == [N_SEQUENCES * SEQ_LEN, 2 * N_SEQUENCES * SEQ_LEN]
     for point in entry["validation_curve"]:
         assert point["loss"] > 0 and point["seconds"] >= 0
-    assert entry["flops_per_token"] == model_lib.flops_per_token(train.model_config(cfg, 256), SEQ_LEN)
+    assert entry["flops_per_token"] == model_lib.flops_per_token(plan.model_config(cfg, 256), SEQ_LEN)
     assert entry["environment"]["cache_identity"] == TokenCache(text_cache).identity
     assert (tmp_path / "out" / "ckpt.pt").exists()
 
@@ -575,9 +579,9 @@ def test_every_shipped_config_loads_and_passes_the_execution_checks(path):
     """A config file is read only when somebody runs it, maybe on a GPU machine: a key the defaults lack, a
     value of the wrong type, an unknown compile mode or a model shape that does not divide would fail there
     first."""
-    cfg = train.Config(configurator.load_config(train.DEFAULTS, [str(path)]))
-    train.check_execution(cfg)
-    train.model_config(cfg, 32000)
+    cfg = settings.Config(configurator.load_config(train.DEFAULTS, [str(path)]))
+    check_execution(cfg)
+    plan.model_config(cfg, 32000)
 
 
 def test_bad_micro_batch_size_lists_the_valid_ones(text_cache, tmp_path, capsys):
@@ -586,7 +590,7 @@ def test_bad_micro_batch_size_lists_the_valid_ones(text_cache, tmp_path, capsys)
         train.train(cfg)
     assert "micro_batch_size 3" in str(info.value) and "[1, 2, 4, 8]" in str(info.value)
     with pytest.raises(configurator.ConfigError, match=r"\[1, 2, 4\]"):
-        train.check_execution(cfg, world_size=2)
+        check_execution(cfg, world_size=2)
     assert train.main(cli_args(cfg)) == 2
     assert "valid sizes" in capsys.readouterr().err
     assert not Path(cfg.results_file).exists()
@@ -614,7 +618,7 @@ def test_bad_micro_batch_size_lists_the_valid_ones(text_cache, tmp_path, capsys)
 def test_bad_execution_keys_are_refused_before_any_work(text_cache, tmp_path, capsys, change, word):
     cfg = small_config(text_cache, tmp_path, **change)
     with pytest.raises(configurator.ConfigError, match=word):
-        train.check_execution(cfg)
+        check_execution(cfg)
     assert train.main(cli_args(cfg)) == 2
     assert word in capsys.readouterr().err
     assert not Path(cfg.results_file).exists() and not (Path(cfg.out_dir) / "ckpt.pt").exists()
@@ -624,7 +628,7 @@ def test_bad_execution_keys_are_refused_before_any_work(text_cache, tmp_path, ca
 def test_fa4_without_flash_attn_4_is_refused_before_any_work(text_cache, tmp_path, capsys):
     cfg = small_config(text_cache, tmp_path, attention_backend="fa4")
     with pytest.raises(configurator.ConfigError, match="needs the flash-attn-4 package"):
-        settings.check_device(cfg, torch.device("cpu"))
+        plan.check_device(cfg, torch.device("cpu"))
     assert train.main(cli_args(cfg)) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: attention_backend: ") and "Traceback" not in err
@@ -634,7 +638,7 @@ def test_fa4_without_flash_attn_4_is_refused_before_any_work(text_cache, tmp_pat
 def test_fa4_on_the_cpu_is_refused_rather_than_run_as_another_kernel(text_cache, tmp_path, capsys,
                                                                       flash_attn_4_stand_in):
     cfg = small_config(text_cache, tmp_path, attention_backend="fa4")
-    train.check_execution(cfg)  # the package imports
+    check_execution(cfg)  # the package imports
     assert train.main(cli_args(cfg)) == 2
     err = capsys.readouterr().err
     assert "fa4 runs on Hopper and Blackwell GPUs only" in err and err.count("\n") == 1
@@ -702,20 +706,21 @@ def free_port():
 DDP_WORKER = """
 import json, os, sys
 import torch
+import distributed
+import plan
 import settings
-import train
 import trainer as trainer_lib
 from data.loader import TokenCache, TrainData
-cfg = train.Config(json.loads(sys.argv[1]))
-rank, _, world_size = trainer_lib.distributed()
+cfg = settings.Config(json.loads(sys.argv[1]))
+rank, _, world_size = distributed.distributed()
 cache = TokenCache(cfg.data_dir)
 data = TrainData(cache.train, cfg.seq_len, cfg.tokens_per_update // cfg.seq_len, cfg.seed, cfg.train_subset_tokens)
-trainer = trainer_lib.Trainer(cfg, train.model_config(cfg, cache.vocab_size), "cpu", 10, world_size=world_size)
+trainer = trainer_lib.Trainer(cfg, plan.model_config(cfg, cache.vocab_size), "cpu", 10, world_size=world_size)
 losses = []
 for u in (0, data.updates_per_epoch - 1):  # a full update and the partial last one
     batches, n_tokens = data.micro_batches(0, u, cfg.micro_batch_size, rank, world_size)
     loss_sum, grad_norm = trainer.update(batches, n_tokens)
-    losses.append(trainer_lib.all_reduce_sum(loss_sum, world_size).item() / n_tokens)
+    losses.append(distributed.all_reduce_sum(loss_sum, world_size).item() / n_tokens)
 if rank == 0:
     torch.save({"losses": losses, "params": dict(trainer.raw_model.named_parameters())}, sys.argv[2])
 del trainer  # free the DDP wrapper before the process group, as train.main does
@@ -774,7 +779,7 @@ def test_torchrun_training_on_two_processes(text_cache, tmp_path):
     assert entry["status"] == "complete" and entry["world_size"] == 2
     assert entry["tokens"] == 2 * N_SEQUENCES * SEQ_LEN
     assert entry["final_validation"]["tokens"] == len(TokenCache(text_cache).val) - 1
-    single = train.train(train.Config(cfg, name="single", out_dir=str(tmp_path / "single")))
+    single = train.train(settings.Config(cfg, name="single", out_dir=str(tmp_path / "single")))
     assert entry["final_validation"]["loss"] == pytest.approx(single["final_validation"]["loss"], rel=1e-5)
     assert_close_parameters(checkpoint_parameters(tmp_path / "out"), checkpoint_parameters(tmp_path / "single"), 1e-4)
 
@@ -799,7 +804,7 @@ def test_two_nodes_through_torchruns_rendezvous_train_as_one_process(text_cache,
     entry = read_results(cfg.results_file)["nodes"]
     assert entry["status"] == "complete" and entry["world_size"] == 2
     assert entry["tokens"] == 2 * N_SEQUENCES * SEQ_LEN
-    single = train.train(train.Config(cfg, name="single", out_dir=str(tmp_path / "single")))
+    single = train.train(settings.Config(cfg, name="single", out_dir=str(tmp_path / "single")))
     assert entry["final_validation"]["loss"] == pytest.approx(single["final_validation"]["loss"], rel=1e-5)
 
 
@@ -809,9 +814,9 @@ def test_the_recipe_identity_is_of_the_resolved_model(text_cache, tmp_path):
     shape = ("dim", "n_layers", "n_heads", "hidden_dim")
     zeros = small_config(text_cache, tmp_path, **dict.fromkeys(shape, 0))
     preset = train.model_lib.get_preset(zeros.preset)
-    spelled_out = train.Config(zeros, **{k: getattr(preset, k) for k in shape})
+    spelled_out = settings.Config(zeros, **{k: getattr(preset, k) for k in shape})
     assert spelled_out != zeros and recipe_id(spelled_out) == recipe_id(zeros)
-    assert recipe_id(train.Config(spelled_out, n_layers=preset.n_layers + 1)) != recipe_id(zeros)
+    assert recipe_id(settings.Config(spelled_out, n_layers=preset.n_layers + 1)) != recipe_id(zeros)
 
 
 def test_prefetcher_thread_ends_when_training_stops_early(text_cache, tmp_path):
@@ -831,7 +836,7 @@ def test_regional_compilation_keeps_the_math_and_the_checkpoint_names(text_cache
     eager, and the same state_dict keys, so checkpoints move between scopes."""
     cfg = small_config(text_cache, tmp_path)
     data = train_data(cfg)
-    eager, compiled = make_trainer(cfg), make_trainer(train.Config(cfg, compile=True, compile_scope="blocks"))
+    eager, compiled = make_trainer(cfg), make_trainer(settings.Config(cfg, compile=True, compile_scope="blocks"))
     assert list(compiled.raw_model.state_dict()) == list(eager.raw_model.state_dict())
     batches, n_tokens = data.micro_batches(0, 0, cfg.micro_batch_size)
     loss_e, norm_e = eager.update(batches, n_tokens)
@@ -866,7 +871,7 @@ def test_an_activation_memory_budget_saves_less_for_backward_with_the_same_math(
     results = {}
     for budget in (1.0, 0.3):
         torch._dynamo.reset()  # else the second trainer would reuse the first one's compiled graphs
-        trainer = make_trainer(train.Config(cfg, compile=True, activation_memory_budget=budget))
+        trainer = make_trainer(settings.Config(cfg, compile=True, activation_memory_budget=budget))
         storages = {}
 
         def keep(t):

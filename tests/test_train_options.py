@@ -12,6 +12,8 @@ import hf
 import train
 from results import lookup
 from tests.test_train import REPO, checkpoint_parameters, cli_args, small_config
+import settings
+from tests.conftest import setup
 
 
 def one_line_error(capsys, *words):
@@ -55,7 +57,7 @@ def test_a_rerun_of_a_name_is_refused_unless_resumed_or_overwritten(text_cache, 
     assert train.main(cli_args(cfg)) == 2
     one_line_error(capsys, "--resume=True", "--overwrite=True", str(ckpt))
     assert ckpt.read_bytes() == before  # nothing trained, nothing written
-    again = train.train(train.Config(cfg, overwrite=True, seed=7))
+    again = train.train(settings.Config(cfg, overwrite=True, seed=7))
     assert again["status"] == "complete" and ckpt.read_bytes() != before
 
 
@@ -79,8 +81,8 @@ def test_init_from_a_checkpoint_takes_its_shape_and_weights_and_names_them_in_th
     assert entry["recipe"]["init_weights"] == checkpoint.weights_sha256(a)
     assert "init_from" not in entry["recipe"]  # the weights count, not the path they were read from
     plain = small_config(text_cache, tmp_path, name="plain", out_dir=str(tmp_path / "plain"), epochs=0)
-    assert "init_weights" not in train.setup(plain)[2]
-    assert train.setup(plain)[2] != entry["recipe"]
+    assert "init_weights" not in setup(plain)[2]
+    assert setup(plain)[2] != entry["recipe"]
 
 
 def test_init_from_a_transformers_folder_starts_from_its_weights(text_cache, tmp_path):

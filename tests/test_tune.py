@@ -11,6 +11,7 @@ import train
 import tune
 from results import read_results, record
 from tests.conftest import flash_attn_4_installed
+import settings
 
 # An eager tiny model: screens and confirmations of a few updates, and four levers, two of which cannot run: a
 # micro-batch size that does not divide the update, and cuDNN attention, which has no CPU kernel. Every screen
@@ -72,7 +73,7 @@ def test_cpu_sweep_screens_confirms_selects_reports_and_reuses(tmp_path, text_ca
     assert cfg["micro_batch_size"] == selected["micro_batch_size"] and cfg["loss_impl"] == selected["loss_impl"]
     assert cfg["compile"] is False and cfg["n_layers"] == 2 and cfg["data_dir"] == str(text_cache)
     assert "results_file" not in path.read_text()  # the sweep's own file is no setting
-    run = train.train(train.Config(cfg, epochs=1, results_file=str(results), out_dir=str(tmp_path / "run"),
+    run = train.train(settings.Config(cfg, epochs=1, results_file=str(results), out_dir=str(tmp_path / "run"),
                                    full_validation=False, val_subset_tokens=512))
     assert run["status"] == "complete"
 
@@ -91,7 +92,7 @@ def test_only_successes_are_reused(tmp_path, text_cache, monkeypatch):
     error, which may have been the budget's cut or a passing fault."""
     monkeypatch.setattr(env, "source_hash", lambda root=env.REPO: "the same code")
     results = tmp_path / "results.json"
-    cfg = train.Config(tune.DEFAULTS, data_dir=str(text_cache), results_file=str(results),
+    cfg = settings.Config(tune.DEFAULTS, data_dir=str(text_cache), results_file=str(results),
                        tuned_dir=str(tmp_path / "tuned"))
     runner = tune.BenchRunner(cfg)
     ok, failed = dict(cfg, micro_batch_size=4), dict(cfg, micro_batch_size=2)

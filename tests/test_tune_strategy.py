@@ -130,7 +130,7 @@ def test_an_eager_incumbent_has_its_scope_and_activation_memory_tried_compiled()
 
 
 def tune_cfg(**overrides):
-    return train.Config(dict(tune.DEFAULTS, **overrides))
+    return settings.Config(dict(tune.DEFAULTS, **overrides))
 
 
 def test_the_levers_values_come_from_their_declarations():

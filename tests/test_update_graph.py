@@ -16,6 +16,7 @@ import plots
 import train
 import trainer as trainer_lib
 from tests.test_optim import SETTINGS, saved, tiny_model, train_steps
+import settings
 
 GRAPH = dict(SETTINGS, update_graph=True, compile=True)
 
@@ -94,7 +95,7 @@ class Compiled:
 
 
 def compiled_trainer(name, update_graph, micro_batch_size=4):
-    cfg = train.Config(dict(train.DEFAULTS, preset="20m", dim=64, n_layers=2, n_heads=2, hidden_dim=128, seq_len=32,
+    cfg = settings.Config(dict(train.DEFAULTS, preset="20m", dim=64, n_layers=2, n_heads=2, hidden_dim=128, seq_len=32,
                             device="cpu", cpu_threads=1, tokens_per_update=4 * 32, micro_batch_size=micro_batch_size,
                             compile=True, update_graph=update_graph, optimizer=name, warmup_updates=2,
                             loss_impl="full"))
@@ -204,7 +205,7 @@ def test_train_py_resumes_a_run_saved_without_update_graph_with_it(text_cache, t
     saved groups' fused form and float rates)."""
     from tests.test_train import small_config
     cfg = small_config(text_cache, tmp_path, compile=True, epochs=1)
-    assert train.train(train.Config(cfg, stop_after_updates=2))["status"] == "interrupted"
+    assert train.train(settings.Config(cfg, stop_after_updates=2))["status"] == "interrupted"
     seen = []
     compile_step = trainer_lib.Trainer.compile_step
 
@@ -212,6 +213,6 @@ def test_train_py_resumes_a_run_saved_without_update_graph_with_it(text_cache, t
         seen.extend(dict(g) for g in self.optimizer.param_groups)
         return compile_step(self)
     monkeypatch.setattr(trainer_lib.Trainer, "compile_step", spy)
-    last = train.train(train.Config(cfg, resume=True, update_graph=True))
+    last = train.train(settings.Config(cfg, resume=True, update_graph=True))
     assert last["status"] == "complete" and last["sessions"] == 2 and plots.finite_number(last["final_validation"]["loss"])
     assert seen and all(torch.is_tensor(g["lr"]) and g["capturable"] and g["foreach"] for g in seen)

@@ -1,0 +1,381 @@
+"""compare.py's matched mode: a baseline and an optimized run of one recipe (and the baseline at other seeds, for the
+training noise), trained or reused, and the verdict that the faster execution kept the math: the same recipe
+identity, and final validation losses that agree within the larger of the validation noise and the training noise
+(docs/PERFORMANCE.md, "Matched runs", says how far to trust it). The verdict goes to results["matched-comparison"],
+with a plot of both runs' loss curves."""
+import dataclasses
+import math
+import shlex
+import statistics
+from pathlib import Path
+
+import env
+import plots
+import settings
+from configurator import load_config
+from results import SECTIONS, lookup, read_results, record
+from runs import (TRAIN_DEFAULTS, CompareError, check_plot_path, run_folders, run_recipe, seed_run_name,
+                  train_all)
+from settings import setting
+
+
+@dataclasses.dataclass
+class Matched:
+    """the matched mode (--mode=matched)"""
+    baseline: str = setting("", "with optimized: compare these two finished runs, train nothing")
+    optimized: str = setting("", "see baseline")
+    tuned: bool = setting(False, 'layer results["tuning"]["selected"]["config_path"] on the optimized side')
+    optimized_overrides: str = setting("", "space-separated --key=value for the optimized run only (a lever to try)")
+    allow_recipe_change: bool = setting(False, 'compare runs whose recipes differ, labelled "recipe change"')
+    baseline_micro_batch_size: int = setting(8, "the plain baseline's micro-batch", bounds=">= 1")
+    noise_seed_runs: int = setting(1, "runs of the baseline at seeds seed+1, seed+2, ... (<name>-baseline-seed<N>) "
+                                      "whose spread of final validation loss with the baseline's measures training "
+                                      "noise; 0: none (then give --noise_runs, or only validation noise counts)",
+                                   bounds=">= 0")
+    noise_runs: str = setting("", "comma-separated finished runs (repeats, other seeds) that measure it too, beside "
+                                  "the seed runs; each the baseline's recipe, its seed aside, and not a compared run")
+
+
+# How the baseline executes: the plainest way, whatever the config asks for ("auto" attention can be fa4).
+BASELINE_EXECUTION = {"compile": False, "attention_backend": "sdpa", "loss_impl": "full"}
+# Bulky fields of a run's entry that the comparison leaves out (the run's own entry keeps them).
+BULKY = ("environment", "config", "recipe")
+NOISE_SIGMAS = 3  # standard deviations of a difference of two runs that the training-noise tolerance allows
+FIRM_NOISE_RUNS = 3  # noise runs under which a failed verdict suggests more: P(|t_3| > 3) = 0.06 at worst
+TOLERANCE_RULE = ("|optimized - baseline| final validation loss <= the larger of the validation noise, 3 * "
+                  "sqrt(se_baseline^2 + se_optimized^2) with se = loss_std / sqrt(tokens) of each run's full "
+                  "validation (neighbouring tokens' losses are correlated, so this is a lower bound)")
+NOISE_RULE = ("; and the training noise, 3 * sqrt(2) * s with s the sample standard deviation of the final "
+              "validation losses of the baseline and its noise runs (its recipe at other seeds, or repeats): "
+              "3 * |d| for one noise run, d the difference of the two baseline runs. A single difference is a "
+              "one-degree-of-freedom estimate (a same-math run whose execution noise is as large as a seed's "
+              "exceeds it with probability 0.20; 0.06 with three noise runs), and the validation noise is the "
+              "floor under one that happens to be small")
+NO_NOISE_RULE = ("; no noise run was given (noise_seed_runs=0 and no --noise_runs), so training noise is not "
+                 "counted, and two executions of one recipe can differ by more than this")
+
+
+# ---------------------------------------------------------------- the runs' configs
+
+def side_configs(cfg):
+    """(baseline, optimized) train.py configs of one recipe, named <name>-baseline and <name>-optimized."""
+    given = {k: cfg[k] for k in TRAIN_DEFAULTS}
+    base = dict(given, micro_batch_size=cfg.baseline_micro_batch_size, **BASELINE_EXECUTION)
+    layers = []
+    if cfg.tuned:
+        path = lookup(cfg.results_file, ["tuning", "selected", "config_path"])
+        if not path or not isinstance(path, str):
+            raise CompareError(f"--tuned=True but results file {cfg.results_file} has no tuning.selected.config_path; "
+                               f"run tune.py first, or drop --tuned")
+        if not Path(path).is_file():
+            raise CompareError(f"the tuned config {path} (tuning.selected.config_path in {cfg.results_file}) "
+                               f"does not exist; run tune.py again, or drop --tuned")
+        layers.append(str(path))
+    try:
+        layers += shlex.split(cfg.optimized_overrides)
+    except ValueError as exc:
+        raise CompareError(f"--optimized_overrides={cfg.optimized_overrides!r} does not parse ({exc}); give "
+                           f"space-separated --key=value, quoted as a whole") from None
+    # The given config's train keys act as the defaults, so a layer can only set train.py's keys.
+    opt = load_config(given, layers)
+    sides = []
+    for side, c in (("baseline", base), ("optimized", opt)):
+        # Separate names and folders, or the two runs would overwrite each other's entry and checkpoint.
+        c.update(name=f"{cfg.name}-{side}", results_file=cfg.results_file, **run_folders(cfg, side))
+        sides.append(settings.Config(c))
+    return sides
+
+
+def noise_configs(cfg, base):
+    """The noise runs to train: the baseline's config at seeds seed+1 .. seed+noise_seed_runs, each under its
+    own name (<name>-baseline-seed<N>) and folder."""
+    runs = []
+    for seed in range(base.seed + 1, base.seed + 1 + cfg.noise_seed_runs):
+        folders = run_folders(cfg, f"baseline-seed{seed}")
+        runs.append(settings.Config(dict(base, seed=seed, name=seed_run_name(base.name, seed), **folders)))
+    return runs
+
+
+def check_before_training(cfg, sides):
+    """Refuse what would fail or mean nothing after hours of training, before starting either run.
+
+    Returns the two recipe identities that train.py will record.
+    """
+    if not all(c.full_validation for c in sides):
+        raise CompareError("the verdict compares the full validation losses; set full_validation=True "
+                           "(in the config and in any --optimized_overrides)")
+    check_plot_path(plot_file(cfg))
+    # micro-batch, mode and scope: the baseline's come from its own keys
+    hint = {"baseline": " (the baseline's micro-batch is --baseline_micro_batch_size)"}
+    recipes = [run_recipe(side, c, hint.get(side, "")) for side, c in zip(("baseline", "optimized"), sides)]
+    differ = settings.recipe_differences(*recipes)
+    if differ and not cfg.allow_recipe_change:
+        raise CompareError(refusal(sides[0].name, sides[1].name, differ))
+    if differ:
+        print(f"recipe change allowed: {', '.join(differ)} differ between the runs")
+    return [env.hash_json(rec) for rec in recipes]
+
+
+def refusal(baseline_name, optimized_name, differ):
+    fields = ", ".join(differ) if differ else "unknown (an entry has no recipe)"
+    return (f"{baseline_name} and {optimized_name} have different recipes (fields that differ: {fields}); a matched "
+            f"comparison changes only the execution. Pass --allow_recipe_change=True to compare them as a recipe change")
+
+
+# ---------------------------------------------------------------- the comparison
+
+def finished_run(results, name, results_file):
+    entry = results.get(name)
+    if name in SECTIONS or not isinstance(entry, dict) or "recipe_identity" not in entry:
+        runs = [k for k in plots.training_runs(results) if k not in SECTIONS]
+        raise CompareError(f"results file {results_file} has no run named {name!r}; runs there: "
+                           f"{', '.join(runs) or 'none'}")
+    fv = entry.get("final_validation")
+    if entry.get("status") != "complete":
+        raise CompareError(f"run {name} is not complete (status {entry.get('status')!r}); finish it "
+                           f"(train.py --resume=True --name={name}) or compare another run")
+    if not fv:
+        raise CompareError(f"run {name} is complete without a final validation (full_validation was off); train "
+                           f"it again with full_validation=True, or compare another run")
+    if not isinstance(fv, dict):  # a file edited by hand, or not written by train.py
+        raise CompareError(f"run {name}'s final_validation is a {type(fv).__name__}, not train.py's record of it")
+    if not plots.finite_number(fv.get("loss")):  # results.py writes a diverged run's NaN as null
+        raise CompareError(f"run {name} diverged: its final validation loss is not a finite number, so it matches "
+                           f"nothing; lower its learning rate, or compare another run")
+    if curve := plots.bad_curve(entry):
+        raise CompareError(f"run {name}'s {curve} is not a list of points (objects with a loss), as train.py "
+                           f"records it; compare another run")
+    missing = [k for k in ("loss_std", "tokens") if not plots.finite_number(fv.get(k))]
+    missing += ["tokens"] if not missing and fv["tokens"] <= 0 else []  # a count that divides the error
+    if missing:
+        raise CompareError(f"run {name}'s final validation has no {' or '.join(missing)}, so no tolerance can be "
+                           f"computed; train it again with this train.py")
+    return entry
+
+
+def standard_error(final_validation):
+    return final_validation["loss_std"] / math.sqrt(final_validation["tokens"])
+
+
+def tolerance(fv_a, fv_b):
+    """Three standard errors of the difference of two mean per-token validation losses.
+
+    Neighbouring tokens' losses are correlated (same document, same context), so loss_std / sqrt(tokens)
+    underestimates each run's standard error: this SE is a lower bound and the test is strict. (Both runs are
+    scored on the same tokens, which correlates their errors and would make the true SE of the difference
+    smaller again; the rule models neither effect.)
+    """
+    return 3 * math.sqrt(standard_error(fv_a) ** 2 + standard_error(fv_b) ** 2)
+
+
+def training_noise(results, names, results_file, baseline_name, optimized_name):
+    """{name: final validation loss} of the noise runs, and the sample standard deviation of those losses and
+    the baseline's.
+
+    A noise run must be the baseline's recipe, its seed aside, and neither of the two runs compared: any other
+    run's loss would widen the tolerance with a difference of math (the compared pair as its own noise passes
+    whatever their difference; the baseline counts already)."""
+    compared = {baseline_name, optimized_name} & set(names)
+    if compared:
+        raise CompareError(f"--noise_runs names {', '.join(sorted(compared))}, a run being compared; give other "
+                           f"runs of the baseline's recipe (repeats, other seeds)")
+    baseline = shape_free(results[baseline_name].get("recipe") or {})
+    losses = {}
+    for n in names:
+        entry = finished_run(results, n, results_file)
+        differ = [k for k in settings.recipe_differences(baseline, shape_free(entry.get("recipe") or {})) if k != "seed"]
+        if differ:
+            raise CompareError(f"noise run {n} is not the baseline's recipe (it differs in {', '.join(differ)}); "
+                               f"give repeats or other seeds of {baseline_name}'s recipe")
+        losses[n] = entry["final_validation"]["loss"]
+    return losses, statistics.stdev([results[baseline_name]["final_validation"]["loss"], *losses.values()])
+
+
+def shape_free(recipe):
+    """A recipe without the config's model fields, which older runs recorded beside the resolved "model"
+    (dim=0 and dim=320 are one model); the resolved model stays."""
+    return {k: v for k, v in recipe.items() if k not in settings.keys_of_role(settings.MODEL)} if "model" in recipe else recipe
+
+
+def verdict_tolerance(results, results_file, baseline_name, optimized_name, noise_names):
+    """The tolerance, its two parts and the rule that made it, as the comparison records them."""
+    validation = tolerance(results[baseline_name]["final_validation"], results[optimized_name]["final_validation"])
+    fields = {"tolerance": validation, "validation_tolerance": validation,
+              "tolerance_rule": TOLERANCE_RULE + NO_NOISE_RULE}
+    if noise_names:
+        losses, std = training_noise(results, noise_names, results_file, baseline_name, optimized_name)
+        noise = NOISE_SIGMAS * math.sqrt(2) * std
+        fields.update(tolerance=max(validation, noise), tolerance_rule=TOLERANCE_RULE + NOISE_RULE,
+                      noise_runs=losses, training_noise_std=std, training_noise_tolerance=noise)
+    return fields
+
+
+def recorded_seed_runs(results, baseline_name, count):
+    """The noise seed runs of a finished baseline that the results file holds complete: <baseline>-seed<N> for
+    N = its seed + 1 .. its seed + count, as compare.py trains them."""
+    seed = (results[baseline_name].get("config") or {}).get("seed")
+    if not isinstance(seed, int):
+        return []
+    names = [seed_run_name(baseline_name, seed + i) for i in range(1, count + 1)]
+    return [n for n in names if isinstance(results.get(n), dict) and results[n].get("status") == "complete"]
+
+
+def run_summary(entry):
+    curve = [{k: p.get(k) for k in ("epoch", "tokens", "loss", "seconds", "training_seconds")}
+             for p in entry.get("validation_curve") or []]
+    return {"median_training_tokens_per_second": entry.get("median_training_tokens_per_second"),
+            "validation_curve": curve, "final_validation": entry["final_validation"],
+            "result": {k: v for k, v in entry.items() if k not in BULKY}}
+
+
+def compare_runs(results_file, baseline_name, optimized_name, allow_recipe_change, plot_path, noise_runs="",
+                 seed_runs=None, noise_seed_runs=1):
+    """Compare two finished runs, record results["matched-comparison"], print the table; returns the entry.
+
+    The noise runs are seed_runs (those just trained; None: the baseline's seed runs the results file holds, up
+    to noise_seed_runs) and the comma-separated noise_runs."""
+    if baseline_name == optimized_name:
+        raise CompareError(f"--baseline and --optimized both name {baseline_name!r}; compare two different runs")
+    results = read_results(results_file)
+    b = finished_run(results, baseline_name, results_file)
+    o = finished_run(results, optimized_name, results_file)
+    identity_equal = b["recipe_identity"] == o["recipe_identity"]
+    differ = settings.recipe_differences(b.get("recipe") or {}, o.get("recipe") or {})
+    if not identity_equal and not allow_recipe_change:
+        raise CompareError(refusal(baseline_name, optimized_name, differ))
+    if seed_runs is None:
+        seed_runs = recorded_seed_runs(results, baseline_name, noise_seed_runs)
+    names = list(dict.fromkeys([*seed_runs, *(n.strip() for n in noise_runs.split(",") if n.strip())]))
+    tol = verdict_tolerance(results, results_file, baseline_name, optimized_name, names)
+    difference = o["final_validation"]["loss"] - b["final_validation"]["loss"]
+    agree = abs(difference) <= tol["tolerance"]
+    rb, ro = (e.get("median_training_tokens_per_second") for e in (b, o))
+    rb, ro = (r if plots.finite_number(r) and r > 0 else None for r in (rb, ro))  # a rate, or none to compare
+    comparison = {
+        baseline_name: run_summary(b),
+        optimized_name: run_summary(o),
+        "speed_ratio": ro / rb if rb and ro else None,
+        "loss_difference": difference,
+        **tol,
+        "recipe_identity_equal": identity_equal,
+        "recipe_differences": differ,
+        "losses_agree": agree,
+        "recipe_equal_except_execution": identity_equal and agree,
+        "label": "matched run" if identity_equal else "recipe change",
+        "plot": str(plot_path),
+        "baseline": baseline_name,
+        "optimized": optimized_name,
+        "run_id": env.new_run_id(),
+    }
+    record(results_file, ["matched-comparison"], comparison)
+    print_table(comparison, b, o)
+    plots.save_plot(plot_path, [(baseline_name, b), (optimized_name, o)])
+    print(f"recorded matched-comparison in {results_file}; plot {plot_path}")
+    return comparison
+
+
+# ---------------------------------------------------------------- the table
+
+# Execution keys that say how the update ran (the others name files, logging and stopping).
+SHOWN_EXECUTION = ("compile_mode", "compile_scope", "attention_backend", "loss_impl", "loss_chunk_tokens",
+                   "mlp_impl", "update_graph", "activation_memory_budget", "cpu_threads")
+
+
+def execution_summary(cfg):
+    """'mb 32, compile True, loss_impl fused, ...': the micro-batch, compile, and every shown key off its default."""
+    changed = [f"{k} {cfg[k]}" for k in SHOWN_EXECUTION if k in cfg and cfg[k] != TRAIN_DEFAULTS[k]]
+    return ", ".join([f"mb {cfg.get('micro_batch_size', '?')}", f"compile {cfg.get('compile', '?')}"] + changed)
+
+
+def table_rows(entry):
+    fv = entry["final_validation"]
+    cfg = entry.get("config") or {}
+    best = entry.get("best_subset_loss")
+    peak = entry.get("peak_memory_bytes")
+    return [
+        ("status", entry.get("status")),
+        ("execution", execution_summary(cfg)),
+        ("recipe identity", entry["recipe_identity"][:12]),
+        ("updates", f"{entry.get('step')}/{entry.get('total_updates')}"),
+        ("tokens", plots.fmt(entry.get("tokens"), ",")),
+        ("final validation loss", f"{fv['loss']:.4f} ± {standard_error(fv):.4f}"),
+        ("best subset loss", f"{best:.4f} (epoch {entry.get('best_epoch')})" if best is not None else "-"),
+        ("median training tok/s", plots.fmt(entry.get("median_training_tokens_per_second"), ",.0f")),
+        ("training seconds", plots.fmt(entry.get("training_seconds"), ".1f")),
+        ("elapsed seconds", plots.fmt(entry.get("training_elapsed_seconds"), ".1f")),
+        ("peak memory", plots.fmt(peak / 2**30 if plots.finite_number(peak) else None, ".2f", " GiB")),
+    ]
+
+
+def verdict(comparison):
+    if comparison["label"] == "recipe change":
+        differ = ", ".join(comparison["recipe_differences"]) or "recipe identity"
+        return (f"recipe change ({differ}): not a matched run; "
+                f"losses {'agree within' if comparison['losses_agree'] else 'differ beyond'} the tolerance")
+    if comparison["losses_agree"]:
+        speed = f"the {comparison['speed_ratio']:.2f}x speed" if comparison["speed_ratio"] else "the execution"
+        return f"matched run: same recipe, losses agree; {speed} kept the math"
+    text = "matched run, but the losses differ beyond the tolerance: not shown to keep the math"
+    runs = len(comparison.get("noise_runs") or {})
+    if not runs:
+        return text + " (training noise not counted: no noise run)"
+    if runs < FIRM_NOISE_RUNS:  # with execution noise as large as a seed's, 1 in 5 (1 run) or 10 (2) fails
+        text += (f" (with {runs} noise run{'' if runs == 1 else 's'} the training noise is a rough estimate: "
+                 f"--noise_seed_runs={FIRM_NOISE_RUNS} would firm the verdict up)")
+    return text
+
+
+def tolerance_sources(comparison):
+    """'validation noise ±0.012, training noise ±0.034 (s 0.008 over the baseline and 1 noise run: ...)'."""
+    text = f"validation noise ±{comparison['validation_tolerance']:.5f}"
+    if "noise_runs" not in comparison:
+        return text + "; training noise not measured (noise_seed_runs=0, no --noise_runs)"
+    runs = comparison["noise_runs"]
+    noise, std = comparison["training_noise_tolerance"], comparison["training_noise_std"]
+    return (text + f", training noise ±{noise:.5f} (s {std:.5f} over the baseline and {len(runs)} noise "
+            f"run{'s' if len(runs) > 1 else ''}: {', '.join(runs)})")
+
+
+def print_table(comparison, baseline, optimized):
+    """The two runs side by side, then the speed ratio, the loss difference, the tolerance and the verdict."""
+    rows_b, rows_o = table_rows(baseline), table_rows(optimized)
+    width = max(len(str(v)) for _, v in rows_b + [("", comparison["baseline"])])
+    lines = [f"{'':>22}  {comparison['baseline']:<{width}}  {comparison['optimized']}"]
+    lines += [f"{k:>22}  {str(vb):<{width}}  {vo}" for (k, vb), (_, vo) in zip(rows_b, rows_o)]
+    ratio, within = plots.fmt(comparison["speed_ratio"], ".2f", "x"), "within" if comparison["losses_agree"] else "OUTSIDE"
+    lines += [f"{'speed ratio':>22}  {ratio} (optimized / baseline median training tok/s)",
+              f"{'loss difference':>22}  {comparison['loss_difference']:+.5f} (tolerance ±{comparison['tolerance']:.5f}: "
+              f"{within})",
+              f"{'tolerance from':>22}  {tolerance_sources(comparison)}",
+              f"{'verdict':>22}  {verdict(comparison)}"]
+    print("\n".join(lines))
+
+
+# ---------------------------------------------------------------- the mode
+
+def plot_file(cfg):
+    return cfg.plot or f"out/{cfg.name}-comparison.png"
+
+
+def matched_mode(cfg):
+    """Train (or reuse) the baseline, the optimized run and the noise runs, or take two finished runs; record the
+    comparison, print the table and draw the plot; returns the comparison."""
+    plot = plot_file(cfg)
+    if cfg.baseline or cfg.optimized:
+        if not (cfg.baseline and cfg.optimized):
+            raise CompareError("give both --baseline=NAME and --optimized=NAME to compare finished runs, or neither "
+                               "to train them")
+        if cfg.tuned or cfg.optimized_overrides:
+            raise CompareError("--tuned and --optimized_overrides shape runs to train; with --baseline and "
+                               "--optimized nothing is trained, so drop them")
+        check_plot_path(plot)
+        return compare_runs(cfg.results_file, cfg.baseline, cfg.optimized, cfg.allow_recipe_change, plot,
+                            cfg.noise_runs, noise_seed_runs=cfg.noise_seed_runs)
+    sides = side_configs(cfg)
+    noise = noise_configs(cfg, sides[0])
+    identities = check_before_training(cfg, sides)
+    # The noise runs last: a stop or a failure then leaves the compared pair done first.
+    identities += [env.hash_json(run_recipe("noise", c)) for c in noise]
+    train_all(cfg, zip(["baseline", "optimized"] + ["noise"] * len(noise), sides + noise, identities))
+    return compare_runs(cfg.results_file, sides[0].name, sides[1].name, cfg.allow_recipe_change, plot,
+                        cfg.noise_runs, seed_runs=[c.name for c in noise])

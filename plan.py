@@ -1,0 +1,220 @@
+"""A run's plan: checked settings in, a frozen record of the run to make out. Every check runs here, once, in one
+order (the settings' values and combinations, the processes, the device and what it can run, the results file, the
+data cache, the initial weights, the model's shape), so that a refused run has done no work and left nothing behind.
+train.py, bench.py, tune.py, compare.py and sample.py take the record it returns."""
+import dataclasses
+from pathlib import Path
+
+import torch
+
+import checkpoint
+import env
+import model as model_lib
+import settings
+from configurator import ConfigError
+from data.loader import CacheError, TokenCache, TrainData
+from distributed import distributed
+from results import ResultsFileError, check_writable
+
+USER_ERRORS = (ConfigError, ResultsFileError, CacheError)  # mistakes a user can fix: one line, never a traceback
+SYNTHETIC_VOCAB = 32000  # bench.py's synthetic tokens without a cache: the Llama tokenizer's vocabulary
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The run to make, resolved: what every script needs to build it, and nothing it must work out again."""
+    cfg: settings.Config            # the settings, checked
+    rank: int
+    local_rank: int
+    world_size: int
+    device: str                     # "cpu", "cuda" or, under torchrun, this process's "cuda:N"
+    attention: str                  # the attention backend that runs here ("auto" resolved)
+    attention_reason: str           # why that one
+    cache: TokenCache | None        # None: bench.py's synthetic data
+    model: model_lib.ModelConfig
+    initial: checkpoint.InitialWeights | None
+    recipe: dict                    # everything that changes the math (settings.recipe)
+    recipe_id: str
+    sequences_per_update: int
+    micro_steps: int
+
+    @property
+    def main_process(self):
+        return self.rank == 0
+
+
+def resolve(cfg, cls=settings.TrainSettings, world=None, synthetic=False):
+    """The plan of a run of cfg (a Config of cls's keys). world: (rank, local_rank, world_size), by default this
+    process's (torchrun's); compare.py passes one process for the runs it checks before training them. synthetic:
+    random tokens in place of the cache (bench.py's data_mode=synthetic)."""
+    settings.check(cls, cfg)
+    rank, local_rank, world_size = world or distributed()
+    sequences = settings.sequences_per_update(cfg, world_size)
+    device = resolve_device(cfg, local_rank if world is None else None)
+    attention, reason = check_device(cfg, torch.device(device))
+    if "results_file" in cfg:
+        check_writable(cfg.results_file)
+    cache = None if synthetic else open_cache(cfg)
+    initial = load_initial_weights(cfg)
+    mcfg = model_of(cfg, cache, initial)
+    if cache and "eval_interval" in cfg:  # a run that validates (train.py's lifecycle)
+        check_validation(cfg, cache)
+    rec = settings.recipe(cfg, mcfg, cache.identity if cache else None, initial.sha256 if initial else None)
+    return Plan(cfg, rank, local_rank, world_size, device, attention, reason, cache, mcfg, initial, rec,
+                env.hash_json(rec), sequences, settings.micro_steps(cfg, world_size))
+
+
+# ---------------------------------------------------------------- the device
+
+def resolve_device(cfg, local_rank=None):
+    """"cpu" or "cuda"; given this process's local rank, its own GPU ("cuda:N"), made the current one."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("this config trains on a GPU (device 'cuda') and PyTorch sees none; pass --device=cpu to "
+                          "run it on the CPU anyway (config/tiny_cpu.py is the model sized for one)")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    if device == "cuda" and local_rank is not None:
+        torch.cuda.set_device(local_rank)
+        return f"cuda:{local_rank}"
+    return device
+
+
+def check_device(cfg, device):
+    """What the machine decides: an attention backend, the FP8 head or quack's kernels where they cannot run, and
+    the profiler without a GPU. device: the torch.device the run will use. Returns (attention backend, why)."""
+    from kernels.attention import CUDA_ONLY_BACKENDS, fa4_problem, resolve_backend
+    if cfg.attention_backend == "fa4":
+        try:
+            model_lib.flash_attn_4()
+        except ValueError as exc:  # flash-attn-4 is not installed, or lacks the backward function the op calls
+            raise ConfigError(f"attention_backend: {exc}") from None
+    attention, reason = resolve_backend(cfg.attention_backend, device)
+    problem = fa4_problem(device) if attention == "fa4" else None
+    if problem:
+        raise ConfigError(f"attention_backend 'fa4': {problem}; choose auto, sdpa, flash, efficient, cudnn or math")
+    if attention in CUDA_ONLY_BACKENDS and device.type != "cuda":
+        raise ConfigError(f"attention_backend {attention!r} runs only on CUDA GPUs, not on {device.type}; choose "
+                          f"auto, sdpa, flash or math")
+    if cfg.lm_head_fp8 and device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            raise ConfigError(f"lm_head_fp8 needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, "
+                              f"Blackwell); {torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}; "
+                              f"set lm_head_fp8=False")
+    check_quack(cfg, device)
+    if cfg.get("profile") and device.type != "cuda":
+        raise ConfigError("profile records GPU kernel time, and this runs on the CPU (where it would record CPU "
+                          "operator time as kernel_ms); profile on a GPU, or drop profile")
+    return attention, reason
+
+
+def check_quack(cfg, device):
+    """loss_impl's and mlp_impl's quack choices run quack-kernels' CuTe kernels: a CUDA GPU of compute capability
+    9.0 with the package (kernels/quack_ops.py)."""
+    from kernels import quack_ops
+    for key in ("loss_impl", "mlp_impl"):
+        problem = cfg[key].startswith("quack") and quack_ops.quack_problem(device)
+        if problem:
+            others = [c for c in settings.field_of(settings.Execution, key).metadata["choices"]
+                      if not c.startswith("quack")]
+            raise ConfigError(f"{key} {cfg[key]!r} needs a CUDA GPU of compute capability 9.0 and the quack-kernels "
+                              f"package (pip install -r requirements-gpu.txt), but {problem}; choose "
+                              f"{', '.join(others)} instead")
+
+
+# ---------------------------------------------------------------- the data, the weights and the model
+
+def open_cache(cfg):
+    """The verified token cache of data_dir."""
+    try:
+        return TokenCache(cfg.data_dir, vocab_size=cfg.vocab_size)
+    except CacheError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def load_initial_weights(cfg):
+    """init_from's weights (None without it); a path that holds none, or a model outside the family, is a
+    ConfigError."""
+    if not cfg.get("init_from"):
+        return None
+    try:
+        return checkpoint.initial_weights(cfg.init_from)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def model_config(cfg, vocab):
+    """The model's shape: the preset with the config's overrides; a bad one is a ConfigError."""
+    overrides = {k: cfg[k] for k in settings.MODEL_SHAPE_KEYS[:-1] if cfg[k]}
+    try:
+        return model_lib.get_preset(cfg.preset, vocab_size=cfg.vocab_size or vocab, max_seq_len=cfg.seq_len,
+                                    **overrides)
+    except ValueError as exc:  # width not divisible by heads, ...
+        raise ConfigError(str(exc)) from None
+
+
+def initial_model_config(cfg, initial):
+    """With init_from, the model's shape is the weights' own; a shape key that contradicts it is refused."""
+    mcfg = dataclasses.replace(initial.config, max_seq_len=cfg.seq_len)  # rotary tables are not weights
+    contradicted = [f"{k}={cfg[k]} (the weights have {getattr(mcfg, k)})" for k in settings.MODEL_SHAPE_KEYS
+                    if cfg[k] and cfg[k] != getattr(mcfg, k)]
+    if contradicted:
+        raise ConfigError(f"init_from {cfg.init_from} fixes the model's shape, which the settings contradict: "
+                          f"{', '.join(contradicted)}; leave them at 0 or match the weights")
+    return mcfg
+
+
+def synthetic_vocab(cfg):
+    """The vocabulary of bench.py's synthetic tokens: a cache's at data_dir when there is one, else the Llama
+    tokenizer's."""
+    try:
+        return TokenCache(cfg.data_dir, verify=False).vocab_size
+    except CacheError:
+        return SYNTHETIC_VOCAB
+
+
+def model_of(cfg, cache, initial):
+    """The model config: the initial weights' shape, or the preset's over the data's vocabulary; a vocabulary that
+    does not fit the data, or a shape a kernel cannot take, is refused."""
+    if cache:
+        mismatch = checkpoint.cache_mismatch(initial, cache)  # weights of another tokenizer's token ids
+        if mismatch:
+            raise ConfigError(mismatch)
+    vocab = cache.vocab_size if cache else synthetic_vocab(cfg)
+    mcfg = initial_model_config(cfg, initial) if initial else model_config(cfg, vocab)
+    if cache and cache.vocab_size > mcfg.vocab_size:
+        fix = ("start from a model of this tokenizer" if initial
+               else f"set vocab_size=0 (follow the data) or at least {cache.vocab_size}")
+        raise ConfigError(f"the data's tokenizer has {cache.vocab_size} tokens but the model's vocabulary "
+                          f"holds {mcfg.vocab_size}; {fix}")
+    if cache and cfg.vocab_size > cache.vocab_size and not initial:
+        raise ConfigError(f"vocab_size {cfg.vocab_size} is larger than the {cache.vocab_size} tokens of the cache "
+                          f"{cfg.data_dir}: the LM head would hold rows no token uses; set vocab_size=0 (follow the "
+                          f"data) or {cache.vocab_size}, or prepare a cache of that vocabulary")
+    try:
+        if cfg.lm_head_fp8:
+            model_lib.check_fp8_shape(mcfg.dim, mcfg.vocab_size)
+        model_lib.check_quack_shape(mcfg, cfg.loss_impl, cfg.mlp_impl)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return mcfg
+
+
+def check_validation(cfg, cache):
+    """A validation subset that fits in the validation split (as the training subset must fit in its own)."""
+    available = len(cache.val)
+    if cfg.val_subset_tokens > available:
+        raise ConfigError(f"val_subset_tokens {cfg.val_subset_tokens:,} exceeds the {available:,} validation tokens "
+                          f"of the cache; use at most that, or 0 for all of them")
+
+
+# ---------------------------------------------------------------- what a run reads and writes
+
+def training_data(plan):
+    """The fixed training subset of the cache, cut into the run's updates (train.py trains it, bench.py times it)."""
+    cfg = plan.cfg
+    return TrainData(plan.cache.train, cfg.seq_len, plan.sequences_per_update, cfg.seed, cfg.train_subset_tokens)
+
+
+def run_dir(cfg):
+    """Where a run's checkpoint lives: out_dir, or out/<name>."""
+    return Path(cfg.out_dir or f"out/{cfg.name}")
