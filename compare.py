@@ -8,42 +8,18 @@ to a target loss, as a speed record is timed.
     python compare.py config/20m_gh200.py --optimizer=muon --name=20m-muon --mode=time-to-target --target_loss=L \\
         --eval_interval=50 --target_baseline=config/20m_gh200.py    # 5 seeds to L, and the speed-up to it
 
-Time to target (docs/TIME_TO_QUALITY.md): the config is trained at `seeds` seeds (<name>-seed<N>), each to its end
-with train.py's target_loss and eval_interval; it reaches the target when every seed's final validation-subset
-loss is below it and a one-sided one-sample t-test puts their mean below it at p < 0.01; its time is the seeds'
-median training seconds. A baseline recipe (--target_baseline, a config file) is trained at its own seed(s)
-(<name>-target-baseline-seed<N>), stopping at the target; its training seconds when it first reached it, over
-that median, is the speed-up. The verdict goes to results["time-to-target"][name], with a plot of every run's
-validation-subset loss against training seconds. Exit status 0 when the target is reached, 1 when it is missed.
+Matched (the default): the baseline runs the config plainly (eager, micro-batch `baseline_micro_batch_size`, SDPA's
+attention, full loss), with `noise_seed_runs` runs of it at other seeds for the training noise; the optimized run is
+the config as given. The pair is matched when both have the same recipe identity (train.recipe: every key that
+changes the math) and their final validation losses agree within a tolerance of validation and training noise
+(docs/MATCHED_RUNS.md: the rule and how far to trust it). The verdict goes to results["matched-comparison"], with a
+plot of the runs' loss curves.
 
-The matched mode (the default):
-
-The baseline runs the same config plainly (eager, micro-batch `baseline_micro_batch_size`, SDPA's attention,
-full loss); the optimized run is the config as given. A speed-up kept the math when both runs have the same recipe
-identity (train.recipe: every key that changes the math) and their final validation losses agree within the
-tolerance below. The verdict goes to results["matched-comparison"], with a plot of both runs' loss curves.
-
-The tolerance is the larger of two noises. Validation noise: 3 * sqrt(se_b^2 + se_o^2), se = loss_std /
-sqrt(tokens) of each run's full validation. Training noise: two executions of one recipe round differently
-(and a GPU is not deterministic), training amplifies any difference, so they differ by more than the
-validation set's sampling; the tolerance for it is 3 * sqrt(2) * s, s the sample standard deviation of the
-final validation losses of the baseline and its noise runs. Those are `noise_seed_runs` runs of the baseline
-(its recipe and execution) at seeds seed+1, seed+2, ..., trained here as <name>-baseline-seed<N> and reused
-like the others, and any finished runs named by --noise_runs. With the default one noise run this is 3 * |d|,
-d the difference of the two baseline runs: three standard deviations of a difference of two runs, as the
-validation rule takes three, the deviation estimated from that one difference.
-How far to trust it. A seed run measures the same amplified rounding noise, plus that of the initial weights
-and the data order: on the tests' tiny CPU config (8 seeds) differences between seeds had a standard
-deviation of 0.032, between micro-batch sizes of one seed 0.005, so there the rule is lenient toward real
-speed-ups. On the H200 (results/h200.json, the 20m recipe, one code version) three compiled repeats of one
-seed spread 4.593 to 4.647 while three other seeds spread 0.001: a GPU's run-to-run noise can be as large
-as a seed's, or larger. One difference is an estimate with one degree of freedom: with execution noise as
-large as the seed noise, a same-math run exceeds 3 * |d| with probability P(|t_1| > 3) = 0.20; two noise
-runs make it 0.10, three 0.06. Hence the validation tolerance as a floor under a |d| that happens to be
-small, and a verdict that fails on fewer than three noise runs says to add some before concluding. The
-other side of it: a change of math shows only when it moves the loss by more than the training noise; on
-tiny CPU runs, dropping half the tokens or scaling the loss (AdamW hardly sees a loss's scale) moves it less
-than a seed does, while misaligned targets move it by 1.0 against a tolerance of 0.14.
+Time to target (docs/TIME_TO_QUALITY.md): the config trained at `seeds` seeds, each to its end, reaches the target
+when every seed ends below it and a one-sided t-test puts their mean below it at p < 0.01; its time is their median
+training seconds, and a baseline recipe's (--target_baseline) time to the target over it is the speed-up. The
+verdict goes to results["time-to-target"][name], with a plot; exit status 0 when the target is reached, 1 when it is
+missed.
 
 Runs are train.py subprocesses (runs.py), one after the other (never at once: their speeds are part of the result).
 An existing complete run with the same name, config and source hash (the same code) is reused unless
