@@ -158,8 +158,9 @@ def weights_mismatch(hf_cfg, shapes):
     with torch.device("meta"):  # shapes only: no memory, no initialization
         model = Transformer(config_from_hf(hf_cfg))
     expected = {name: tuple(t.shape) for name, t in hf_named_tensors(model).items()}
-    # rotary tables that old transformers saved are computed from rope_theta, not weights; a tied LM head saved
-    # beside the embedding is checked against it by value (checkpoint.py) when its shape is the embedding's
+    # rotary tables (rotary_emb.inv_freq, which some transformers versions save) are computed from rope_theta, not
+    # weights; a tied LM head saved beside the embedding is checked against it by value (checkpoint.py) when its
+    # shape is the embedding's
     held = {n: s for n, s in shapes.items() if not n.endswith("rotary_emb.inv_freq")
             and not (n == "lm_head.weight" and s == expected["model.embed_tokens.weight"])}
     if held == expected:

@@ -1,7 +1,7 @@
 """compare.py's matched mode: a baseline and an optimized run of one recipe (and the baseline at other seeds, for the
 training noise), trained or reused, and the verdict that the faster execution kept the math: the same recipe
 identity, and final validation losses that agree within the larger of the validation noise and the training noise
-(docs/PERFORMANCE.md, "Matched runs", says how far to trust it). The verdict goes to results["matched-comparison"],
+(docs/MATCHED_RUNS.md says how far to trust it). The verdict goes to results["matched-comparison"],
 with a plot of both runs' loss curves."""
 import dataclasses
 import math

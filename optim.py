@@ -25,8 +25,8 @@ def lr_at(step, total_updates, learning_rate, min_lr, warmup_updates, schedule="
     """The learning rate of update `step` (0-based) of `total_updates`.
 
     Both schedules warm up linearly: update s < warmup_updates gets learning_rate * (s + 1) / warmup_updates.
-    cosine: then cosine decay from learning_rate to min_lr, reached at update total_updates (the formula of
-        trainer.py's Trainer.lr_at, the same float operations, so old runs' rates are bit for bit the same).
+    cosine: then cosine decay from learning_rate to min_lr, reached at update total_updates. Its float operations
+        are part of the recipe: changed, they would change every recorded run's rates (tests/test_optim.py pins them).
     wsd (warmup-stable-decay, the trapezoid of the modded-nanogpt speedrun records): then learning_rate flat,
         then a linear decay over the last round(cooldown_fraction * total_updates) updates (Python's round: half
         to even), each a step lower, so that the last update (total_updates - 1) gets exactly min_lr and the
@@ -120,29 +120,26 @@ def closure_loss(closure):
 class Muon(torch.optim.Optimizer):
     """torch.optim.Muon's update, with the matrices of one shape orthogonalized together.
 
-    Why our own: torch.optim.Muon runs Newton-Schulz one matrix at a time in eager Python, 5 iterations of 3
-    small matmuls for each of the 32 block matrices of the 20m model (56 were wqkv and w13 not fused), and the
-    GPU waits on Python's launches: about 10 ms of a 17 ms update on an H200. Here the parameters of a group
-    are grouped by shape (4 shapes in a Llama block), and each shape group takes one stack, one batched
-    Newton-Schulz (bmm and baddbmm in bf16) and a few torch._foreach_* ops that apply the decay and the update:
-    about 35 kernel launches a shape, where torch launches about 35 a matrix. Measured on an H200 (torch 2.11),
-    the 20m model's 32 matrices: torch.optim.Muon 19.2 ms a step, this one 3.4 ms; a whole 20m update (4 x 8 x
-    1024 tokens, eager model): AdamW 70.7 ms, torch.optim.Muon 97.3 ms, this one 69.2 ms.
+    Why batched: torch.optim.Muon runs Newton-Schulz one matrix at a time from Python, and on a GPU the update
+    waits on those launches. Here a group's parameters are grouped by shape (4 shapes in a Llama block), and each
+    shape takes one stack, one batched Newton-Schulz (bmm and baddbmm in bf16) and a few torch._foreach_* ops
+    that apply the decay and the update: the launches of one matrix, for all the matrices of a shape. What it
+    saves: docs/TIME_TO_QUALITY.md, "Muon's cost".
 
     compile=True runs the per-shape math under torch.compile (fullgraph, static shapes: one graph per shape,
-    compiled on the first step, about 6 s) where the parameters are on CUDA; on the CPU it always runs eagerly.
-    It is off by default because it did not pay there: it cuts the GPU time of a step (0.93 to 0.70 ms) but
-    adds host time (4.3 ms a step against 3.4), and the update is launch-bound; its fused bf16 math also
-    rounds differently from torch's (about one bf16 step of the update), where eager on CUDA matched
-    torch.optim.Muon to the last float32 bit. Nothing in step() syncs with the host: lr may be a float or a
-    0-dim tensor, which is never read back.
+    compiled at the first step) where the parameters are on CUDA; on the CPU it runs eagerly. Compiled, a step
+    takes less GPU time and more host time (the same section), which pays only where the host has time to spare,
+    so it is off by default and build_optimizer turns it on with the model's compile; its fused bf16 math also
+    rounds differently from torch's. Nothing in step() syncs with the host: lr may be a float or a 0-dim tensor,
+    which is never read back.
 
     The math is torch.optim.Muon's: momentum buf.lerp_(grad, 1 - momentum), Nesterov grad.lerp(buf, momentum),
     Newton-Schulz on the bf16 update (transposed when tall, divided by its Frobenius norm clamped at eps),
     param *= 1 - lr x weight_decay, param -= lr x adjust(shape) x update. A batched bf16 matmul may round a
     product differently from torch's single one, so the two agree closely, not always bit for bit
-    (tests/test_optim.py). The state is per parameter (state[p]["momentum_buffer"]), so state_dict() and
-    load_state_dict() are torch's, and a resumed run continues bit for bit.
+    (tests/test_optim.py holds eager and compiled to their tolerances). The state is per parameter
+    (state[p]["momentum_buffer"]), so state_dict() and load_state_dict() are torch's, and a resumed run
+    continues bit for bit.
     """
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
@@ -272,8 +269,8 @@ def split_by_decay(params, weight_decay, **options):
 def build_optimizer(model, settings, device):
     """The optimizer of settings["optimizer"] for model (the raw Transformer, not a compiled or DDP wrapper).
 
-    adamw: torch.optim.AdamW exactly as trainer.py has always built it (the same groups, order and options, so
-        old checkpoints' optimizer states load); its groups carry no base_lr, set_lr needs none.
+    adamw: torch.optim.AdamW over split_by_decay's two groups, in that order and with no options of ours (no
+        base_lr: set_lr needs none): the layout of an adamw checkpoint's optimizer state, which must keep loading.
     muon: MuonWithAdamW: Muon (lr muon_lr, Nesterov) on the 2-D weights of model.layers, AdamW (lr learning_rate,
         the same betas, eps and fused rule) on the rest: the tied embedding and LM head with weight decay, the
         norms without. Muon's per-shape math is compiled when settings' compile is (on CUDA).
@@ -317,9 +314,13 @@ def group_lr(value, graph, device):
 
 
 def load_state(optimizer, state_dict):
-    """optimizer.load_state_dict, keeping this run's implementation options (fused, foreach, capturable) and the
-    learning rate's kind (float or tensor): torch's load takes them from the saved groups, and update_graph is an
-    execution key that may differ between the run that saved and the run that resumes."""
+    """Load a checkpoint's optimizer state, kept in the form of this run: the one conversion a saved state needs.
+
+    A saved state's groups hold the execution options of the run that saved it: float learning rates and AdamW
+    fused on CUDA (the form without update_graph, so every checkpoint written before update_graph existed), or
+    float32 device-tensor rates and AdamW's capturable foreach form (with it). Execution keys may differ between
+    the run that saved and the run that resumes, and torch's load_state_dict takes the saved options; so this
+    run's own (fused, foreach, capturable) and its learning rates' kind (float or tensor) are put back."""
     kept = [{k: group[k] for k in ("fused", "foreach", "capturable", "lr") if k in group}
             for group in optimizer.param_groups]
     optimizer.load_state_dict(state_dict)

@@ -1,11 +1,11 @@
 """Loss curves of training runs, drawn from their results entries: compare.py's pair plot and
 scripts/plot_runs.py's plot of any runs of a results file share them.
 
-A run's entry holds `validation_curve` (the validation-subset loss at each epoch end) and, in entries written
-since train.py records it, `training_curve` (the mean training loss of each log interval). Each panel draws
-one line per run that has points for it, in the run's colour in every panel; an older entry without a
-training curve is drawn in the validation panels only (a figure of such entries alone has no training row). Figures are matplotlib's Agg (no display), written
-atomically.
+A run's entry holds `validation_curve` (the validation-subset loss at each epoch end) and `training_curve` (the
+mean training loss of each log interval). Each panel draws one line per run that has points for it, in the run's
+colour in every panel. `training_curve` is optional, as results files (results/h200.json among them) hold entries
+without it: such an entry is drawn in the validation panels only, and a figure of such entries alone has no
+training row. Figures are matplotlib's Agg (no display), written atomically.
 """
 import math
 import os
@@ -63,8 +63,8 @@ def finite_number(value):
 
 
 def points(entry, curve, x_field):
-    """(xs, losses) of one curve of a run, leaving out points without that x (entries older than the field) and
-    points without a finite loss (a diverged run's NaN, or the null results.py writes for it)."""
+    """(xs, losses) of one curve of a run, leaving out points without that x (a results file may hold curves
+    recorded without it) and points without a finite loss (a diverged run's NaN, or the null results.py writes)."""
     pairs = [(p[x_field], p["loss"]) for p in entry.get(curve) or []
              if p.get(x_field) is not None and finite_number(p.get("loss"))]
     return [x for x, _ in pairs], [y for _, y in pairs]
@@ -86,7 +86,7 @@ def runs_figure(runs, x="both", title=None):
     if x not in X_CHOICES:
         raise PlotError(f"--x={x!r} is not one of {', '.join(X_CHOICES)}")
     axes_x = list(X_AXES) if x == "both" else [x]
-    # a curve that no run has gets no row (entries written before the training curve was recorded)
+    # a curve that no run has gets no row (entries without a training curve, as the module docstring says)
     curves = [c for c in CURVES if any(entry.get(c[0]) for _, entry in runs)] or list(CURVES[1:])
     fig = Figure(figsize=(5.5 * len(axes_x), 3.8 * len(curves)), layout="constrained")
     FigureCanvasAgg(fig)
@@ -104,7 +104,7 @@ def runs_figure(runs, x="both", title=None):
                     not_finite.append(name)  # points on this axis, none with a finite loss: diverged
                 else:
                     missing.append(name)
-            # old entries, or a run stopped before its first log line or epoch end; or one that diverged
+            # an entry without the curve, or a run stopped before its first log line or epoch end; or one that diverged
             notes = [f"no {curve.replace('_', ' ')}: {', '.join(missing)}"] * bool(missing) + \
                 [f"no finite loss: {', '.join(not_finite)}"] * bool(not_finite)
             if notes:

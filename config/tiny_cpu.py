@@ -1,4 +1,4 @@
-# A model small enough to train for real in about a minute on 2 CPU cores: 4 layers of width 128,
+# A model small enough to train for real on 2 CPU cores (README.md, "On a fresh machine"): 4 layers of width 128,
 # context 128, on the shared corpus tokenized with a 4096-token BPE (see docs/DATA.md).
 name = "tiny-cpu"
 preset = "20m"
@@ -9,7 +9,7 @@ hidden_dim = 384
 seq_len = 128
 data_dir = "data/cache/gutenberg-4k"
 # The cache's vocabulary, stated so that a missing cache's error suggests the right prepare command, and a
-# 32,000-token cache here is refused instead of silently making the LM head 8x larger.
+# 32,000-token cache here is refused instead of silently giving the LM head 32,000 rows instead of 4,096.
 vocab_size = 4096
 train_subset_tokens = 250_000
 val_subset_tokens = 32_768

@@ -33,6 +33,12 @@ def test_every_entry_the_performance_doc_cites_is_in_the_results_file():
     assert sorted(cited - recorded) == []
 
 
+def test_every_entry_the_matched_runs_doc_cites_is_in_the_results_file():
+    cited = cited_entries((ROOT / "docs" / "MATCHED_RUNS.md").read_text())
+    recorded = recorded_entries(json.loads((ROOT / "results" / "h200.json").read_text()))
+    assert len(cited) >= 6 and sorted(cited - recorded) == []
+
+
 def test_a_pending_measurement_is_not_taken_for_a_cited_one():
     text = "a `20m-default` row\n### Still to be measured\n| `matched-new` |\n## Next\n`lever-x`"
     assert cited_entries(text) == {"20m-default", "lever-x"}

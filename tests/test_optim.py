@@ -227,13 +227,20 @@ def test_build_adamw_is_the_optimizer_trainer_built(device):
     assert built.defaults["fused"] == (device == "cuda")
 
 
-def test_build_adamw_loads_an_old_checkpoints_optimizer_state():
+@pytest.mark.parametrize("update_graph", [False, True])
+def test_build_adamw_loads_an_old_checkpoints_optimizer_state(update_graph):
+    """Through optim.load_state, as train.py resumes, into either form: the loaded moments, this run's options."""
     model = tiny_model()
     old = adamw_as_trainer_builds_it(model, SimpleNamespace(**SETTINGS), "cpu")
     train_steps(model, old, 2)
-    built = optim.build_optimizer(model, SETTINGS, "cpu")
-    built.load_state_dict(saved(old))
+    built = optim.build_optimizer(model, dict(SETTINGS, update_graph=update_graph, compile=update_graph), "cpu")
+    expected = [options(group) for group in built.param_groups]
+    optim.load_state(built, saved(old))
     assert all(torch.equal(built.state[p]["exp_avg"], old.state[p]["exp_avg"]) for p in model.parameters())
+    assert [torch.is_tensor(group["lr"]) for group in built.param_groups] == [update_graph] * 2
+    for group, before in zip(built.param_groups, expected):
+        assert {k: group[k] for k in ("fused", "foreach", "capturable")} == \
+            {k: before[k] for k in ("fused", "foreach", "capturable")}
 
 
 def test_build_muon_splits_the_parameters_and_its_settings_take_attributes_too():
