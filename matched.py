@@ -326,7 +326,8 @@ def verdict(comparison):
 
 
 def tolerance_sources(comparison):
-    """'validation noise ±0.012, training noise ±0.034 (s 0.008 over the baseline and 1 noise run: ...)'."""
+    """The tolerance's parts in words: the validation noise, and the training noise with its standard deviation
+    and the runs behind it."""
     text = f"validation noise ±{comparison['validation_tolerance']:.5f}"
     if "noise_runs" not in comparison:
         return text + "; training noise not measured (noise_seed_runs=0, no --noise_runs)"

@@ -46,7 +46,7 @@ def kernel_breakdown(kernels, top=25):
 def gpu_kernel_ms(evt):
     """GPU milliseconds of a profiler event that is a kernel, else 0. A record_function range (the optimizer's
     step) also shows on the GPU's timeline, spanning the kernels it launched: counting it would count those
-    kernels twice (0.27 ms of a 14.90 ms 20m update), and torch's own table total leaves it out too."""
+    kernels twice, and torch's own table total leaves it out too."""
     device_us = getattr(evt, "self_device_time_total", None)
     if device_us is None:
         device_us = getattr(evt, "self_cuda_time_total", 0)

@@ -7,6 +7,7 @@ import shlex
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 

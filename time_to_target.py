@@ -265,28 +265,28 @@ def check_target_runs(cfg, candidates, baselines):
 
 def target_outcomes(results, configs, failed):
     """{name: run outcome} of runs just trained or reused; a failed run's entry may be an older run's, so unread."""
-    return {c.name: time_to_target.failed_outcome(c.seed, failed[c.name]) if c.name in failed
-            else time_to_target.run_outcome(results.get(c.name) or {}) for c in configs}
+    return {c.name: failed_outcome(c.seed, failed[c.name]) if c.name in failed
+            else run_outcome(results.get(c.name) or {}) for c in configs}
 
 
 def target_section(cfg, results, candidates, baselines, failed, plot):
     """results["time-to-target"][name]: the seeds' outcomes, the t-test verdict, the median time, the baseline's
     runs and the speed-up."""
     runs, base_runs = target_outcomes(results, candidates, failed), target_outcomes(results, baselines, failed)
-    verdict = time_to_target.target_verdict(time_to_target.verdict_losses(runs), cfg.target_loss)
+    verdict = target_verdict(verdict_losses(runs), cfg.target_loss)
     section = {"target_loss": cfg.target_loss, "eval_interval": cfg.eval_interval, **verdict,
-               "median_training_seconds": time_to_target.median_seconds(runs), "candidate_runs": runs,
+               "median_training_seconds": median_seconds(runs), "candidate_runs": runs,
                "baseline_config": cfg.target_baseline or None, "baseline_runs": base_runs, "speedup": None,
                "recipe_differences": None, "plot": str(plot), "run_id": env.new_run_id()}
     if baselines:
         times = {n: o["training_seconds"] for n, o in runs.items() if o["status"] == "complete"}
         to_target = {n: o["seconds_to_target"] if o["status"] == "complete" else None for n, o in base_runs.items()}
         trained = {n: o["training_seconds"] for n, o in base_runs.items() if o["status"] == "complete"}
-        section["speedup"] = time_to_target.speedup(to_target, times, trained)
+        section["speedup"] = speedup(to_target, times, trained)
         recipes = [(results.get(c.name) or {}).get("recipe") for c in (candidates[0], baselines[0])]
         if all(recipes):  # what makes the candidate another recipe than the baseline (the seed aside)
             section["recipe_differences"] = [k for k in settings.recipe_differences(*recipes) if k != "seed"]
-    section["verdict"] = time_to_target.verdict_line(section)
+    section["verdict"] = verdict_line(section)
     return section
 
 
@@ -305,9 +305,9 @@ def time_to_target_mode(cfg):
     results = read_results(cfg.results_file)
     section = target_section(cfg, results, candidates, baselines, failed, plot)
     record(cfg.results_file, ["time-to-target", cfg.name], section)
-    print("\n".join(time_to_target.table(section)))
+    print("\n".join(table(section)))
     runs = [(c.name, {} if c.name in failed else results.get(c.name) or {}) for c in candidates + baselines]
-    time_to_target.save_figure(plot, runs, cfg.target_loss,
+    save_figure(plot, runs, cfg.target_loss,
                                f"{cfg.name}: validation-subset loss against training time, target {cfg.target_loss:g}")
     print(f"recorded time-to-target.{cfg.name} in {cfg.results_file}; plot {plot}")
     return section

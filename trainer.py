@@ -3,7 +3,6 @@ evaluation pass."""
 import contextlib
 import inspect
 import math
-import os
 import resource
 
 import torch

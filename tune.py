@@ -515,8 +515,8 @@ def print_report(tuning):
 
 def tune(cfg):
     """Every check first (a mistake that would fail every candidate is one line, not a sweep), then the sweep."""
-    plan = plan_lib.resolve(cfg, TuneSettings, world=(0, 0, 1), synthetic=cfg.data_mode == "synthetic")
-    device = torch.device(plan.device)
+    run_plan = plan_lib.resolve(cfg, TuneSettings, world=(0, 0, 1), synthetic=cfg.data_mode == "synthetic")
+    device = torch.device(run_plan.device)
     cuda = device.type == "cuda"
     incumbent, space, refused = plan(cfg, lever_choices(cfg, cuda), device)
     screen = {"warmup": cfg.tune_screen_warmup, "steps": cfg.tune_screen_steps or (20 if cuda else 10), "windows": 1}

@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import env  # noqa: E402
 import plan as plan_lib  # noqa: E402
 import settings  # noqa: E402
 from data.loader import batch_stream, synthetic_batches  # noqa: E402

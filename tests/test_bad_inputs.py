@@ -213,7 +213,7 @@ def test_a_run_that_fails_to_build_gives_its_folder_back(text_cache, tmp_path, m
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
     with monkeypatch.context() as patch:
-        patch.setattr(train, "Trainer", out_of_memory)
+        patch.setattr(train.Trainer, "from_plan", staticmethod(out_of_memory))
         with pytest.raises(torch.OutOfMemoryError) as failure:
             train.train(cfg)
     # the traceback is still held (as a notebook or a caller holds it), and with it the half-built run: its lock

@@ -12,6 +12,8 @@ import pytest
 import configurator
 from results import lookup, read_results, record
 import compare
+import matched
+import settings
 import train
 
 TINY = """\
@@ -40,8 +42,6 @@ REPO = Path(__file__).resolve().parents[1]
 # predict its input token instead of the next one, as a loss kernel that misaligns its targets would.
 BREAK_HOOK = """\
 import os, sys
-import settings
-import matched
 if "--name=" + os.environ.get("BREAK_RUN", "") in sys.argv:
     sys.path.insert(0, os.environ["BREAK_REPO"])
     import torch
