@@ -45,8 +45,9 @@ def to_resume(path, device, recipe, fields):
     from settings import recipe_differences
     differ = recipe_differences(ckpt["recipe"], recipe)
     if differ:
+        values = [f"{k} {ckpt['recipe'].get(k)!r} (the checkpoint's) against {recipe.get(k)!r}" for k in differ]
         raise ValueError(f"checkpoint {path} was trained with another recipe; fields that differ: "
-                         f"{', '.join(differ)}. Resume with the same recipe, or start a new --name")
+                         f"{'; '.join(values)}. Resume with the same recipe, or start a new --name")
     return ckpt
 
 

@@ -18,7 +18,7 @@ import model as model_lib
 import optim
 import plan as plan_lib
 import settings
-from configurator import ConfigError
+from configurator import ConfigError, load_config
 from data.loader import Prefetcher, eval_batch_count, eval_batches
 from distributed import all_reduce_sum, end_distributed
 from metrics import RESUME_FIELDS, Metrics, final_validation_result
@@ -359,11 +359,36 @@ def loop(run):
 
 
 EXIT_STATUS = {"interrupted": EXIT_INTERRUPTED, "diverged": EXIT_DIVERGED}
+LAUNCH_KEYS = ("resume", "overwrite", "stop_after_updates")  # how this process runs the run, not the run's own
+
+
+def resumed_settings(cfg, argv):
+    """With resume and a checkpoint: the settings its run was trained with, under the config files and overrides
+    given now (so that `--name=NAME --resume=True` alone resumes it); a recipe key they change is refused, naming
+    each with both values. Without a checkpoint, cfg as given."""
+    path = run_dir(cfg) / "ckpt.pt"
+    if not (cfg.resume and path.is_file()):
+        return cfg
+    try:
+        stored = checkpoint.read(path).get("config") or {}
+    except (ValueError, AttributeError):
+        return cfg  # not a checkpoint train.py wrote: resume_or_start says so
+    base = {k: stored.get(k, v) if k not in LAUNCH_KEYS else v for k, v in DEFAULTS.items()}
+    given = settings.Config(load_config(base, argv))
+    changed = [f"{k} {stored[k]!r} (the checkpoint's) against {given[k]!r}" for k in sorted(stored)
+               if k in given and k not in LAUNCH_KEYS and stored[k] != given[k]
+               and settings.field_of(TrainSettings, k).metadata["role"] in (settings.RECIPE, settings.MODEL,
+                                                                             settings.WEIGHTS)]
+    if changed:
+        raise ConfigError(f"--resume=True continues {path}, whose recipe the settings given change: "
+                          f"{'; '.join(changed)}; resume with the run's own settings (--name and --resume=True are "
+                          f"enough), or start a new --name")
+    return given
 
 
 def main(argv):
     try:
-        cfg = settings.load(TrainSettings, argv)  # plan.resolve checks every rule, once
+        cfg = resumed_settings(settings.load(TrainSettings, argv), argv)  # plan.resolve checks every rule, once
         entry = train(cfg)
         end_distributed()
     except USER_ERRORS as exc:

@@ -121,3 +121,24 @@ def test_the_entry_logs_the_schedule_it_trained_with(text_cache, tmp_path, sched
     else:  # cosine decays from the end of warmup and reaches the floor one update after the last
         assert lrs[2] == pytest.approx(3e-3) and lrs[3] < lrs[2] and lrs[-1] > 3e-4
     assert run["recipe"].get("lr_schedule") == (None if schedule == "cosine" else "wsd")
+
+
+def test_resume_by_name_alone_takes_the_checkpoints_settings_and_names_each_changed_key(text_cache, tmp_path,
+                                                                                         capsys):
+    """`python train.py --name=NAME --resume=True` retyped nothing of the recipe and trained the defaults' recipe
+    instead (refused, naming fields, never values); it now resumes the checkpoint's run as the full command does."""
+    cfg = small_config(text_cache, tmp_path, epochs=2)
+    straight = train.train(settings.Config(cfg, name="straight", out_dir=str(tmp_path / "straight")))
+    assert train.main(cli_args(settings.Config(cfg, stop_after_updates=2))) == train.EXIT_INTERRUPTED
+    where = [f"--name={cfg.name}", f"--out_dir={cfg.out_dir}"]
+    capsys.readouterr()
+    changed = train.main(where + ["--resume=True", "--learning_rate=0.01", f"--seq_len={cfg.seq_len // 2}"])
+    err = capsys.readouterr().err
+    assert changed == 2 and err.count("\n") == 1
+    assert f"learning_rate {cfg.learning_rate!r} (the checkpoint's) against 0.01" in err
+    assert f"seq_len {cfg.seq_len} (the checkpoint's) against {cfg.seq_len // 2}" in err
+    assert train.main(where + ["--resume=True", "--log_interval=3"]) == 0  # an execution key may change
+    resumed = lookup(cfg.results_file, [cfg.name])
+    assert resumed["status"] == "complete" and resumed["sessions"] == 2
+    assert resumed["recipe_identity"] == straight["recipe_identity"]
+    assert resumed["final_validation"]["loss"] == straight["final_validation"]["loss"]
