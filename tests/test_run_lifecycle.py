@@ -142,3 +142,49 @@ def test_resume_by_name_alone_takes_the_checkpoints_settings_and_names_each_chan
     assert resumed["status"] == "complete" and resumed["sessions"] == 2
     assert resumed["recipe_identity"] == straight["recipe_identity"]
     assert resumed["final_validation"]["loss"] == straight["final_validation"]["loss"]
+
+
+def test_a_run_whose_loss_is_not_finite_ends_diverged_with_a_nonzero_exit(text_cache, tmp_path, capsys):
+    """--learning_rate=1e9: the loss was NaN from update 3 and the run ended `complete`, exit 0."""
+    cfg = small_config(text_cache, tmp_path, epochs=2, learning_rate=1e9, min_lr=0.0, warmup_updates=0)
+    assert train.main(cli_args(cfg)) == train.EXIT_DIVERGED
+    entry = lookup(cfg.results_file, [cfg.name])
+    assert entry["status"] == "diverged" and "not" not in entry["error"] and "nan" in entry["error"].lower()
+    assert entry["step"] < entry["total_updates"]  # it stopped there, not at the end
+    assert "diverged:" in capsys.readouterr().err
+
+
+def test_resume_and_overwrite_together_are_refused(text_cache, tmp_path, capsys):
+    cfg = small_config(text_cache, tmp_path, resume=True, overwrite=True)
+    assert train.main(cli_args(cfg)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: resume=True continues") and "overwrite=True starts afresh" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_validation_subset_larger_than_the_split_is_refused_as_the_training_subset_is(text_cache, tmp_path,
+                                                                                          capsys):
+    """--val_subset_tokens=1e9 silently meant all of them, under another recipe identity than 0 (all)."""
+    from data.loader import TokenCache
+    available = len(TokenCache(text_cache).val)
+    cfg = small_config(text_cache, tmp_path, val_subset_tokens=available + 1)
+    assert train.main(cli_args(cfg)) == 2
+    err = capsys.readouterr().err
+    assert f"val_subset_tokens {available + 1:,} exceeds the {available:,} validation tokens" in err
+
+
+def test_an_evaluation_batch_larger_than_the_subset_holds_only_the_rows_it_scores(text_cache, tmp_path,
+                                                                                    monkeypatch):
+    """--eval_batch_size=1000000 padded every validation batch to a million rows (65 GB)."""
+    sizes = []
+    real = train.eval_batches
+    monkeypatch.setattr(train, "eval_batches", lambda tokens, seq_len, batch_size, max_tokens=0: (
+        sizes.append(batch_size) or real(tokens, seq_len, batch_size, max_tokens)))
+    cfg = small_config(text_cache, tmp_path, epochs=1, eval_batch_size=1_000_000)
+    straight = train.train(small_config(text_cache, tmp_path, epochs=1, name="plain", out_dir=str(tmp_path / "p")))
+    entry = train.train(cfg)
+    from data.loader import TokenCache
+    whole = -(-(len(TokenCache(text_cache).val) - 1) // cfg.seq_len)  # the full validation's rows
+    assert entry["status"] == "complete" and sizes[0] == -(-(cfg.val_subset_tokens - 1) // cfg.seq_len)
+    assert sizes[-1] == whole and max(sizes) == whole
+    assert entry["best_subset_loss"] == pytest.approx(straight["best_subset_loss"], abs=1e-6)
