@@ -11,8 +11,9 @@ to a target loss, as a speed record is timed.
 The matched mode (matched.py): the baseline runs the same config plainly (eager, micro-batch
 `baseline_micro_batch_size`, SDPA's attention, full loss), the optimized run is the config as given; a speed-up
 kept the math when both have the same recipe identity and their final validation losses agree within the larger of
-the validation noise and the training noise (docs/MATCHED_RUNS.md has the rule and how far to trust
-it). The time-to-target mode (time_to_target.py, docs/TIME_TO_QUALITY.md): the config at several seeds, each to its
+the validation noise and the training noise, and it is a speed-up when the two sides run different executions and
+the speed ratio's noise band lies above 1 (docs/MATCHED_RUNS.md has the rules and how far to trust them). The
+time-to-target mode (time_to_target.py, docs/TIME_TO_QUALITY.md): the config at several seeds, each to its
 end, against target_loss, beside a baseline recipe stopping at the target. Runs are train.py subprocesses (runs.py),
 one after the other; a finished run of the same config and code is reused, a stopped one resumed, and SIGINT or
 SIGTERM stops the running one with its checkpoint.

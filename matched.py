@@ -1,8 +1,9 @@
 """compare.py's matched mode: a baseline and an optimized run of one recipe (and the baseline at other seeds, for the
 training noise), trained or reused, and the verdict that the faster execution kept the math: the same recipe
 identity, and final validation losses that agree within the larger of the validation noise and the training noise
-(docs/MATCHED_RUNS.md says how far to trust it). The verdict goes to results["matched-comparison"],
-with a plot of both runs' loss curves."""
+(docs/MATCHED_RUNS.md says how far to trust it); and whether it is faster: a speed ratio outside the speed's noise,
+between two different executions. The verdict goes to results["matched-comparison"], with a plot of both runs' loss
+curves."""
 import dataclasses
 import math
 import shlex
@@ -14,8 +15,8 @@ import plots
 import settings
 from configurator import load_config
 from results import SECTIONS, lookup, read_results, record
-from runs import (TRAIN_DEFAULTS, CompareError, check_plot_path, run_folders, run_recipe, seed_run_name,
-                  train_all)
+from runs import (TRAIN_DEFAULTS, CompareError, check_plot_path, run_folders, run_plan, run_recipe,
+                  seed_run_name, train_all)
 from settings import setting
 
 
@@ -53,6 +54,17 @@ NOISE_RULE = ("; and the training noise, 3 * sqrt(2) * s with s the sample stand
               "floor under one that happens to be small")
 NO_NOISE_RULE = ("; no noise run was given (noise_seed_runs=0 and no --noise_runs), so training noise is not "
                  "counted, and two executions of one recipe can differ by more than this")
+SPEED_SIGMAS = 3  # as for the loss: standard deviations of a difference of two runs' (log) median rates
+MIN_INTERVALS = 4  # log intervals a run needs for the quartiles of its interval rates to be a spread
+# The execution keys that leave the training rate alone: validation's batch (validation is not training time).
+UNTIMED_KEYS = ("eval_batch_size",)
+SPEED_RULE = ("a speed-up (slow-down) is called when the whole noise band of optimized / baseline median training "
+              "tok/s lies above (below) 1, and never when the two sides run the same execution (the execution keys "
+              "and process count, with auto attention and device as each run resolved them); the band is the wider "
+              "of ratio * exp(+-3 * sqrt(2) * s), s the sample standard deviation of the log median tok/s of the "
+              "baseline and its noise runs of the baseline's execution, and [optimized q1 / baseline q3, optimized "
+              "q3 / baseline q1] of the two runs' interval rates (each with at least 4 log intervals); with neither, "
+              "the speed's noise is not measured and nothing is called")
 
 
 # ---------------------------------------------------------------- the runs' configs
@@ -107,7 +119,13 @@ def check_before_training(cfg, sides):
     check_plot_path(plot_file(cfg))
     # micro-batch, mode and scope: the baseline's come from its own keys
     hint = {"baseline": " (the baseline's micro-batch is --baseline_micro_batch_size)"}
-    recipes = [run_recipe(side, c, hint.get(side, "")) for side, c in zip(("baseline", "optimized"), sides)]
+    plans = [run_plan(side, c, hint.get(side, "")) for side, c in zip(("baseline", "optimized"), sides)]
+    recipes = [p.recipe for p in plans]
+    executions = [timed_execution(p.cfg, p.attention, p.device, p.world_size) for p in plans]
+    if executions[0] == executions[1]:
+        print(f"note: the baseline and the optimized run resolve to the same execution ({execution_summary(sides[1])}"
+              f", attention {plans[1].attention} on {plans[1].device}), so the comparison will call no speed-up; "
+              f"give the optimized side another execution (--optimized_overrides, --tuned) to measure one")
     differ = settings.recipe_differences(*recipes)
     if differ and not cfg.allow_recipe_change:
         raise CompareError(refusal(sides[0].name, sides[1].name, differ))
@@ -220,6 +238,88 @@ def recorded_seed_runs(results, baseline_name, count):
     return [n for n in names if isinstance(results.get(n), dict) and results[n].get("status") == "complete"]
 
 
+# ---------------------------------------------------------------- the speed
+
+def timed_execution(cfg, attention, device, world_size):
+    """How a run executes, as far as its training rate can tell: its execution keys (validation's aside), with the
+    attention backend and device that ran ("auto" resolved), and its process count."""
+    ran = {k: cfg.get(k) for k in sorted(settings.execution_keys()) if k not in UNTIMED_KEYS}
+    return dict(ran, attention_backend=attention, device=device, world_size=world_size)
+
+
+def recorded_execution(entry):
+    """timed_execution of a finished run, from what its entry records; None when it records no config."""
+    cfg = entry.get("config")
+    if not isinstance(cfg, dict):
+        return None
+    device, environment = cfg.get("device"), entry.get("environment")
+    if device == "auto" and isinstance(environment, dict):  # "auto" ran on the GPU exactly when there was one
+        device = "cuda" if environment.get("gpu") else "cpu"
+    return timed_execution(cfg, entry.get("attention") or cfg.get("attention_backend"), device,
+                           entry.get("world_size", 1))
+
+
+def training_rate(entry):
+    rate = entry.get("median_training_tokens_per_second")
+    return rate if plots.finite_number(rate) and rate > 0 else None  # a rate, or none to compare
+
+
+def interval_quartiles(entry):
+    """[q1, q3] of a run's interval rates (tok/s of each log interval); None under MIN_INTERVALS of them."""
+    rates = [r for r in entry.get("interval_tokens_per_second") or [] if plots.finite_number(r) and r > 0]
+    if len(rates) < MIN_INTERVALS:
+        return None
+    q1, _, q3 = statistics.quantiles(rates, n=4, method="inclusive")
+    return [q1, q3]
+
+
+def speed_band(ratio, between, quartiles):
+    """(low, high) of the ratio: the wider of ratio * exp(+-between) and the quartiles' [o_q1 / b_q3, o_q3 / b_q1];
+    (None, None) when neither is measured."""
+    lows, highs = [], []
+    if between is not None:
+        lows.append(ratio * math.exp(-between))
+        highs.append(ratio * math.exp(between))
+    if quartiles["baseline"] and quartiles["optimized"]:
+        (b1, b3), (o1, o3) = quartiles["baseline"], quartiles["optimized"]
+        lows.append(o1 / b3)
+        highs.append(o3 / b1)
+    return (min(lows + [ratio]), max(highs + [ratio])) if lows else (None, None)
+
+
+def speed_call(ratio, low, high, differences):
+    if ratio is None:
+        return "no rate"
+    if differences == []:
+        return "same execution"
+    if low is None:
+        return "noise not measured"
+    return "faster" if low > 1 else "slower" if high < 1 else "within noise"
+
+
+def speed_comparison(results, baseline_name, optimized_name, noise_names):
+    """The comparison's speed fields: the ratio of median training tok/s, its noise band (the rates of the baseline
+    and its noise runs of the same execution, and each run's interval rates), whether the two sides run the same
+    execution, and the verdict on it."""
+    b, o = results[baseline_name], results[optimized_name]
+    rb, ro = training_rate(b), training_rate(o)
+    ratio = ro / rb if rb and ro else None
+    eb, eo = recorded_execution(b), recorded_execution(o)
+    differences = None if eb is None or eo is None else [k for k in eb if eb[k] != eo.get(k)]
+    # only noise runs of the baseline's execution: a repeat under another execution times that execution
+    rates = {n: training_rate(results[n]) for n in noise_names if eb and recorded_execution(results[n]) == eb}
+    rates = {baseline_name: rb, **{n: r for n, r in rates.items() if r}} if rb else {}
+    logs = [math.log(r) for r in rates.values()]
+    between = SPEED_SIGMAS * math.sqrt(2) * statistics.stdev(logs) if len(logs) > 1 else None
+    quartiles = {"baseline": interval_quartiles(b), "optimized": interval_quartiles(o)}
+    low, high = speed_band(ratio, between, quartiles) if ratio else (None, None)
+    return {"speed_ratio": ratio, "speed_ratio_low": low, "speed_ratio_high": high,
+            "speed_noise": {"between_runs": between, "rates": rates, "interval_quartiles": quartiles},
+            "same_execution": None if differences is None else not differences,
+            "execution_differences": differences, "speed_verdict": speed_call(ratio, low, high, differences),
+            "speed_rule": SPEED_RULE}
+
+
 def run_summary(entry):
     curve = [{k: p.get(k) for k in ("epoch", "tokens", "loss", "seconds", "training_seconds")}
              for p in entry.get("validation_curve") or []]
@@ -249,12 +349,10 @@ def compare_runs(results_file, baseline_name, optimized_name, allow_recipe_chang
     tol = verdict_tolerance(results, results_file, baseline_name, optimized_name, names)
     difference = o["final_validation"]["loss"] - b["final_validation"]["loss"]
     agree = abs(difference) <= tol["tolerance"]
-    rb, ro = (e.get("median_training_tokens_per_second") for e in (b, o))
-    rb, ro = (r if plots.finite_number(r) and r > 0 else None for r in (rb, ro))  # a rate, or none to compare
     comparison = {
         baseline_name: run_summary(b),
         optimized_name: run_summary(o),
-        "speed_ratio": ro / rb if rb and ro else None,
+        **speed_comparison(results, baseline_name, optimized_name, names),
         "loss_difference": difference,
         **tol,
         "recipe_identity_equal": identity_equal,
@@ -313,8 +411,10 @@ def verdict(comparison):
         return (f"recipe change ({differ}): not a matched run; "
                 f"losses {'agree within' if comparison['losses_agree'] else 'differ beyond'} the tolerance")
     if comparison["losses_agree"]:
-        speed = f"the {comparison['speed_ratio']:.2f}x speed" if comparison["speed_ratio"] else "the execution"
-        return f"matched run: same recipe, losses agree; {speed} kept the math"
+        if comparison["speed_verdict"] == "faster":
+            return (f"matched run: same recipe, losses agree; the {comparison['speed_ratio']:.2f}x speed-up "
+                    f"({speed_band_text(comparison)}) kept the math")
+        return f"matched run: same recipe, losses agree; the execution kept the math; {speed_words(comparison)}"
     text = "matched run, but the losses differ beyond the tolerance: not shown to keep the math"
     runs = len(comparison.get("noise_runs") or {})
     if not runs:
@@ -337,6 +437,41 @@ def tolerance_sources(comparison):
             f"run{'s' if len(runs) > 1 else ''}: {', '.join(runs)})")
 
 
+def speed_band_text(comparison):
+    low, high = comparison["speed_ratio_low"], comparison["speed_ratio_high"]
+    return f"noise band {low:.2f}x to {high:.2f}x" if low else "noise not measured"
+
+
+def speed_words(comparison):
+    """The speed verdict in words."""
+    call, ratio = comparison["speed_verdict"], comparison["speed_ratio"]
+    if call == "no rate":
+        return "no speed ratio: a run records no training rate"
+    if call == "same execution":
+        return f"the two sides run the same execution: no speed-up (their {ratio:.2f}x is noise)"
+    if call == "noise not measured":
+        return (f"{ratio:.2f}x, but the speed's noise is not measured (no noise run of the baseline's execution, and "
+                f"under {MIN_INTERVALS} log intervals in a run): no speed-up called")
+    if call == "within noise":
+        return f"no speed difference outside the noise ({ratio:.2f}x, {speed_band_text(comparison)})"
+    return f"{ratio:.2f}x, {call} outside the noise ({speed_band_text(comparison)})"
+
+
+def speed_sources(comparison):
+    """The speed's noise band from: the runs of the baseline's execution, and each run's interval rates."""
+    noise = comparison["speed_noise"]
+    runs = [n for n in noise["rates"] if n != comparison["baseline"]]
+    between = (f"between runs a factor {math.exp(noise['between_runs']):.3f} (the baseline and {', '.join(runs)})"
+               if noise["between_runs"] is not None else "between runs not measured (no noise run of its execution)")
+    quartiles = noise["interval_quartiles"]
+    within = ("within runs: interval tok/s quartiles " + " | ".join(
+        f"{q[0]:,.0f} to {q[1]:,.0f}" if q else f"under {MIN_INTERVALS} intervals"
+        for q in (quartiles["baseline"], quartiles["optimized"])))
+    same = {True: "same execution", False: f"executions differ in {', '.join(comparison['execution_differences'] or [])}",
+            None: "execution unknown (an entry records no config)"}[comparison["same_execution"]]
+    return f"{between}; {within}; {same}"
+
+
 def print_table(comparison, baseline, optimized):
     """The two runs side by side, then the speed ratio, the loss difference, the tolerance and the verdict."""
     rows_b, rows_o = table_rows(baseline), table_rows(optimized)
@@ -344,7 +479,10 @@ def print_table(comparison, baseline, optimized):
     lines = [f"{'':>22}  {comparison['baseline']:<{width}}  {comparison['optimized']}"]
     lines += [f"{k:>22}  {str(vb):<{width}}  {vo}" for (k, vb), (_, vo) in zip(rows_b, rows_o)]
     ratio, within = plots.fmt(comparison["speed_ratio"], ".2f", "x"), "within" if comparison["losses_agree"] else "OUTSIDE"
-    lines += [f"{'speed ratio':>22}  {ratio} (optimized / baseline median training tok/s)",
+    lines += [f"{'speed ratio':>22}  {ratio} (optimized / baseline median training tok/s; "
+              f"{speed_band_text(comparison)})",
+              f"{'speed noise from':>22}  {speed_sources(comparison)}",
+              f"{'speed verdict':>22}  {speed_words(comparison)}",
               f"{'loss difference':>22}  {comparison['loss_difference']:+.5f} (tolerance ±{comparison['tolerance']:.5f}: "
               f"{within})",
               f"{'tolerance from':>22}  {tolerance_sources(comparison)}",

@@ -41,13 +41,18 @@ def seed_run_name(baseline_name, seed):
     return f"{baseline_name}-seed{seed}"
 
 
-def run_recipe(side, c, hint=""):
-    """The recipe train.py will record for run c; what train.py would refuse is refused now, in one line (hint
-    follows a refusal of the micro-batch)."""
+def run_plan(side, c, hint=""):
+    """The plan train.py will make of run c (one process); what train.py would refuse is refused now, in one line
+    (hint follows a refusal of the micro-batch)."""
     try:
-        return plan_lib.resolve(c, world=(0, 0, 1)).recipe
+        return plan_lib.resolve(c, world=(0, 0, 1))
     except ConfigError as exc:
         raise CompareError(f"{side} run: {exc}{hint if 'micro_batch_size' in str(exc) else ''}") from None
+
+
+def run_recipe(side, c, hint=""):
+    """The recipe train.py will record for run c, refused as run_plan refuses it."""
+    return run_plan(side, c, hint).recipe
 
 
 def check_plot_path(path):

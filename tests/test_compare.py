@@ -424,3 +424,99 @@ def test_a_tuned_config_path_that_is_not_a_path_is_one_line(tmp_path):
     cfg = settings.Config(configurator.load_config(compare.DEFAULTS, argv))
     with pytest.raises(matched.CompareError, match="has no tuning.selected.config_path"):
         matched.side_configs(cfg)
+
+
+# ---------------------------------------------------------------- the speed verdict
+
+BASE_EXECUTION = dict({k: train.DEFAULTS[k] for k in settings.execution_keys()}, device="cpu",
+                      **matched.BASELINE_EXECUTION)
+
+
+def timed(loss, rates, attention="sdpa", seed=7, **execution):
+    """A hand-made finished run with its config (the baseline's execution, changed by execution), the attention
+    that ran and its interval rates; its median rate as train.py takes it."""
+    entry = finished(loss, speed=sorted(rates)[len(rates) // 2])
+    return dict(entry, config=dict(BASE_EXECUTION, seed=seed, **execution), attention=attention, world_size=1,
+                interval_tokens_per_second=list(rates))
+
+
+def speed_verdict_of(tmp_path, runs, *argv):
+    """compare.py's read-only mode on the runs {name: entry}, base against opt; returns (exit status, comparison,
+    printed table)."""
+    results = tmp_path / "results.json"
+    for name, entry in runs.items():
+        record(results, [name], entry)
+    code = compare.main([f"--results_file={results}", "--baseline=base", "--optimized=opt",
+                         f"--plot={tmp_path / 'p.png'}", *argv])
+    return code, lookup(results, ["matched-comparison"])
+
+
+def test_identical_executions_give_no_speed_up_however_far_apart_their_rates(tmp_path, capsys):
+    """The issue's case: micro-batch 8 on both sides, and "auto" attention that ran as SDPA, the baseline's; the
+    optimized run happened to time 1.61x the baseline, beyond its noise run's 690 tok/s. Same execution: no
+    speed-up, whatever the band (validation's batch is not timed, so it does not make another execution)."""
+    runs = {"base": timed(4.600, [630, 633, 640]), "base-seed8": timed(4.601, [680, 690, 700], seed=8),
+            "opt": timed(4.602, [1010, 1018, 1030], attention_backend="auto", eval_batch_size=64)}
+    code, c = speed_verdict_of(tmp_path, runs)
+    out = capsys.readouterr().out
+    assert code == 0 and c["losses_agree"]
+    assert c["same_execution"] is True and c["execution_differences"] == []
+    assert c["speed_verdict"] == "same execution" and c["speed_ratio"] == pytest.approx(1018 / 633)
+    assert c["speed_ratio_low"] > 1  # outside the noise, and still no speed-up: the execution is the same
+    assert "the two sides run the same execution: no speed-up (their 1.61x is noise)" in out
+    assert "x speed-up" not in out and "faster" not in out
+
+
+def test_a_faster_side_outside_the_noise_is_a_speed_up_with_its_ratio_and_band(tmp_path, capsys):
+    base_rates = [960, 990, 1000, 1010, 1040]
+    runs = {"base": timed(4.600, base_rates), "base-seed8": timed(4.601, [r * 1.02 for r in base_rates], seed=8),
+            "opt": timed(4.602, [1950, 1990, 2000, 2010, 2050], micro_batch_size=32, compile=True)}
+    code, c = speed_verdict_of(tmp_path, runs)
+    out = capsys.readouterr().out
+    assert code == 0 and c["same_execution"] is False
+    assert c["execution_differences"] == ["compile", "micro_batch_size"]
+    assert c["speed_verdict"] == "faster" and c["speed_ratio"] == pytest.approx(2.0)
+    noise = c["speed_noise"]
+    assert noise["rates"] == {"base": 1000, "base-seed8": pytest.approx(1020)}
+    assert noise["between_runs"] == pytest.approx(3 * abs(np.log(1.02)))  # 3 x |d| for one noise run
+    assert noise["interval_quartiles"] == {"baseline": [990, 1010], "optimized": [1990, 2010]}
+    # the wider of 2 * exp(+-3 |ln 1.02|) and [1990 / 1010, 2010 / 990]: here the first at both ends
+    assert c["speed_ratio_low"] == pytest.approx(2 / 1.02 ** 3) and c["speed_ratio_high"] == pytest.approx(2 * 1.02 ** 3)
+    assert "the 2.00x speed-up (noise band 1.88x to 2.12x) kept the math" in out and "3 * sqrt(2)" in c["speed_rule"]
+
+
+def test_a_faster_median_inside_the_noise_is_no_speed_up(tmp_path, capsys):
+    """Either noise alone keeps a 1.15x median from being called: the baseline's noise run 10% off it, or interval
+    rates that overlap; with neither measured nothing is called. A noise run of another execution times that one."""
+    steady = [980, 990, 1000, 1010, 1020]
+    runs = {"base": timed(4.600, steady), "base-seed8": timed(4.601, [r * 1.1 for r in steady], seed=8),
+            "opt": timed(4.602, [r * 1.15 for r in steady], micro_batch_size=32)}
+    code, c = speed_verdict_of(tmp_path, runs)
+    assert code == 0 and c["speed_ratio"] == pytest.approx(1.15) and c["speed_verdict"] == "within noise"
+    assert c["speed_ratio_low"] == pytest.approx(1.15 / 1.1 ** 3)
+    quartiles = c["speed_noise"]["interval_quartiles"]
+    assert quartiles["optimized"][0] > quartiles["baseline"][1]  # the interval rates alone would call it
+    assert "no speed difference outside the noise (1.15x, noise band 0.86x to " in capsys.readouterr().out
+
+    noisy = {"base": timed(4.600, [700, 900, 1000, 1100, 1300]),
+             "opt": timed(4.602, [800, 1050, 1150, 1250, 1500], micro_batch_size=32)}
+    code, c = speed_verdict_of(tmp_path, noisy, "--noise_seed_runs=0")
+    assert c["speed_verdict"] == "within noise" and c["speed_noise"]["between_runs"] is None
+    assert c["speed_ratio_low"] == pytest.approx(1050 / 1100) and c["speed_ratio_high"] == pytest.approx(1250 / 900)
+
+    compiled = dict(timed(4.601, [1500], seed=8), config=dict(BASE_EXECUTION, seed=8, compile=True))
+    few = {"base": timed(4.600, [1000]), "opt": timed(4.602, [1300], micro_batch_size=32), "base-seed8": compiled}
+    code, c = speed_verdict_of(tmp_path, few)
+    assert c["noise_runs"] == {"base-seed8": 4.601} and c["speed_noise"]["rates"] == {"base": 1000}
+    assert c["speed_verdict"] == "noise not measured" and c["speed_ratio_low"] is None
+    assert "1.30x, but the speed's noise is not measured" in capsys.readouterr().out
+
+
+def test_the_two_sides_resolving_to_one_execution_is_said_before_training(tiny, capsys):
+    config, results = tiny
+    for mb, said in ((4, True), (2, False)):
+        argv = [config, f"--results_file={results}", "--baseline_micro_batch_size=4", f"--micro_batch_size={mb}"]
+        cfg = settings.Config(configurator.load_config(compare.DEFAULTS, argv))
+        matched.check_before_training(cfg, matched.side_configs(cfg))
+        out = capsys.readouterr().out
+        assert ("resolve to the same execution" in out and "attention sdpa on cpu" in out) == said
