@@ -15,9 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.attention import ATTENTION_BACKENDS, causal_attention, flash_attn_4
-from kernels.cross_entropy import (LOSS_IMPLEMENTATIONS, chunked_cross_entropy, linear_cross_entropy,
-                                   linear_cross_entropy_losses)
-from kernels.linear_cross_entropy import linear_cross_entropy_epilogue
+from kernels.cross_entropy import LOSS_IMPLEMENTATIONS, linear_cross_entropy, linear_cross_entropy_losses
 from kernels.linear_cross_entropy_fp8 import MULTIPLE as FP8_MULTIPLE
 from kernels.linear_cross_entropy_fp8 import check_shape as check_fp8_shape, linear_cross_entropy_fp8
 from kernels.quack_ops import LOSS_PATHS as QUACK_LOSS_PATHS, check_shape as check_quack_shape
@@ -274,7 +272,7 @@ class Transformer(nn.Module):
         flat_h, flat_targets = h.flatten(0, 1), targets.flatten()
         # evaluation (no gradient to compute) of the ops that make gradients in forward: each token's loss from
         # our losses-only op (quack's gives only their sum)
-        fused = self.loss_impl in ("fused", "fused_epilogue", *QUACK_LOSS_PATHS)
+        fused = self.loss_impl in ("fused", *QUACK_LOSS_PATHS)
         if fused and not torch.is_grad_enabled():
             losses = linear_cross_entropy_losses(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
             if reduction == "none":
@@ -285,13 +283,8 @@ class Transformer(nn.Module):
         elif self.loss_impl == "fused":
             fused_loss = linear_cross_entropy_fp8 if self.lm_head_fp8 else linear_cross_entropy
             total = fused_loss(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
-        elif self.loss_impl == "fused_epilogue":
-            total = linear_cross_entropy_epilogue(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
         elif self.loss_impl in QUACK_LOSS_PATHS:
-            total = linear_cross_entropy_quack(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens,
-                                               scaled_exp=QUACK_LOSS_PATHS[self.loss_impl])
-        elif self.loss_impl == "chunked":
-            total = chunked_cross_entropy(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
+            total = linear_cross_entropy_quack(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
         else:
             total = F.cross_entropy(self.output(flat_h).float(), flat_targets, ignore_index=-100, reduction="sum")
         if reduction == "sum":

@@ -125,12 +125,12 @@ class TrainSettings:
     compile_scope: str = setting("model", "model: one graph; blocks: each block and the loss head apart (compiles "
                                           "once for all the identical blocks, so a much shorter cold start)",
                                  choices=COMPILE_SCOPES)
-    attention_backend: str = setting("auto", "auto: fa4 where it can run, else sdpa; sdpa (SDPA's choice), flash, "
-                                             "efficient, cudnn, math (one SDPA kernel), or fa4 (cuDNN's forward, "
-                                             "flash-attn-4's backward; Hopper or Blackwell)",
+    attention_backend: str = setting("auto", "auto: fa4 where it can run, else sdpa; sdpa (SDPA's choice), cudnn, "
+                                             "math (one SDPA kernel), or fa4 (cuDNN's forward, flash-attn-4's "
+                                             "backward; Hopper or Blackwell)",
                                      choices=tuple(model_lib.ATTENTION_BACKENDS))
     loss_impl: str = setting("full", "see kernels/cross_entropy.py", choices=tuple(model_lib.LOSS_IMPLEMENTATIONS))
-    loss_chunk_tokens: int = setting(8192, "tokens per slice of the chunked, fused and quack losses", bounds="> 0")
+    loss_chunk_tokens: int = setting(8192, "tokens per slice of the fused and quack_chunked losses", bounds="> 0")
     mlp_impl: str = setting("torch", "the SwiGLU MLP: torch (the w13 matmul, then SwiGLU and the down projection as "
                                      "one op, kernels/swiglu.py) or quack (quack-kernels' gated matmuls, SwiGLU in "
                                      "their epilogues; Hopper: kernels/quack_ops.py)",
@@ -338,10 +338,10 @@ def check_device(cfg, device):
     attention, reason = resolve_backend(cfg.attention_backend, device)
     problem = fa4_problem(device) if attention == "fa4" else None
     if problem:
-        raise ConfigError(f"attention_backend 'fa4': {problem}; choose auto, sdpa, flash, efficient, cudnn or math")
+        raise ConfigError(f"attention_backend 'fa4': {problem}; choose auto, sdpa, cudnn or math")
     if attention in CUDA_ONLY_BACKENDS and device.type != "cuda":
         raise ConfigError(f"attention_backend {attention!r} runs only on CUDA GPUs, not on {device.type}; choose "
-                          f"auto, sdpa, flash or math")
+                          f"auto, sdpa or math")
     if cfg.lm_head_fp8 and device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
         if capability < (8, 9):

@@ -15,13 +15,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 ATTENTION_BACKENDS = {
     "auto": "auto",
     "sdpa": None,
-    "flash": [SDPBackend.FLASH_ATTENTION],
-    "efficient": [SDPBackend.EFFICIENT_ATTENTION],
     "cudnn": [SDPBackend.CUDNN_ATTENTION],
     "math": [SDPBackend.MATH],
     "fa4": "fa4",
 }
-CUDA_ONLY_BACKENDS = ("efficient", "cudnn")  # SDPA has these kernels only on CUDA: "No viable backend" elsewhere
+CUDA_ONLY_BACKENDS = ("cudnn",)  # SDPA has this kernel only on CUDA: "No viable backend" elsewhere
 
 def fa4_problem(device):
     """Why fa4 cannot run on `device` (a torch.device), or None when it can: flash-attn-4's backward needs

@@ -6,34 +6,12 @@ from kernels import in_autocast_dtype, uses_triton
 
 # How the training loss is computed from the last hidden state, all with the same math:
 # - "full" materializes all logits (float32 inside cross-entropy);
-# - "chunked" runs the LM head and cross-entropy over slices of tokens, recomputing each slice's logits in
-#   backward, so the full logits never exist at once;
 # - "fused" (see linear_cross_entropy) computes the loss and its gradients in one pass over slices of
 #   tokens during forward, with the logits in the autocast dtype and never in float32;
-# - "fused_epilogue" (kernels/linear_cross_entropy.py) is "fused" with the loss and its gradient inside the
-#   matmuls' Triton kernels, with no pass of their own over the logits;
-# - "quack" (kernels/quack_ops.py) is quack-kernels' linear cross-entropy: "fused"'s work in CuTe matmuls whose
-#   epilogues keep only a bf16 scaled exp of the logits (Hopper only; 3.0% slower at 20m, docs/PERFORMANCE.md);
-# - "quack_chunked" is quack's other path: "fused"'s structure (each slice's bf16 logits, overwritten by their
-#   gradient) with quack's cross-entropy kernel and its autotuned weight-gradient matmul (Hopper only; 1.3%
-#   faster at 20m with 2.1 GiB more at its peak, docs/PERFORMANCE.md).
+# - "quack_chunked" (kernels/quack_ops.py) is "fused"'s structure (each slice's bf16 logits, overwritten by their
+#   gradient) with quack-kernels' cross-entropy kernel and its autotuned weight-gradient matmul (Hopper only).
 # "fused" also runs the declared FP8 head (lm_head_fp8, kernels/linear_cross_entropy_fp8.py): other math.
-LOSS_IMPLEMENTATIONS = ("full", "chunked", "fused", "fused_epilogue", "quack", "quack_chunked")
-
-
-def _chunk_loss(h, weight, targets):
-    logits = F.linear(h, weight)
-    return F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
-
-
-def chunked_cross_entropy(h, weight, targets, chunk_tokens):
-    """Sum of cross-entropy over token slices; each slice's logits are recomputed in backward."""
-    total = h.new_zeros((), dtype=torch.float32)
-    for start in range(0, h.shape[0], chunk_tokens):
-        end = start + chunk_tokens
-        total = total + torch.utils.checkpoint.checkpoint(
-            _chunk_loss, h[start:end], weight, targets[start:end], use_reentrant=False)
-    return total
+LOSS_IMPLEMENTATIONS = ("full", "fused", "quack_chunked")
 
 
 # ---------------------------------------------------------------- fused LM head + cross-entropy

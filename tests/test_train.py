@@ -502,7 +502,7 @@ def test_the_recipe_identity_follows_the_math(text_cache, tmp_path, change):
 
 @pytest.mark.parametrize("change", [dict(micro_batch_size=2), dict(compile=True), dict(attention_backend="math"),
                                     dict(cpu_threads=2), dict(device="cuda"), dict(name="other"),
-                                    dict(out_dir="elsewhere"), dict(loss_impl="chunked"), dict(log_interval=7)])
+                                    dict(out_dir="elsewhere"), dict(loss_impl="fused"), dict(log_interval=7)])
 def test_the_recipe_identity_ignores_execution(text_cache, tmp_path, change):
     cfg = small_config(text_cache, tmp_path)
     assert recipe_id(train.Config(cfg, **change)) == recipe_id(cfg)
@@ -592,7 +592,7 @@ def test_bad_micro_batch_size_lists_the_valid_ones(text_cache, tmp_path, capsys)
     assert not Path(cfg.results_file).exists()
 
 
-@pytest.mark.parametrize("change, word", [(dict(loss_impl="liger"), "full, chunked, fused"),
+@pytest.mark.parametrize("change, word", [(dict(loss_impl="liger"), "full, fused, quack_chunked"),
                                           (dict(loss_chunk_tokens=0), "loss_chunk_tokens"),
                                           (dict(ddp_bucket_mb=-1), "ddp_bucket_mb"),
                                           (dict(activation_memory_budget=0.0), "activation_memory_budget must lie in"),
