@@ -22,7 +22,7 @@ import torch
 
 import model as model_lib
 from configurator import ConfigError
-from kernels import quack_ops
+from kernels import registry
 from optim import MUON_ADJUST, OPTIMIZERS, SCHEDULES
 
 RECIPE, MODEL, WEIGHTS, EXECUTION = "recipe", "model", "weights", "execution"
@@ -125,16 +125,10 @@ class TrainSettings:
     compile_scope: str = setting("model", "model: one graph; blocks: each block and the loss head apart (compiles "
                                           "once for all the identical blocks, so a much shorter cold start)",
                                  choices=COMPILE_SCOPES)
-    attention_backend: str = setting("auto", "auto: fa4 where it can run, else sdpa; sdpa (SDPA's choice), cudnn, "
-                                             "math (one SDPA kernel), or fa4 (cuDNN's forward, flash-attn-4's "
-                                             "backward; Hopper or Blackwell)",
-                                     choices=tuple(model_lib.ATTENTION_BACKENDS))
-    loss_impl: str = setting("full", "see kernels/cross_entropy.py", choices=tuple(model_lib.LOSS_IMPLEMENTATIONS))
+    attention_backend: str = setting("auto", registry.ATTENTION.help, choices=registry.ATTENTION)
+    loss_impl: str = setting("full", registry.LOSS.help, choices=registry.LOSS)
     loss_chunk_tokens: int = setting(8192, "tokens per slice of the fused and quack_chunked losses", bounds="> 0")
-    mlp_impl: str = setting("torch", "the SwiGLU MLP: torch (the w13 matmul, then SwiGLU and the down projection as "
-                                     "one op, kernels/swiglu.py) or quack (quack-kernels' gated matmuls, SwiGLU in "
-                                     "their epilogues; Hopper: kernels/quack_ops.py)",
-                            choices=model_lib.MLP_IMPLEMENTATIONS)
+    mlp_impl: str = setting("torch", registry.MLP.help, choices=registry.MLP)
     update_graph: bool = setting(False, "compiled only: the gradient clip and the optimizer step compiled too, in "
                                         "the model's compile mode (with reduce-overhead, CUDA graphs); AdamW then "
                                         "runs its capturable foreach form with the learning rate a device tensor: "
@@ -185,24 +179,9 @@ class TrainSettings:
                               "(or leave update_graph off)")
         if cfg.stop_at_target and not cfg.target_loss:
             raise ConfigError("stop_at_target needs a target: set target_loss (the validation-subset loss to reach)")
-        check_fp8_head(cfg)
-        multiple = quack_ops.CHUNK_MULTIPLE.get(cfg.loss_impl)
-        if multiple and cfg.loss_chunk_tokens % multiple:
-            raise ConfigError(f"loss_impl {cfg.loss_impl} needs loss_chunk_tokens to be a multiple of {multiple} (its "
-                              f"kernels' tile of tokens), got {cfg.loss_chunk_tokens}")
-
-
-def check_fp8_head(cfg):
-    """lm_head_fp8 runs inside the fused loss, on token counts its FP8 matmuls take."""
-    if not cfg.lm_head_fp8:
-        return
-    if cfg.loss_impl != "fused":
-        raise ConfigError(f"lm_head_fp8 runs inside the fused loss; set loss_impl=fused (got {cfg.loss_impl!r})")
-    for key, tokens in (("micro_batch_size x seq_len", cfg.micro_batch_size * cfg.seq_len),
-                        ("loss_chunk_tokens", cfg.loss_chunk_tokens)):
-        if tokens % model_lib.FP8_MULTIPLE:
-            raise ConfigError(f"lm_head_fp8 needs {key} to be a multiple of {model_lib.FP8_MULTIPLE} tokens (FP8 "
-                              f"matmuls), got {tokens}")
+        problem = registry.problem(cfg)  # the execution choices' (and the FP8 head's) rules on these numbers
+        if problem:
+            raise ConfigError(problem)
 
 
 # ---------------------------------------------------------------- the declaration, read
@@ -327,41 +306,14 @@ def sequences_per_update(cfg, world_size=1):
 
 
 def check_device(cfg, device):
-    """What the machine decides: a GPU config without a GPU, an attention backend, the FP8 head or quack's kernels
-    where they cannot run. device: the torch.device the run will use."""
-    from kernels.attention import CUDA_ONLY_BACKENDS, fa4_problem, resolve_backend
-    if cfg.attention_backend == "fa4":
-        try:
-            model_lib.flash_attn_4()
-        except ValueError as exc:  # flash-attn-4 is not installed, or lacks the backward function the op calls
-            raise ConfigError(f"attention_backend: {exc}") from None
-    attention, reason = resolve_backend(cfg.attention_backend, device)
-    problem = fa4_problem(device) if attention == "fa4" else None
+    """What the machine decides: each execution choice (and the FP8 head) where it cannot run, in one line
+    (kernels/registry.py). device: the torch.device the run will use. Returns the attention backend that runs here
+    and why (kernels.attention.resolve_backend)."""
+    from kernels.attention import resolve_backend
+    problem = registry.problem(cfg, device)
     if problem:
-        raise ConfigError(f"attention_backend 'fa4': {problem}; choose auto, sdpa, cudnn or math")
-    if attention in CUDA_ONLY_BACKENDS and device.type != "cuda":
-        raise ConfigError(f"attention_backend {attention!r} runs only on CUDA GPUs, not on {device.type}; choose "
-                          f"auto, sdpa or math")
-    if cfg.lm_head_fp8 and device.type == "cuda":
-        capability = torch.cuda.get_device_capability(device)
-        if capability < (8, 9):
-            raise ConfigError(f"lm_head_fp8 needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, "
-                              f"Blackwell); {torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}; "
-                              f"set lm_head_fp8=False")
-    check_quack(cfg, device)
-    return attention, reason
-
-
-def check_quack(cfg, device):
-    """loss_impl's and mlp_impl's quack choices run quack-kernels' CuTe kernels: a CUDA GPU of compute capability
-    9.0 with the package (kernels/quack_ops.py)."""
-    for key in ("loss_impl", "mlp_impl"):
-        problem = cfg[key].startswith("quack") and quack_ops.quack_problem(device)
-        if problem:
-            others = [c for c in field_of(TrainSettings, key).metadata["choices"] if not c.startswith("quack")]
-            raise ConfigError(f"{key} {cfg[key]!r} needs a CUDA GPU of compute capability 9.0 and the quack-kernels "
-                              f"package (pip install -r requirements-gpu.txt), but {problem}; choose "
-                              f"{', '.join(others)} instead")
+        raise ConfigError(problem)
+    return resolve_backend(cfg.attention_backend, device)
 
 
 def resolve_device(cfg, local_rank=None):

@@ -21,6 +21,7 @@ import optim
 import settings
 from configurator import ConfigError, load_config
 from data.loader import CacheError, Prefetcher, TokenCache, TrainData, eval_batch_count, eval_batches
+from kernels import registry
 from metrics import Metrics, final_validation_result
 from results import ResultsFileError, check_writable
 from settings import (Config, TrainSettings, initial_model_config, model_config, recipe,  # noqa: F401
@@ -72,12 +73,9 @@ def setup(cfg, initial=None):
         raise ConfigError(f"vocab_size {cfg.vocab_size} is larger than the {cache.vocab_size} tokens of the cache "
                           f"{cfg.data_dir}: the LM head would hold rows no token uses; set vocab_size=0 (follow the "
                           f"data) or {cache.vocab_size}, or prepare a cache of that vocabulary")
-    try:
-        if cfg.lm_head_fp8:
-            model_lib.check_fp8_shape(mcfg.dim, mcfg.vocab_size)
-        model_lib.check_quack_shape(mcfg, cfg.loss_impl, cfg.mlp_impl)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    problem = registry.problem(cfg, model_config=mcfg)  # a shape the configured kernels do not take
+    if problem:
+        raise ConfigError(problem)
     rec = recipe(cfg, mcfg, cache.identity, initial.sha256 if initial else None)
     return cache, mcfg, rec
 

@@ -1,17 +1,14 @@
-"""The LM head and its cross-entropy: the loss implementations the model can train with."""
+"""The LM head and its cross-entropy: the plain torch loss and our fused op (kernels/registry.py declares the
+choices)."""
 import torch
 import torch.nn.functional as F
 
 from kernels import in_autocast_dtype, uses_triton
 
-# How the training loss is computed from the last hidden state, all with the same math:
-# - "full" materializes all logits (float32 inside cross-entropy);
-# - "fused" (see linear_cross_entropy) computes the loss and its gradients in one pass over slices of
-#   tokens during forward, with the logits in the autocast dtype and never in float32;
-# - "quack_chunked" (kernels/quack_ops.py) is "fused"'s structure (each slice's bf16 logits, overwritten by their
-#   gradient) with quack-kernels' cross-entropy kernel and its autotuned weight-gradient matmul (Hopper only).
-# "fused" also runs the declared FP8 head (lm_head_fp8, kernels/linear_cross_entropy_fp8.py): other math.
-LOSS_IMPLEMENTATIONS = ("full", "fused", "quack_chunked")
+def full_cross_entropy(h, weight, targets, chunk_tokens=None):
+    """Sum of cross-entropy of (h @ weight.T) against targets (-100 ignored) from all logits at once, float32 inside:
+    the plain torch reference (loss_impl "full"). chunk_tokens, the other losses' slice, is not used."""
+    return F.cross_entropy(F.linear(h, weight).float(), targets, ignore_index=-100, reduction="sum")
 
 
 # ---------------------------------------------------------------- fused LM head + cross-entropy

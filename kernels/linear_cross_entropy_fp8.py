@@ -35,12 +35,30 @@ MULTIPLE = 16  # cuBLAS's FP8 matmuls need every dimension a multiple of 16
 TRANSPOSE_BLOCK = 128  # the transpose kernel's square tile of bytes (16 KiB through shared memory)
 
 
-def check_shape(width, vocab_size):
-    """The model's shape as the FP8 matmuls take it: a ValueError naming what is not a multiple of 16."""
-    for what, size in (("width", width), ("vocabulary size", vocab_size)):
+def shape_problem(model_config, cfg):
+    """Why the FP8 matmuls cannot take the settings' token counts (a micro-step's, a loss slice's) or, given a
+    ModelConfig, the model's width and vocabulary: the words after "lm_head_fp8", or None."""
+    sizes = [("micro_batch_size x seq_len", cfg["micro_batch_size"] * cfg["seq_len"], " tokens"),
+             ("loss_chunk_tokens", cfg["loss_chunk_tokens"], " tokens")]
+    if model_config is not None:
+        sizes += [("the model's width", model_config.dim, ""),
+                  ("the model's vocabulary size", model_config.vocab_size, "")]
+    for what, size, unit in sizes:
         if size % MULTIPLE:
-            raise ValueError(f"lm_head_fp8 needs the model's {what} to be a multiple of {MULTIPLE} (FP8 matmuls), "
-                             f"got {size}")
+            return f"needs {what} to be a multiple of {MULTIPLE}{unit} (FP8 matmuls), got {size}"
+    return None
+
+
+def device_problem(device):
+    """Why the FP8 matmuls cannot run on `device` (words after "lm_head_fp8"), or None: a CUDA GPU needs FP8 tensor
+    cores; elsewhere torch runs them."""
+    if device.type != "cuda":
+        return None
+    capability = torch.cuda.get_device_capability(device)
+    if capability >= (8, 9):
+        return None
+    return (f"needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, Blackwell); "
+            f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}")
 
 
 def quantize(x):

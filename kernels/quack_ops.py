@@ -24,8 +24,6 @@ CAPABILITY = (9, 0)  # quack's kernels are SM90's, and the H200 is where these c
 ROW_ALIGN = 8  # the loss's slices: rows of whole 16-byte groups for its TMA matmuls
 WIDTH_MULTIPLE = 8  # rows of 16 bytes in bf16, as quack's TMA loads take them
 TUNED = True  # quack's default: each matmul autotuned on the first call of a shape (cached on disk, ~/.quack)
-LOSS_PATHS = {"quack_chunked": False}  # loss_impl's quack choice: chunked_linear_cross_entropy's use_scaled_exp
-CHUNK_MULTIPLE = {"quack_chunked": ROW_ALIGN}  # what loss_chunk_tokens must be a multiple of
 MLP_ARGUMENTS = dict(activation="swiglu", concat_layout=True)  # silu(gate) * up, on w13 = [gate; up] (above)
 
 
@@ -58,15 +56,30 @@ def install_hint(exc):
     return ""
 
 
-def check_shape(config, loss_impl, mlp_impl):
-    """The model's shape (a ModelConfig) as the chosen quack kernels take it: a ValueError naming what they do not."""
-    if loss_impl in LOSS_PATHS and config.dim % WIDTH_MULTIPLE:
-        raise ValueError(f"loss_impl {loss_impl} needs the model's width to be a multiple of {WIDTH_MULTIPLE} (rows "
-                         f"of 16 bytes for quack's loads), got {config.dim}")
-    if mlp_impl == "quack" and (config.dim % WIDTH_MULTIPLE or config.hidden_dim % WIDTH_MULTIPLE):
-        raise ValueError(f"mlp_impl quack needs the model's width and hidden width to be multiples of "
-                         f"{WIDTH_MULTIPLE} (rows of 16 bytes for quack's loads), got {config.dim} and "
-                         f"{config.hidden_dim}")
+def device_problem(device):
+    """Why a quack choice cannot run on `device`, as the words after its name in a refusal, or None."""
+    why = quack_problem(device)
+    return why and (f"needs a CUDA GPU of compute capability {CAPABILITY[0]}.{CAPABILITY[1]} and the quack-kernels "
+                    f"package (pip install -r requirements-gpu.txt), but {why}")
+
+
+def loss_shape_problem(model_config, cfg):
+    """Why the loss cannot take the settings' slices or, given a ModelConfig, the model's width, or None."""
+    if cfg["loss_chunk_tokens"] % ROW_ALIGN:
+        return (f"needs loss_chunk_tokens to be a multiple of {ROW_ALIGN} (rows its matmuls load whole), got "
+                f"{cfg['loss_chunk_tokens']}")
+    if model_config is not None and model_config.dim % WIDTH_MULTIPLE:
+        return (f"needs the model's width to be a multiple of {WIDTH_MULTIPLE} (rows of 16 bytes for quack's loads), "
+                f"got {model_config.dim}")
+    return None
+
+
+def mlp_shape_problem(model_config, cfg):
+    """Why the MLP cannot take the model's widths (a ModelConfig; None: nothing to check yet), or None."""
+    if model_config is None or not (model_config.dim % WIDTH_MULTIPLE or model_config.hidden_dim % WIDTH_MULTIPLE):
+        return None
+    return (f"needs the model's width and hidden width to be multiples of {WIDTH_MULTIPLE} (rows of 16 bytes for "
+            f"quack's loads), got {model_config.dim} and {model_config.hidden_dim}")
 
 
 def _bf16(device):

@@ -110,6 +110,11 @@ def _swiglu_down_backward(ctx, grad_out):
 _swiglu_down_op.register_autograd(_swiglu_down_backward, setup_context=_swiglu_down_setup)
 
 
+def swiglu_mlp(x, w13, w2):
+    """FeedForward's math (mlp_impl "torch"): the w13 matmul, then SwiGLU and the down projection (swiglu_down)."""
+    return swiglu_down(F.linear(x, w13), w2)
+
+
 def swiglu_down(x, weight):
     """F.linear(silu(gate) * up, weight) of x = [gate, up] (the last dimension, as FeedForward.w13 makes it):
     the fused op in compiled code on CUDA, plain torch elsewhere. Eager keeps torch's kernels: it is

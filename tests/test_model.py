@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from kernels import attention
 from kernels import cross_entropy
-from kernels import swiglu
+from kernels import registry, swiglu
 import hf
 import model
 from tests.conftest import flash_attn_4_installed
@@ -517,7 +517,7 @@ def test_unknown_attention_backend_and_loss_impl():
     with pytest.raises(ValueError) as info:
         model.Transformer(tiny_config(), attention_backend="fast")
     assert "'fast'" in str(info.value)
-    for name in model.ATTENTION_BACKENDS:
+    for name in registry.ATTENTION:
         assert name in str(info.value)
     with pytest.raises(ValueError, match=r"'liger'.*full, fused, quack_chunked"):
         model.Transformer(tiny_config(), loss_impl="liger")

@@ -17,7 +17,7 @@ import model as model_lib
 import settings
 import train
 from configurator import ConfigError
-from kernels import quack_ops
+from kernels import quack_ops, registry
 from kernels.swiglu import swiglu_down
 from settings import TrainSettings
 from trainer import Trainer
@@ -208,7 +208,7 @@ def test_an_unknown_mlp_impl_is_refused_naming_the_choices():
 
 # ---------------------------------------------------------------- settings, device and shapes
 
-@pytest.mark.parametrize("key, value, others", [("loss_impl", "quack_chunked", "full, fused"),
+@pytest.mark.parametrize("key, value, others", [("loss_impl", "quack_chunked", "full or fused"),
                                                 ("mlp_impl", "quack", "torch")])
 def test_quack_is_refused_on_the_cpu_in_one_sentence_naming_the_setting_and_what_runs_it(key, value, others):
     cfg = train.Config(train.DEFAULTS, **{key: value})
@@ -282,9 +282,8 @@ def test_the_quack_loss_takes_slices_of_rows_its_matmuls_load_whole():
     (dict(hidden_dim=900, mlp_impl="quack"), "mlp_impl quack needs the model's width and hidden width"),
 ])
 def test_shapes_the_quack_kernels_do_not_take_are_named(change, words):
-    impls = {k: change.pop(k, "torch" if k == "mlp_impl" else "full") for k in ("loss_impl", "mlp_impl")}
-    with pytest.raises(ValueError, match=words):
-        quack_ops.check_shape(model_lib.get_preset("20m", **change), impls["loss_impl"], impls["mlp_impl"])
+    cfg = train.Config(train.DEFAULTS, **{k: change.pop(k) for k in ("loss_impl", "mlp_impl") if k in change})
+    assert words in registry.problem(cfg, model_config=model_lib.get_preset("20m", **change))
 
 
 def test_a_shape_quack_does_not_take_is_refused_with_the_data_before_the_model(text_cache, tmp_path):
@@ -295,7 +294,8 @@ def test_a_shape_quack_does_not_take_is_refused_with_the_data_before_the_model(t
 
 @pytest.mark.parametrize("preset", ["20m", "50m", "90m"])
 def test_every_preset_has_a_shape_the_quack_kernels_take(preset):
-    quack_ops.check_shape(model_lib.get_preset(preset), "quack_chunked", "quack")
+    cfg = train.Config(train.DEFAULTS, loss_impl="quack_chunked", mlp_impl="quack")
+    assert registry.problem(cfg, model_config=model_lib.get_preset(preset)) is None
 
 
 def test_the_mlp_microbench_says_in_one_line_that_it_needs_a_gpu(tmp_path):

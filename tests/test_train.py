@@ -627,7 +627,7 @@ def test_fa4_without_flash_attn_4_is_refused_before_any_work(text_cache, tmp_pat
         settings.check_device(cfg, torch.device("cpu"))
     assert train.main(cli_args(cfg)) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: attention_backend: ") and "Traceback" not in err
+    assert err.startswith("error: attention_backend 'fa4' needs ") and "Traceback" not in err
     assert not Path(cfg.results_file).exists()
 
 
@@ -637,7 +637,7 @@ def test_fa4_on_the_cpu_is_refused_rather_than_run_as_another_kernel(text_cache,
     train.check_execution(cfg)  # the package imports
     assert train.main(cli_args(cfg)) == 2
     err = capsys.readouterr().err
-    assert "fa4 runs on Hopper and Blackwell GPUs only" in err and err.count("\n") == 1
+    assert "attention_backend 'fa4' runs on Hopper and Blackwell GPUs only" in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("change, word", [(dict(preset="30m"), "20m, 50m, 90m"), (dict(dim=100, n_heads=3), "n_heads"),
