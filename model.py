@@ -176,8 +176,7 @@ class Transformer(nn.Module):
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.output.weight = self.tok_embeddings.weight  # tied
-        # Computed once here and moved with the module; recomputing them per forward cost the system we
-        # replace a quarter of its GPU kernel time.
+        # Computed once here and moved with the module: recomputed per forward, they are kernels in every update.
         cos, sin = rotary_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin_signed", signed_sin(sin), persistent=False)

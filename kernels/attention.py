@@ -57,8 +57,7 @@ def flash_attn_4():
 
 
 # Our own op pair: training's attention with cuDNN's forward and flash-attn-4's backward, the faster of each on
-# the H200 (cuDNN's forward 0.60 against flash-attn-4's 0.75 ms per 20m update; flash-attn-4's backward 1.18
-# against cuDNN's 1.56). The backward is the function that PyTorch's FA4 registry calls too
+# the H200 (20m-fa4-profile against 20m-default-profile, docs/PERFORMANCE.md). The backward is the function that PyTorch's FA4 registry calls too
 # (torch.nn.attention.activate_flash_attention_impl); that registry would put FA4 behind SDPA's flash kernel, but
 # in PyTorch 2.11 it expects flash-attn-4's forward to return two tensors, and 4.0.0b20 and later return more.
 # torch.compile sees each op as one opaque call, and CUDA graphs capture its kernels.

@@ -14,9 +14,8 @@ def full_cross_entropy(h, weight, targets, chunk_tokens=None):
 # ---------------------------------------------------------------- fused LM head + cross-entropy
 #
 # Why a kernel of our own rather than Liger-Kernel's fused linear cross-entropy (the library made for this):
-# on the H200, for one 32,768-token update of the 20m model, Liger took 24.8 ms and this 5.4 ms
-# (scripts/loss_microbench.py, docs/PERFORMANCE.md). Liger reads the count of counted targets back to the
-# host (`.item()`) on every call and compares the upstream gradient with 1.0 (`torch.equal`) in backward,
+# on the H200 Liger is several times slower on one 20m update's tokens (loss-microbench-libraries-320,
+# docs/PERFORMANCE.md's levers). Liger reads the count of counted targets back to the host (`.item()`) on every call and compares the upstream gradient with 1.0 (`torch.equal`) in backward,
 # two host syncs per micro-step; and it sizes its token slices to keep the logits near the size of the
 # input (512 tokens at width 320), 64 small matmuls per call. The loss here is a plain sum, so no count is
 # needed, the upstream gradient scales the two small gradients instead of the logits, and the slice is ours.
@@ -45,7 +44,7 @@ def _cross_entropy_rows_torch(logits, targets, write_grad=True, grad=None, grad_
 _triton_rows = None
 # How the kernel is launched: the row is held in registers when it fits in `block` columns, else read in
 # `block`-column pieces (online log-sum-exp, then a second pass for the gradient). Chosen on the H200 by
-# scripts/ce_rows_sweep.py over a 8,192 x 32,000 bf16 slice (docs/PERFORMANCE.md has the table).
+# scripts/ce_rows_sweep.py over one 8,192 x 32,000 bf16 slice.
 ROWS_BLOCK, ROWS_NUM_WARPS = 8192, 8
 
 
@@ -141,8 +140,7 @@ def _linear_cross_entropy_impl(h, weight, targets, chunk_tokens):
             logits, w32, h32 = logits.float(), w.float(), h_slice.float()
             torch.mm(logits, w32, out=grad_h_slice)
             grad_w += logits.t() @ h32
-        # else the next slice's logits would be allocated while these are still held: two slices at the
-        # peak (0.5 GB more at 8,192 tokens x 32,000 classes in bf16)
+        # else the next slice's logits would be allocated while these are still held: two slices at the peak
         del logits
     return total, grad_h, grad_w
 
