@@ -3,7 +3,8 @@
 Layout follows transformers' LlamaForCausalLM exactly (RMSNorm before attention and MLP, rotary positions
 with the rotate-half convention, SwiGLU, tied embeddings, no biases), so weights map one to one (hf.py). Two
 projections are stored fused for speed at small widths, with the same math: q, k, v as one matrix
-(`wqkv`) and the SwiGLU gate and up projections as one (`w13`). The kernels it calls live in kernels/.
+(`wqkv`) and the SwiGLU gate and up projections as one (`w13`). The kernels it calls live in kernels/, and how
+each concern runs (the loss, the MLP, attention) is the choice kernels/registry.py declares.
 
     python model.py      # the preset table
 """
@@ -14,15 +15,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.attention import ATTENTION_BACKENDS, causal_attention, flash_attn_4
-from kernels.cross_entropy import (LOSS_IMPLEMENTATIONS, chunked_cross_entropy, linear_cross_entropy,
-                                   linear_cross_entropy_losses)
-from kernels.linear_cross_entropy import linear_cross_entropy_epilogue
-from kernels.linear_cross_entropy_fp8 import MULTIPLE as FP8_MULTIPLE
-from kernels.linear_cross_entropy_fp8 import check_shape as check_fp8_shape, linear_cross_entropy_fp8
-from kernels.quack_ops import LOSS_PATHS as QUACK_LOSS_PATHS, check_shape as check_quack_shape
-from kernels.quack_ops import linear_cross_entropy as linear_cross_entropy_quack, swiglu_mlp as swiglu_mlp_quack
-from kernels.swiglu import swiglu_down
+from kernels.attention import causal_attention
+from kernels.cross_entropy import linear_cross_entropy_losses
+from kernels.registry import ATTENTION, LOSS, MLP
 
 
 @dataclass(frozen=True)
@@ -66,10 +61,6 @@ PRESETS = {
 # The residual stream's dtype under autocast: float32 (the embedding's, so each block's bf16 output is added in
 # float32) or, declared as a change of math, bfloat16 (the weights and the optimizer stay float32).
 RESIDUAL_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
-
-# How the SwiGLU MLP runs, same math and parameters: "torch", the w13 matmul, then SwiGLU and the down projection
-# as one op (kernels/swiglu.py); "quack", quack-kernels' gated matmuls on Hopper (kernels/quack_ops.py).
-MLP_IMPLEMENTATIONS = ("torch", "quack")
 
 
 def get_preset(name, **overrides):
@@ -151,12 +142,10 @@ class FeedForward(nn.Module):
         super().__init__()
         self.w13 = nn.Linear(config.dim, 2 * config.hidden_dim, bias=False)  # [gate; up]
         self.w2 = nn.Linear(config.hidden_dim, config.dim, bias=False)
-        self.impl = impl  # one of MLP_IMPLEMENTATIONS
+        self.impl, self._forward = impl, MLP[impl].forward  # how it runs (kernels/registry.py), same math
 
     def forward(self, x):
-        if self.impl == "quack":
-            return swiglu_mlp_quack(x, self.w13.weight, self.w2.weight)
-        return swiglu_down(self.w13(x), self.w2.weight)
+        return self._forward(x, self.w13.weight, self.w2.weight)
 
 
 class Block(nn.Module):
@@ -180,36 +169,32 @@ class Transformer(nn.Module):
             config = get_preset(config)
         self.config = config
         self.set_attention_backend(attention_backend)
-        if loss_impl not in LOSS_IMPLEMENTATIONS:
-            raise ValueError(f"unknown loss_impl {loss_impl!r}; valid: {', '.join(LOSS_IMPLEMENTATIONS)}")
-        self.loss_impl, self.loss_chunk_tokens = loss_impl, loss_chunk_tokens
-        if mlp_impl not in MLP_IMPLEMENTATIONS:
-            raise ValueError(f"unknown mlp_impl {mlp_impl!r}; valid: {', '.join(MLP_IMPLEMENTATIONS)}")
+        loss = LOSS[loss_impl]  # an unknown name is a ValueError listing the valid ones (the MLP's: FeedForward)
+        if lm_head_fp8 and loss.fp8 is None:
+            raise ValueError(f"lm_head_fp8 runs inside a loss with an FP8 form; loss_impl {loss_impl!r} has none")
         if residual_dtype not in RESIDUAL_DTYPES:
             raise ValueError(f"unknown residual_dtype {residual_dtype!r}; valid: {', '.join(RESIDUAL_DTYPES)}")
         self.residual_dtype = RESIDUAL_DTYPES[residual_dtype]
-        # the declared FP8 head, in training's loss only (kernels/linear_cross_entropy_fp8.py); the settings that
-        # can run it (loss_impl fused, a width and token counts its matmuls take) are settings.py's to check
-        self.lm_head_fp8 = lm_head_fp8
+        self.loss_impl, self.loss_chunk_tokens, self.lm_head_fp8 = loss_impl, loss_chunk_tokens, lm_head_fp8
+        # the declared FP8 head runs in training's loss only (kernels/linear_cross_entropy_fp8.py); the settings and
+        # shapes that can run a choice are kernels/registry.py's to say, and settings.py's to check
+        self._train_loss, self._losses_only = (loss.fp8 if lm_head_fp8 else loss.train), loss.losses_only
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(Block(config, mlp_impl) for _ in range(config.n_layers))
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.output.weight = self.tok_embeddings.weight  # tied
-        # Computed once here and moved with the module; recomputing them per forward cost the system we
-        # replace a quarter of its GPU kernel time.
+        # Computed once here and moved with the module: recomputed per forward, they are kernels in every update.
         cos, sin = rotary_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin_signed", signed_sin(sin), persistent=False)
         self.reset_parameters()
 
     def set_attention_backend(self, name):
-        if name not in ATTENTION_BACKENDS:
-            raise ValueError(f"unknown attention backend {name!r}; valid: {', '.join(ATTENTION_BACKENDS)}")
-        if name == "fa4":
-            flash_attn_4()  # a missing package fails here, not in the first forward
-        self.attention_backend = name
-        self._sdpa_backends = ATTENTION_BACKENDS[name]
+        choice = ATTENTION[name]
+        if choice.load:
+            choice.load()  # a missing package fails here, not in the first forward
+        self.attention_backend, self._sdpa_backends = name, choice.backends
 
     def reset_parameters(self):
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
@@ -280,28 +265,17 @@ class Transformer(nn.Module):
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"unknown loss reduction {reduction!r}; valid: mean, sum, none")
         flat_h, flat_targets = h.flatten(0, 1), targets.flatten()
-        # evaluation (no gradient to compute) of the ops that make gradients in forward: each token's loss from
-        # our losses-only op (quack's gives only their sum)
-        fused = self.loss_impl in ("fused", "fused_epilogue", *QUACK_LOSS_PATHS)
-        if fused and not torch.is_grad_enabled():
+        # evaluation (no gradient to compute) of the losses that make gradients in forward: each token's loss from
+        # our losses-only op
+        if self._losses_only and not torch.is_grad_enabled():
             losses = linear_cross_entropy_losses(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
             if reduction == "none":
                 return losses
             total = losses.sum()
         elif reduction == "none":
             return F.cross_entropy(self.output(flat_h).float(), flat_targets, ignore_index=-100, reduction="none")
-        elif self.loss_impl == "fused":
-            fused_loss = linear_cross_entropy_fp8 if self.lm_head_fp8 else linear_cross_entropy
-            total = fused_loss(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
-        elif self.loss_impl == "fused_epilogue":
-            total = linear_cross_entropy_epilogue(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
-        elif self.loss_impl in QUACK_LOSS_PATHS:
-            total = linear_cross_entropy_quack(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens,
-                                               scaled_exp=QUACK_LOSS_PATHS[self.loss_impl])
-        elif self.loss_impl == "chunked":
-            total = chunked_cross_entropy(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
         else:
-            total = F.cross_entropy(self.output(flat_h).float(), flat_targets, ignore_index=-100, reduction="sum")
+            total = self._train_loss(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
         if reduction == "sum":
             return total
         return total / (targets != -100).sum().clamp(min=1)

@@ -14,6 +14,7 @@ import settings
 from configurator import ConfigError
 from data.loader import CacheError, TokenCache, TrainData
 from distributed import distributed
+from kernels import registry
 from results import ResultsFileError, check_writable
 
 USER_ERRORS = (ConfigError, ResultsFileError, CacheError)  # mistakes a user can fix: one line, never a traceback
@@ -79,46 +80,16 @@ def resolve_device(cfg, local_rank=None):
 
 
 def check_device(cfg, device):
-    """What the machine decides: an attention backend, the FP8 head or quack's kernels where they cannot run, and
-    the profiler without a GPU. device: the torch.device the run will use. Returns (attention backend, why)."""
-    from kernels.attention import CUDA_ONLY_BACKENDS, fa4_problem, resolve_backend
-    if cfg.attention_backend == "fa4":
-        try:
-            model_lib.flash_attn_4()
-        except ValueError as exc:  # flash-attn-4 is not installed, or lacks the backward function the op calls
-            raise ConfigError(f"attention_backend: {exc}") from None
-    attention, reason = resolve_backend(cfg.attention_backend, device)
-    problem = fa4_problem(device) if attention == "fa4" else None
+    """What the machine decides: each execution choice (and the FP8 head) where it cannot run (kernels/registry.py),
+    and the profiler without a GPU. device: the torch.device the run will use. Returns (attention backend, why)."""
+    from kernels.attention import resolve_backend
+    problem = registry.problem(cfg, device)
     if problem:
-        raise ConfigError(f"attention_backend 'fa4': {problem}; choose auto, sdpa, flash, efficient, cudnn or math")
-    if attention in CUDA_ONLY_BACKENDS and device.type != "cuda":
-        raise ConfigError(f"attention_backend {attention!r} runs only on CUDA GPUs, not on {device.type}; choose "
-                          f"auto, sdpa, flash or math")
-    if cfg.lm_head_fp8 and device.type == "cuda":
-        capability = torch.cuda.get_device_capability(device)
-        if capability < (8, 9):
-            raise ConfigError(f"lm_head_fp8 needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, "
-                              f"Blackwell); {torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}; "
-                              f"set lm_head_fp8=False")
-    check_quack(cfg, device)
+        raise ConfigError(problem)
     if cfg.get("profile") and device.type != "cuda":
         raise ConfigError("profile records GPU kernel time, and this runs on the CPU (where it would record CPU "
                           "operator time as kernel_ms); profile on a GPU, or drop profile")
-    return attention, reason
-
-
-def check_quack(cfg, device):
-    """loss_impl's and mlp_impl's quack choices run quack-kernels' CuTe kernels: a CUDA GPU of compute capability
-    9.0 with the package (kernels/quack_ops.py)."""
-    from kernels import quack_ops
-    for key in ("loss_impl", "mlp_impl"):
-        problem = cfg[key].startswith("quack") and quack_ops.quack_problem(device)
-        if problem:
-            others = [c for c in settings.field_of(settings.Execution, key).metadata["choices"]
-                      if not c.startswith("quack")]
-            raise ConfigError(f"{key} {cfg[key]!r} needs a CUDA GPU of compute capability 9.0 and the quack-kernels "
-                              f"package (pip install -r requirements-gpu.txt), but {problem}; choose "
-                              f"{', '.join(others)} instead")
+    return resolve_backend(cfg.attention_backend, device)
 
 
 # ---------------------------------------------------------------- the data, the weights and the model
@@ -190,12 +161,9 @@ def model_of(cfg, cache, initial):
         raise ConfigError(f"vocab_size {cfg.vocab_size} is larger than the {cache.vocab_size} tokens of the cache "
                           f"{cfg.data_dir}: the LM head would hold rows no token uses; set vocab_size=0 (follow the "
                           f"data) or {cache.vocab_size}, or prepare a cache of that vocabulary")
-    try:
-        if cfg.lm_head_fp8:
-            model_lib.check_fp8_shape(mcfg.dim, mcfg.vocab_size)
-        model_lib.check_quack_shape(mcfg, cfg.loss_impl, cfg.mlp_impl)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    problem = registry.problem(cfg, model_config=mcfg)  # a shape the configured kernels do not take
+    if problem:
+        raise ConfigError(problem)
     return mcfg
 
 

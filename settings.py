@@ -21,8 +21,7 @@ import os
 
 import model as model_lib
 from configurator import ConfigError
-from kernels.attention import ATTENTION_BACKENDS
-from kernels.cross_entropy import LOSS_IMPLEMENTATIONS
+from kernels import registry
 from optim import MUON_ADJUST, OPTIMIZERS, SCHEDULES
 from results import SECTIONS
 
@@ -140,16 +139,10 @@ class Execution:
     compile_scope: str = setting("model", "model: one graph; blocks: each block and the loss head apart (compiles "
                                           "once for all the identical blocks, so a much shorter cold start)",
                                  choices=COMPILE_SCOPES)
-    attention_backend: str = setting("auto", "auto: fa4 where it can run, else sdpa; sdpa (SDPA's choice), flash, "
-                                             "efficient, cudnn, math (one SDPA kernel), or fa4 (cuDNN's forward, "
-                                             "flash-attn-4's backward; Hopper or Blackwell)",
-                                     choices=tuple(ATTENTION_BACKENDS))
-    loss_impl: str = setting("full", "see kernels/cross_entropy.py", choices=tuple(LOSS_IMPLEMENTATIONS))
-    loss_chunk_tokens: int = setting(8192, "tokens per slice of the chunked, fused and quack losses", bounds="> 0")
-    mlp_impl: str = setting("torch", "the SwiGLU MLP: torch (the w13 matmul, then SwiGLU and the down projection as "
-                                     "one op, kernels/swiglu.py) or quack (quack-kernels' gated matmuls, SwiGLU in "
-                                     "their epilogues; Hopper: kernels/quack_ops.py)",
-                            choices=model_lib.MLP_IMPLEMENTATIONS)
+    attention_backend: str = setting("auto", registry.ATTENTION.help, choices=registry.ATTENTION)
+    loss_impl: str = setting("full", registry.LOSS.help, choices=registry.LOSS)
+    loss_chunk_tokens: int = setting(8192, "tokens per slice of the fused and quack_chunked losses", bounds="> 0")
+    mlp_impl: str = setting("torch", registry.MLP.help, choices=registry.MLP)
     update_graph: bool = setting(False, "compiled only: the gradient clip and the optimizer step compiled too, in "
                                         "the model's compile mode (with reduce-overhead, CUDA graphs); AdamW then "
                                         "runs its capturable foreach form with the learning rate a device tensor: "
@@ -389,27 +382,11 @@ def _resume_or_overwrite(cfg):
                 "not both")
 
 
-@combination("lm_head_fp8", "loss_impl", "micro_batch_size", "seq_len", "loss_chunk_tokens")
-def _fp8_head(cfg):
-    """lm_head_fp8 runs inside the fused loss, on token counts its FP8 matmuls take."""
-    if not cfg.lm_head_fp8:
-        return None
-    if cfg.loss_impl != "fused":
-        return f"lm_head_fp8 runs inside the fused loss; set loss_impl=fused (got {cfg.loss_impl!r})"
-    for key, tokens in (("micro_batch_size x seq_len", cfg.micro_batch_size * cfg.seq_len),
-                        ("loss_chunk_tokens", cfg.loss_chunk_tokens)):
-        if tokens % model_lib.FP8_MULTIPLE:
-            return (f"lm_head_fp8 needs {key} to be a multiple of {model_lib.FP8_MULTIPLE} tokens (FP8 matmuls), got "
-                    f"{tokens}")
-
-
-@combination("loss_impl", "loss_chunk_tokens")
-def _loss_slices(cfg):
-    from kernels import quack_ops
-    multiple = quack_ops.CHUNK_MULTIPLE.get(cfg.loss_impl)
-    if multiple and cfg.loss_chunk_tokens % multiple:
-        return (f"loss_impl {cfg.loss_impl} needs loss_chunk_tokens to be a multiple of {multiple} (its kernels' tile "
-                f"of tokens), got {cfg.loss_chunk_tokens}")
+@combination("loss_impl", "mlp_impl", "attention_backend", "lm_head_fp8", "loss_chunk_tokens", "micro_batch_size",
+             "seq_len")
+def _execution_choices(cfg):
+    """The execution choices' (and the FP8 head's) rules on these numbers (kernels/registry.py)."""
+    return registry.problem(cfg)
 
 
 @combination("presets", *MODEL_SHAPE_KEYS[:-1])

@@ -1,7 +1,7 @@
 """The GPU kernels and custom ops the model calls, one file per concern (as modded-nanogpt keeps its kernels
 apart from the model): the LM head with its cross-entropy (and its declared FP8 form), SwiGLU with its down
 projection, and the attention backends. Each has a plain-torch path with the same math for CPUs and GPUs
-without Triton.
+without Triton. registry.py declares the execution choices among them, once each.
 """
 import importlib.util
 

@@ -1,27 +1,14 @@
 """Causal attention for training and evaluation: SDPA's kernels, or "fa4", our op pair of cuDNN's forward and
-flash-attn-4's backward (flash-attn-4 is installed apart: requirements-gpu.txt)."""
+flash-attn-4's backward (flash-attn-4 is installed apart: requirements-gpu.txt). kernels/registry.py declares the
+backends; "auto", the default, is fa4 wherever it can run and SDPA's own pick elsewhere (resolve_backend)."""
 import contextlib
 import functools
 import importlib
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 
-# "sdpa" lets PyTorch's scaled_dot_product_attention choose its kernel (cuDNN's flash attention on Hopper);
-# pinning one SDPA kernel makes a benchmark measure the kernel it names. "fa4" is not an SDPA kernel: when
-# gradients are wanted, our own op with cuDNN's forward and flash-attn-4's backward (see causal_attention).
-# "auto", the default, is fa4 wherever it can run and sdpa elsewhere (resolve_backend).
-ATTENTION_BACKENDS = {
-    "auto": "auto",
-    "sdpa": None,
-    "flash": [SDPBackend.FLASH_ATTENTION],
-    "efficient": [SDPBackend.EFFICIENT_ATTENTION],
-    "cudnn": [SDPBackend.CUDNN_ATTENTION],
-    "math": [SDPBackend.MATH],
-    "fa4": "fa4",
-}
-CUDA_ONLY_BACKENDS = ("efficient", "cudnn")  # SDPA has these kernels only on CUDA: "No viable backend" elsewhere
 
 def fa4_problem(device):
     """Why fa4 cannot run on `device` (a torch.device), or None when it can: flash-attn-4's backward needs
@@ -30,11 +17,8 @@ def fa4_problem(device):
         return f"fa4 runs on Hopper and Blackwell GPUs only, not on the {device.type}"
     if torch.cuda.get_device_capability(device)[0] not in (9, 10):
         return f"fa4 runs on Hopper and Blackwell GPUs only, not on {torch.cuda.get_device_name(device)}"
-    try:
-        flash_attn_4()
-    except ValueError as exc:
-        return str(exc)
-    return None
+    problem = flash_attn_4_problem()
+    return problem and f"fa4 {problem}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,23 +35,29 @@ def resolve_backend(name, device):
     return ("sdpa", f"the default; {problem}") if problem else ("fa4", "the default where flash-attn-4 can run")
 
 
-def flash_attn_4():
-    """flash-attn-4's interface module (the `flash_attn.cute` package: FlashAttention for Hopper and Blackwell,
-    written in NVIDIA's CUTLASS DSL), installed apart; a missing package is a ValueError naming it."""
+def flash_attn_4_problem():
+    """Why flash-attn-4 cannot serve fa4 (the words after its name), or None: the package is installed apart."""
     try:
         interface = importlib.import_module("flash_attn.cute.interface")
     except ImportError as error:
-        raise ValueError(f"attention backend 'fa4' needs the flash-attn-4 package (pip install flash-attn-4), "
-                         f"which did not import: {error}") from None
+        return f"needs the flash-attn-4 package (pip install flash-attn-4), which did not import: {error}"
     if not hasattr(interface, "_flash_attn_bwd"):
-        raise ValueError("attention backend 'fa4': this flash-attn-4 has no _flash_attn_bwd; "
-                         "4.0.0b36 is the version measured (pip install flash-attn-4==4.0.0b36)")
-    return interface
+        return ("needs a flash-attn-4 with _flash_attn_bwd, and this one has no _flash_attn_bwd; 4.0.0b36 is the "
+                "version measured (pip install flash-attn-4==4.0.0b36)")
+    return None
+
+
+def flash_attn_4():
+    """flash-attn-4's interface module (the `flash_attn.cute` package: FlashAttention for Hopper and Blackwell,
+    written in NVIDIA's CUTLASS DSL); one that cannot serve is a ValueError saying why."""
+    problem = flash_attn_4_problem()
+    if problem:
+        raise ValueError(f"attention backend 'fa4' {problem}")
+    return importlib.import_module("flash_attn.cute.interface")
 
 
 # Our own op pair: training's attention with cuDNN's forward and flash-attn-4's backward, the faster of each on
-# the H200 (cuDNN's forward 0.60 against flash-attn-4's 0.75 ms per 20m update; flash-attn-4's backward 1.18
-# against cuDNN's 1.56). The backward is the function that PyTorch's FA4 registry calls too
+# the H200 (20m-fa4-profile against 20m-default-profile, docs/PERFORMANCE.md). The backward is the function that PyTorch's FA4 registry calls too
 # (torch.nn.attention.activate_flash_attention_impl); that registry would put FA4 behind SDPA's flash kernel, but
 # in PyTorch 2.11 it expects flash-attn-4's forward to return two tensors, and 4.0.0b20 and later return more.
 # torch.compile sees each op as one opaque call, and CUDA graphs capture its kernels.
@@ -134,7 +124,7 @@ def flash_attention_4(q, k, v):
 
 
 def causal_attention(q, k, v, backends):
-    """q, k, v: (B, T, H, D); backends: a value of ATTENTION_BACKENDS. Returns (B, T, H, D)."""
+    """q, k, v: (B, T, H, D); backends: an attention choice's (kernels/registry.py). Returns (B, T, H, D)."""
     if backends == "auto":  # a model used without the Trainer, which resolves it once (resolve_backend)
         backends = "fa4" if not torch.compiler.is_compiling() and _fa4_runs_on(q.device) else None
     if backends == "fa4":
@@ -144,5 +134,5 @@ def causal_attention(q, k, v, backends):
         # without the log-sum-exp that only a backward needs, and runs on any GPU and the CPU.
         backends = None
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D), as SDPA wants them
-    with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+    with sdpa_kernel(backends) if backends is not None else contextlib.nullcontext():
         return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)

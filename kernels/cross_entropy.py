@@ -1,47 +1,21 @@
-"""The LM head and its cross-entropy: the loss implementations the model can train with."""
+"""The LM head and its cross-entropy: the plain torch loss and our fused op (kernels/registry.py declares the
+choices)."""
 import torch
 import torch.nn.functional as F
 
 from kernels import in_autocast_dtype, uses_triton
 
-# How the training loss is computed from the last hidden state, all with the same math:
-# - "full" materializes all logits (float32 inside cross-entropy);
-# - "chunked" runs the LM head and cross-entropy over slices of tokens, recomputing each slice's logits in
-#   backward, so the full logits never exist at once;
-# - "fused" (see linear_cross_entropy) computes the loss and its gradients in one pass over slices of
-#   tokens during forward, with the logits in the autocast dtype and never in float32;
-# - "fused_epilogue" (kernels/linear_cross_entropy.py) is "fused" with the loss and its gradient inside the
-#   matmuls' Triton kernels, with no pass of their own over the logits;
-# - "quack" (kernels/quack_ops.py) is quack-kernels' linear cross-entropy: "fused"'s work in CuTe matmuls whose
-#   epilogues keep only a bf16 scaled exp of the logits (Hopper only; 3.0% slower at 20m, docs/PERFORMANCE.md);
-# - "quack_chunked" is quack's other path: "fused"'s structure (each slice's bf16 logits, overwritten by their
-#   gradient) with quack's cross-entropy kernel and its autotuned weight-gradient matmul (Hopper only; 1.3%
-#   faster at 20m with 2.1 GiB more at its peak, docs/PERFORMANCE.md).
-# "fused" also runs the declared FP8 head (lm_head_fp8, kernels/linear_cross_entropy_fp8.py): other math.
-LOSS_IMPLEMENTATIONS = ("full", "chunked", "fused", "fused_epilogue", "quack", "quack_chunked")
-
-
-def _chunk_loss(h, weight, targets):
-    logits = F.linear(h, weight)
-    return F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
-
-
-def chunked_cross_entropy(h, weight, targets, chunk_tokens):
-    """Sum of cross-entropy over token slices; each slice's logits are recomputed in backward."""
-    total = h.new_zeros((), dtype=torch.float32)
-    for start in range(0, h.shape[0], chunk_tokens):
-        end = start + chunk_tokens
-        total = total + torch.utils.checkpoint.checkpoint(
-            _chunk_loss, h[start:end], weight, targets[start:end], use_reentrant=False)
-    return total
+def full_cross_entropy(h, weight, targets, chunk_tokens=None):
+    """Sum of cross-entropy of (h @ weight.T) against targets (-100 ignored) from all logits at once, float32 inside:
+    the plain torch reference (loss_impl "full"). chunk_tokens, the other losses' slice, is not used."""
+    return F.cross_entropy(F.linear(h, weight).float(), targets, ignore_index=-100, reduction="sum")
 
 
 # ---------------------------------------------------------------- fused LM head + cross-entropy
 #
 # Why a kernel of our own rather than Liger-Kernel's fused linear cross-entropy (the library made for this):
-# on the H200, for one 32,768-token update of the 20m model, Liger took 24.8 ms and this 5.4 ms
-# (scripts/loss_microbench.py, docs/PERFORMANCE.md). Liger reads the count of counted targets back to the
-# host (`.item()`) on every call and compares the upstream gradient with 1.0 (`torch.equal`) in backward,
+# on the H200 Liger is several times slower on one 20m update's tokens (loss-microbench-libraries-320,
+# docs/PERFORMANCE.md's levers). Liger reads the count of counted targets back to the host (`.item()`) on every call and compares the upstream gradient with 1.0 (`torch.equal`) in backward,
 # two host syncs per micro-step; and it sizes its token slices to keep the logits near the size of the
 # input (512 tokens at width 320), 64 small matmuls per call. The loss here is a plain sum, so no count is
 # needed, the upstream gradient scales the two small gradients instead of the logits, and the slice is ours.
@@ -70,7 +44,7 @@ def _cross_entropy_rows_torch(logits, targets, write_grad=True, grad=None, grad_
 _triton_rows = None
 # How the kernel is launched: the row is held in registers when it fits in `block` columns, else read in
 # `block`-column pieces (online log-sum-exp, then a second pass for the gradient). Chosen on the H200 by
-# scripts/ce_rows_sweep.py over a 8,192 x 32,000 bf16 slice (docs/PERFORMANCE.md has the table).
+# scripts/ce_rows_sweep.py over one 8,192 x 32,000 bf16 slice.
 ROWS_BLOCK, ROWS_NUM_WARPS = 8192, 8
 
 
@@ -166,8 +140,7 @@ def _linear_cross_entropy_impl(h, weight, targets, chunk_tokens):
             logits, w32, h32 = logits.float(), w.float(), h_slice.float()
             torch.mm(logits, w32, out=grad_h_slice)
             grad_w += logits.t() @ h32
-        # else the next slice's logits would be allocated while these are still held: two slices at the
-        # peak (0.5 GB more at 8,192 tokens x 32,000 classes in bf16)
+        # else the next slice's logits would be allocated while these are still held: two slices at the peak
         del logits
     return total, grad_h, grad_w
 

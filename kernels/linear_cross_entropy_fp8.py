@@ -1,8 +1,8 @@
 """The LM head and its cross-entropy with the head's three matmuls in FP8: the declared lm_head_fp8.
 
 A change of math, off by default (train.py's lm_head_fp8; compare.py --allow_recipe_change judges its loss).
-Why: at width 320 the head's three matmuls alone take 3.43 ms of the 20m update in bf16
-(loss-microbench-320, "matmuls-alone"), and Hopper's FP8 tensor cores run twice bf16's rate. The op keeps the
+Why: at width 320 the head's three matmuls are most of the LM head and loss's time in bf16 (loss-microbench-320,
+"matmuls-alone"), and Hopper's FP8 tensor cores run twice bf16's rate. The op keeps the
 "fused" op's contract and slices (kernels/cross_entropy.py); per slice of tokens:
 
   logits  = h8 @ w8.T       scaled matmul, out in bf16 (h8, w8: e4m3 with one scale each per call)
@@ -18,9 +18,9 @@ under e5m2's largest value (57344) and keeps probabilities down to 2**-31 repres
 e4m3's precision, as FP8 training uses for gradients, since at 32,000 classes most probabilities are tiny.
 Evaluation computes its logits in bf16 ("fused"'s path): the validation loss measures the weights trained.
 
-What it measured on an H200 (docs/PERFORMANCE.md): the head and loss alone 4.76 ms against "fused"'s 4.91 at
-width 320 (5.48 against 6.60 at 512, 7.74 against 8.97 at 768); +1.3% on the 20m update, where the logits'
-matmul is bound by writing the logits, not by its FLOPs, and the transposed copies take 0.54 ms.
+What it gains (docs/PERFORMANCE.md: the "fused-fp8" rows of loss-microbench-320/512/768, 20m-fp8-head) is least
+at width 320, where the logits' matmul is bound by writing the logits, not by its FLOPs, and the FP8 gradient's
+transposed copies cost a pass of their own (20m-fast-track-profile).
 """
 import torch
 
@@ -35,12 +35,30 @@ MULTIPLE = 16  # cuBLAS's FP8 matmuls need every dimension a multiple of 16
 TRANSPOSE_BLOCK = 128  # the transpose kernel's square tile of bytes (16 KiB through shared memory)
 
 
-def check_shape(width, vocab_size):
-    """The model's shape as the FP8 matmuls take it: a ValueError naming what is not a multiple of 16."""
-    for what, size in (("width", width), ("vocabulary size", vocab_size)):
+def shape_problem(model_config, cfg):
+    """Why the FP8 matmuls cannot take the settings' token counts (a micro-step's, a loss slice's) or, given a
+    ModelConfig, the model's width and vocabulary: the words after "lm_head_fp8", or None."""
+    sizes = [("micro_batch_size x seq_len", cfg["micro_batch_size"] * cfg["seq_len"], " tokens"),
+             ("loss_chunk_tokens", cfg["loss_chunk_tokens"], " tokens")]
+    if model_config is not None:
+        sizes += [("the model's width", model_config.dim, ""),
+                  ("the model's vocabulary size", model_config.vocab_size, "")]
+    for what, size, unit in sizes:
         if size % MULTIPLE:
-            raise ValueError(f"lm_head_fp8 needs the model's {what} to be a multiple of {MULTIPLE} (FP8 matmuls), "
-                             f"got {size}")
+            return f"needs {what} to be a multiple of {MULTIPLE}{unit} (FP8 matmuls), got {size}"
+    return None
+
+
+def device_problem(device):
+    """Why the FP8 matmuls cannot run on `device` (words after "lm_head_fp8"), or None: a CUDA GPU needs FP8 tensor
+    cores; elsewhere torch runs them."""
+    if device.type != "cuda":
+        return None
+    capability = torch.cuda.get_device_capability(device)
+    if capability >= (8, 9):
+        return None
+    return (f"needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, Blackwell); "
+            f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}")
 
 
 def quantize(x):

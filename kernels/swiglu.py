@@ -6,14 +6,14 @@ from kernels import uses_triton
 
 # ---------------------------------------------------------------- SwiGLU and the down projection
 # Inductor compiles silu(gate) * up into one kernel forward, but backward writes the two gradients as one
-# concatenated tensor with a kernel that loads gate, up and the upstream gradient again for each half:
-# 0.96 ms of a 15.9 ms 20m update. Here one program per piece of a row reads each input
+# concatenated tensor with a kernel that loads gate, up and the upstream gradient again for each half (its time:
+# docs/PERFORMANCE.md, "Where a 20m update's time goes"). Here one program per piece of a row reads each input
 # once and writes both halves. Math as compiled: float32 inside, one rounding to the input's dtype.
 #
 # The op also takes in the down projection (w2), so that backward recomputes the product silu(gate) * up
 # instead of keeping it: w2's weight gradient needs it, and as an input of a plain matmul it was saved
-# beside gate and up, hidden_dim bf16 values per token and layer (0.44 GiB of the 20m update's 4.13 GiB
-# peak). The backward kernel writes it again from the gate and up it already reads, bitwise as forward did.
+# beside gate and up, hidden_dim bf16 values per token and layer, a share of the peak memory (docs/PERFORMANCE.md,
+# the same section). The backward kernel writes it again from the gate and up it already reads, bitwise as forward did.
 
 def _swiglu_torch(x):
     gate, up = x.float().chunk(2, dim=-1)
@@ -78,7 +78,7 @@ def _swiglu_launch(x, grad_out=None):
 
 # triton_op, not custom_op: torch.compile traces into it and launches the kernels from its own generated code.
 # An opaque custom op is called through Python on every use, 16 times per 20m update, and that made the
-# compiled update host-bound: -14% tokens/s, though its kernels took 1 ms less (docs/PERFORMANCE.md, levers).
+# compiled update host-bound though its kernels took less time (lever-swiglu-custom-op, docs/PERFORMANCE.md).
 @torch.library.triton_op("tiny_llm::swiglu_down", mutates_args=())
 def _swiglu_down_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear(silu(gate) * up, weight) for x = [gate, up]; autograd keeps x and weight only."""
@@ -110,10 +110,16 @@ def _swiglu_down_backward(ctx, grad_out):
 _swiglu_down_op.register_autograd(_swiglu_down_backward, setup_context=_swiglu_down_setup)
 
 
+def swiglu_mlp(x, w13, w2):
+    """FeedForward's math (mlp_impl "torch"): the w13 matmul, then SwiGLU and the down projection (swiglu_down)."""
+    return swiglu_down(F.linear(x, w13), w2)
+
+
 def swiglu_down(x, weight):
     """F.linear(silu(gate) * up, weight) of x = [gate, up] (the last dimension, as FeedForward.w13 makes it):
     the fused op in compiled code on CUDA, plain torch elsewhere. Eager keeps torch's kernels: it is
-    launch-bound, and the op's Python dispatch costs more than the kernel it saves (-12% at micro-batch 8)."""
+    launch-bound, and the op's Python dispatch costs more than the kernel it saves (docs/PERFORMANCE.md, "Where a
+    20m update's time goes")."""
     if uses_triton(x.device) and torch.compiler.is_compiling():
         # The op is outside autocast's reach, so it gets the weight as autocast would give it to F.linear.
         return _swiglu_down_op(x, weight.to(x.dtype))

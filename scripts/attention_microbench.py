@@ -1,10 +1,10 @@
-"""Causal attention alone, forward and backward, on the GPU: each SDPA kernel, and the fa4 backend (cuDNN's
+"""Causal attention alone, forward and backward, on the GPU: the SDPA kernels, and the fa4 backend (cuDNN's
 forward with flash-attn-4's backward) when flash-attn-4 imports, on a preset's shape, in the layout the model gives it (q, k and v are views into one projection
 output). Each one's output and gradients are compared with float32 math on the
 same inputs, and its GPU kernel times are recorded under NAME in the results file (with the fingerprint).
 
     python scripts/attention_microbench.py [--preset=20m] [--batch=32] [--seq_len=1024] \
-        [--backends=cudnn,flash,fa4,efficient] [--name=attention-microbench] [--results_file=results.json]
+        [--backends=cudnn,fa4] [--name=attention-microbench] [--results_file=results.json]
 """
 import argparse
 import sys
@@ -16,7 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import env  # noqa: E402
 from results import record  # noqa: E402
 import common  # noqa: E402
-from kernels.attention import ATTENTION_BACKENDS, causal_attention  # noqa: E402
+from kernels.attention import causal_attention  # noqa: E402
+from kernels.registry import ATTENTION  # noqa: E402
 from model import PRESETS, get_preset  # noqa: E402
 
 
@@ -32,7 +33,7 @@ def gradients(qkv, grad_out, backends):
 
 
 def measure(name, qkv, grad_out, reference, reps):
-    backends = ATTENTION_BACKENDS[name]
+    backends = ATTENTION[name].backends
     out, grad = gradients(qkv, grad_out, backends)
     leaf = qkv.detach().requires_grad_()
 
@@ -52,10 +53,10 @@ def main():
     parser.add_argument("--preset", default="20m", choices=list(PRESETS))
     parser.add_argument("--batch", type=common.positive_int, default=32)
     parser.add_argument("--seq_len", type=common.positive_int, default=1024)
-    parser.add_argument("--backends", default="cudnn,flash,fa4,efficient")
+    parser.add_argument("--backends", default="cudnn,fa4")
     common.add_run_arguments(parser, "attention-microbench", reps=50)
     args = parser.parse_args()
-    names = common.names_in(parser, "--backends", args.backends, ATTENTION_BACKENDS)
+    names = common.names_in(parser, "--backends", args.backends, ATTENTION)
     common.check_gpu_script(parser, args.results_file, "attention")
     config = get_preset(args.preset)
     torch.manual_seed(0)
@@ -63,7 +64,7 @@ def main():
     qkv = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     grad_out = torch.randn(args.batch, args.seq_len, config.n_heads, config.head_dim, device="cuda",
                            dtype=torch.bfloat16)
-    reference = gradients(qkv.float(), grad_out.float(), ATTENTION_BACKENDS["math"])
+    reference = gradients(qkv.float(), grad_out.float(), ATTENTION["math"].backends)
     results = {}
     for name in names:
         try:

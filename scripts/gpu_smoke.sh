@@ -3,21 +3,26 @@
 # on a GPU (CUDA graphs, compile modes and kernels exist only there). About 9 minutes on one H200 from empty
 # compiler caches. Exits non-zero, naming the command, at the first that fails. Needs the token cache
 # data/cache/gutenberg (python data/prepare.py --source ../shared/data/gutenberg --out data/cache/gutenberg).
-#     bash scripts/gpu_smoke.sh [RESULTS_FILE]      # default out/smoke/results.json
+#     bash scripts/gpu_smoke.sh [RESULTS_FILE] [FIRST]   # default out/smoke/results.json; FIRST: the step to start at
+# (each step prints its number: after a failure or a time limit, go on from that step with the same results file)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 R=${1:-out/smoke/results.json}
+FIRST=${2:-1}
 mkdir -p "$(dirname "$R")"
 REF=config/20m_gh200.py
 SHORT_TRAIN="--epochs=1 --train_subset_tokens=655361 --val_subset_tokens=65536 --log_interval=5 --overwrite=True"
 SHORT_BENCH="--warmup=3 --steps=5 --windows=1"
 start=$SECONDS
 passed=0
+step=0
 
 run() {  # run LABEL COMMAND...: the command's output, then one line saying it passed or which one failed
   local label=$1; shift
   local t=$SECONDS
-  echo "=== $(date +%T) $label: $*"
+  step=$((step + 1))
+  if [ "$step" -lt "$FIRST" ]; then echo "=== step $step skipped (starting at $FIRST): $label"; return; fi
+  echo "=== $(date +%T) step $step, $label: $*"
   if "$@"; then
     passed=$((passed + 1))
     echo "=== ok: $label ($((SECONDS - t)) s)"
@@ -58,4 +63,4 @@ run "export" python sample.py $REF --name=smoke-train --export_hf=out/smoke/hf
 run "train from the export" python train.py $REF --init_from=out/smoke/hf --name=smoke-init --results_file="$R" \
   $SHORT_TRAIN
 run "plot runs" python scripts/plot_runs.py "$R" --out=out/smoke/runs.png
-echo "=== gpu smoke passed: $passed commands in $((SECONDS - start)) s"
+echo "=== gpu smoke passed: $passed commands from step $FIRST in $((SECONDS - start)) s"

@@ -2,17 +2,13 @@
 replaces (full logits, eager and compiled) and against the two libraries made for this, when importable:
 Liger-Kernel's fused linear cross-entropy and Apple's Cut Cross-Entropy (CCE, which never writes the logits
 to memory; "cce" with its gradient filter off, the same math, and "cce-filtered" with its default filter,
-which skips softmax entries below bf16's resolution and so changes the gradient slightly). Also the
-"fused_epilogue" op (kernels/linear_cross_entropy.py) with its Triton forward matmul ("fused-epilogue") and
-with cuBLAS's and the read-only lse kernel ("fused-epilogue-cublas-fwd"); the declared FP8 head ("fused-fp8",
-kernels/linear_cross_entropy_fp8.py, a change of math whose gradient errors say by how much); and the floor:
-"matmuls-alone", the fused op's three matmuls of the same shapes and slices with no loss between them (its
-loss is 0 and its gradient errors mean nothing). On a Hopper GPU with quack-kernels, loss_impl "quack"
-(kernels/quack_ops.py) as "quack", quack's own choice (its scaled-exp path, whose dx and dw matmuls tile the
-width by 256 or 192), and "quack-chunked", its other path (the logits kept, dw's tiles autotuned). Same inputs
-for all; each one's loss and the relative error of both gradients against the eager full loss are recorded
-beside its time, under NAME in the results file (with the fingerprint, the launch configs the autotuner chose
-for the fused_epilogue kernels, and the tiles of quack's scaled-exp path).
+which skips softmax entries below bf16's resolution and so changes the gradient slightly). Also the declared FP8
+head ("fused-fp8", kernels/linear_cross_entropy_fp8.py, a change of math whose gradient errors say by how much);
+the floor: "matmuls-alone", the fused op's three matmuls of the same shapes and slices with no loss between them
+(its loss is 0 and its gradient errors mean nothing); and, on a Hopper GPU with quack-kernels, loss_impl
+"quack_chunked" (kernels/quack_ops.py) as "quack-chunked". Same inputs for all; each one's loss and the relative
+error of both gradients against the eager full loss are recorded beside its time, under NAME in the results file
+(with the fingerprint).
 
     python scripts/loss_microbench.py [--tokens=32768] [--dim=320] [--vocab=32000] [--reps=20] \
         [--name=loss-microbench] [--results_file=results.json]
@@ -29,7 +25,6 @@ import env  # noqa: E402
 from results import record  # noqa: E402
 import common  # noqa: E402
 from kernels import in_autocast_dtype  # noqa: E402
-from kernels import linear_cross_entropy as epilogue  # noqa: E402
 from kernels import quack_ops  # noqa: E402
 from kernels.cross_entropy import linear_cross_entropy  # noqa: E402
 from kernels.linear_cross_entropy_fp8 import linear_cross_entropy_fp8  # noqa: E402
@@ -70,8 +65,6 @@ def candidates():
              "full-compiled": torch.compile(full_loss, dynamic=False),
              "fused-8192": lambda h, w, t: linear_cross_entropy(h, w, t, 8192),
              "fused-32768": lambda h, w, t: linear_cross_entropy(h, w, t, 32768),
-             "fused-epilogue": lambda h, w, t: epilogue.linear_cross_entropy_epilogue(h, w, t, 8192, True),
-             "fused-epilogue-cublas-fwd": lambda h, w, t: epilogue.linear_cross_entropy_epilogue(h, w, t, 8192, False),
              "matmuls-alone": lambda h, w, t: MatmulsAlone.apply(in_autocast_dtype(h), w, 8192),
              "fused-fp8": lambda h, w, t: linear_cross_entropy_fp8(h, w, t, 8192)}
     try:
@@ -93,8 +86,7 @@ def candidates():
     if problem:
         print(f"quack-kernels not measured: {problem}")
     else:
-        found["quack"] = lambda h, w, t: quack_ops.linear_cross_entropy(h, w, t, 8192)
-        found["quack-chunked"] = lambda h, w, t: quack_ops.linear_cross_entropy(h, w, t, 8192, scaled_exp=False)
+        found["quack-chunked"] = lambda h, w, t: quack_ops.linear_cross_entropy(h, w, t, 8192)
     return found
 
 
@@ -113,15 +105,6 @@ def run(fn, h32, weight, targets, reps):
     loss, ms, peak_extra_bytes = common.timed(step, reps)
     return {"ms": ms, "loss": loss.item(), "grad_h": h.grad.float(), "grad_w": w.grad.float(),
             "peak_extra_bytes": peak_extra_bytes}
-
-
-def tuned_configs():
-    """For each autotuned fused_epilogue kernel that ran: the config chosen per key, and each config's median
-    ms in its last tuning (the weight gradient's on TUNE_TOKENS tokens, kernels/linear_cross_entropy.py)."""
-    return {name: {"chosen": {str(key): str(config) for key, config in kernel.cache.items()},
-                   "tuning_ms": {str(c): round(t[0], 4) if t[0] != float("inf") else None  # a config that failed
-                                 for c, t in getattr(kernel, "configs_timings", {}).items()}}
-            for name, kernel in epilogue._built.items() if hasattr(kernel, "configs")}
 
 
 def main():
@@ -152,15 +135,11 @@ def main():
             "grad_w_relative_error": common.relative_error(r["grad_w"], reference["grad_w"])}
     record(args.results_file, [args.name], {
         "run_id": env.new_run_id(), "tokens": args.tokens, "dim": args.dim, "vocab": args.vocab, "reps": args.reps,
-        "results": results, "fused_epilogue_configs": tuned_configs(),
-        "quack_scaled_exp_tiles": quack_ops.scaled_exp_tiles(args.vocab, args.dim) if "quack" in results else None,
-        "environment": env.fingerprint()})
+        "results": results, "environment": env.fingerprint()})
     common.print_variants("variant", results, [("ms fwd+bwd", "ms_forward_backward", ".3f"),
                                             ("extra GiB", "peak_extra_gib", ".3f"), ("loss", "loss", ".2f"),
                                             ("grad_h err", "grad_h_relative_error", ".2e"),
                                             ("grad_w err", "grad_w_relative_error", ".2e")])
-    for name, tuned in tuned_configs().items():
-        print(f"{name} kernel: chose {tuned['chosen']}; tuning ms {tuned['tuning_ms']}")
 
 
 if __name__ == "__main__":

@@ -3,10 +3,11 @@
 #     bash scripts/reproduce_h200.sh PART... [-- RESULTS_FILE]      # default RESULTS_FILE: out/h200/results.json
 # Parts, in the document's order, with their time on one H200 (warm compiler caches; cold adds about 20 s per
 # compiled shape): ceilings (1 min), current (8 min), accumulation (2 min), loss (2 min), matched (5 min, then
-# compare.py with no GPU), tune (15 min), levers (12 min), quack (7 min), push (10 min), all (about 62 min).
+# compare.py with no GPU), tune (15 min), levers (9 min), quack (6 min), push (10 min), all (about 58 min).
 # Merge the results file into results/h200.json with scripts/merge_results.py (parts quack's and push's into
 # results/h200-levers.json). Needs data/cache/gutenberg; requirements-gpu.txt for the fa4 and quack rows, which
-# are skipped without it.
+# are skipped without it. The rows of choices no longer in the code (docs/PERFORMANCE.md, "Levers tried and not
+# kept") are measured by this script in the tree that had them, git 8e61ae0.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 PARTS="ceilings current accumulation loss matched tune levers quack push all"
@@ -72,14 +73,10 @@ matched() {  # the recipe to the end; the verdicts are compare.py's, which needs
 tune() {
   python tune.py $REF --budget=15 --name=tune-20m --results_file="$R"
 }
-levers() {  # the levers tried and not kept, each beside the default in the same call
+levers() {  # the levers tried and not kept that are still in the code, each beside the default in the same call
   bench $REF --name=lever-baseline
   bench $REF --name=lever-no-cudagraphs --compile_mode=default
-  bench $REF --name=lever-chunked-loss --loss_impl=chunked
   bench $REF --name=lever-full-loss --loss_impl=full
-  bench $REF --name=lever-attention-flash2 --attention_backend=flash
-  bench $REF --name=lever-attention-efficient --attention_backend=efficient
-  bench $REF --name=lever-fused-epilogue --loss_impl=fused_epilogue
   bench $REF --name=lever-loss-slice-4096 --loss_chunk_tokens=4096
   bench $REF --name=lever-loss-one-slice --loss_chunk_tokens=32768
   bench $REF --name=lever-memory-budget-0.8 --activation_memory_budget=0.8
@@ -97,9 +94,7 @@ quack() {  # quack-kernels' choices and update_graph, each beside the default of
   bench $REF --name=lever-muon-update-graph --optimizer=muon --update_graph=True
   has_quack || return 0
   bench $REF --name=lever-quack-baseline
-  bench $REF --name=lever-quack-loss --loss_impl=quack
   bench $REF --name=lever-quack-mlp --mlp_impl=quack
-  bench $REF --name=lever-quack-both --loss_impl=quack --mlp_impl=quack
   for dim in 320 512 768; do
     python scripts/loss_microbench.py --dim=$dim --name=loss-microbench-quack-$dim --results_file="$R"
   done

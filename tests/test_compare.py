@@ -323,14 +323,14 @@ def test_the_verdict_both_ways_and_training_noise(tmp_path, capsys):
 def test_tuned_config_and_overrides_layer_on_the_optimized_side_only(tiny, tmp_path, capsys):
     config, results = tiny
     tuned = tmp_path / "tuned.py"
-    tuned.write_text("micro_batch_size = 2\nloss_impl = 'chunked'\n")
+    tuned.write_text("micro_batch_size = 2\nloss_impl = 'fused'\n")
     record(results, ["tuning"], {"selected": {"config_path": str(tuned)}})
     argv = [config, "--name=t", f"--results_file={results}", "--tuned=True", "--baseline_micro_batch_size=1",
-            "--loss_impl=chunked", "--optimized_overrides=--eval_batch_size=4"]
+            "--loss_impl=fused", "--optimized_overrides=--eval_batch_size=4"]
     base, opt = matched.side_configs(settings.Config(configurator.load_config(compare.DEFAULTS, argv)))
     assert (base.name, opt.name) == ("t-baseline", "t-optimized")
     assert (base.micro_batch_size, base.loss_impl, base.eval_batch_size) == (1, "full", 32)
-    assert (opt.micro_batch_size, opt.loss_impl, opt.eval_batch_size) == (2, "chunked", 4)
+    assert (opt.micro_batch_size, opt.loss_impl, opt.eval_batch_size) == (2, "fused", 4)
     assert base.results_file == opt.results_file == results
     assert "baseline" not in base and "tuned" not in opt  # compare's own keys never reach train.py
 

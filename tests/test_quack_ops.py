@@ -1,6 +1,5 @@
-"""kernels/quack_ops.py: loss_impl and mlp_impl "quack". quack's kernels need a Hopper GPU, so the CPU tests what
-runs without them: the refusal elsewhere, the declaration, the shape rules, the tiles recorded, and the layout
-mapping, against quack's reference functions (quack/gemm_interface.py: gemm_ref, gemm_gated_ref,
+"""kernels/quack_ops.py: loss_impl "quack_chunked" and mlp_impl "quack". quack's kernels need a Hopper GPU, so the
+CPU tests what runs without them: the refusal elsewhere, the declaration, the shape rules, and the layout mapping, against quack's reference functions (quack/gemm_interface.py: gemm_ref, gemm_gated_ref,
 gemm_dgated_ref; quack/linear_cross_entropy.py: linear_cross_entropy_func_ref) written out here in plain torch."""
 import os
 import subprocess
@@ -18,7 +17,7 @@ import model as model_lib
 import settings
 import train
 from configurator import ConfigError
-from kernels import quack_ops
+from kernels import quack_ops, registry
 from kernels.swiglu import swiglu_down
 from settings import TrainSettings
 from trainer import Trainer
@@ -147,17 +146,16 @@ def test_quack_concat_layout_on_our_w13_is_our_mlp_math_forward_and_backward():
     assert not torch.allclose(interleaved[0], expected[0], rtol=1e-3)
 
 
-@pytest.mark.parametrize("loss_impl, scaled_exp", [("quack", None), ("quack_chunked", False)])
-def test_the_model_with_both_quack_choices_trains_the_same_math(quack_stand_in, loss_impl, scaled_exp):
-    """Transformer(loss_impl="quack" or "quack_chunked", mlp_impl="quack") through quack's entry points (as their
-    references) has the full loss's value and every parameter's gradient; evaluation's per-token losses too. The
-    model is in float64, but the full loss takes float32 logits: agreement to float32's precision. Each call gets
-    what quack_ops says: the loss summed with -100 ignored over loss_chunk_tokens slices on the loss_impl's path
-    (quack's choice, or its chunked one), the MLP on our [gate; up] w13, no biases."""
+def test_the_model_with_both_quack_choices_trains_the_same_math(quack_stand_in):
+    """Transformer(loss_impl="quack_chunked", mlp_impl="quack") through quack's entry points (as their references)
+    has the full loss's value and every parameter's gradient; evaluation's per-token losses too. The model is in
+    float64, but the full loss takes float32 logits: agreement to float32's precision. Each call gets what quack_ops
+    says: the loss summed with -100 ignored over loss_chunk_tokens slices on quack's chunked path, the MLP on our
+    [gate; up] w13, no biases."""
     config = tiny_config()
     x, y = random_batch(config, 2, 50)
     reference = seeded_model(config, loss_impl="full").double()
-    quack = seeded_model(config, loss_impl=loss_impl, mlp_impl="quack", loss_chunk_tokens=37).double()
+    quack = seeded_model(config, loss_impl="quack_chunked", mlp_impl="quack", loss_chunk_tokens=37).double()
     for reduction in ("sum", "mean"):
         losses = []
         for m in (reference, quack):
@@ -175,7 +173,7 @@ def test_the_model_with_both_quack_choices_trains_the_same_math(quack_stand_in, 
     assert mlp_calls and all(c == dict(fn="mlp_func", activation="swiglu", bias1=None, bias2=None,
                                        tuned=quack_ops.TUNED, concat_layout=True) for c in mlp_calls)
     assert loss_calls == 2 * [dict(fn="chunked_linear_cross_entropy", chunk_size=37, ignore_index=-100,
-                                   reduction="sum", use_scaled_exp=scaled_exp)]  # evaluation uses our losses op
+                                   reduction="sum", use_scaled_exp=False)]  # evaluation uses our losses op
 
 
 def test_the_trainer_builds_the_model_with_the_configured_quack_choices(quack_stand_in):
@@ -212,8 +210,7 @@ def test_an_unknown_mlp_impl_is_refused_naming_the_choices():
 
 # ---------------------------------------------------------------- settings, device and shapes
 
-@pytest.mark.parametrize("key, value, others", [("loss_impl", "quack", "full, chunked, fused, fused_epilogue"),
-                                                ("loss_impl", "quack_chunked", "full, chunked, fused, fused_epilogue"),
+@pytest.mark.parametrize("key, value, others", [("loss_impl", "quack_chunked", "full or fused"),
                                                 ("mlp_impl", "quack", "torch")])
 def test_quack_is_refused_on_the_cpu_in_one_sentence_naming_the_setting_and_what_runs_it(key, value, others):
     cfg = settings.Config(train.DEFAULTS, **{key: value})
@@ -271,14 +268,10 @@ def test_mlp_impl_is_declared_in_help_as_an_execution_key_outside_the_recipe(cap
     assert {"mlp_impl", "loss_impl"} <= settings.execution_keys()
     mcfg = model_lib.get_preset("20m", vocab_size=256)
     recipe = lambda **change: env.hash_json(settings.recipe(settings.Config(train.DEFAULTS, **change), mcfg, "c"))
-    assert recipe(mlp_impl="quack", loss_impl="quack") == recipe()
+    assert recipe(mlp_impl="quack", loss_impl="quack_chunked") == recipe()
 
 
-def test_the_quack_loss_takes_slices_of_whole_token_tiles():
-    with pytest.raises(ConfigError, match=r"^loss_impl quack needs loss_chunk_tokens to be a multiple of 128 .*1000$"):
-        settings.check(TrainSettings, settings.Config(train.DEFAULTS, loss_impl="quack", loss_chunk_tokens=1000))
-    settings.check(TrainSettings, settings.Config(train.DEFAULTS, loss_impl="quack"))  # 8,192
-    # the chunked path's slices only need rows its TMA matmuls load whole
+def test_the_quack_loss_takes_slices_of_rows_its_matmuls_load_whole():
     with pytest.raises(ConfigError, match=r"^loss_impl quack_chunked needs loss_chunk_tokens to be a multiple of 8 "
                                           r".*1001$"):
         settings.check(TrainSettings, settings.Config(train.DEFAULTS, loss_impl="quack_chunked", loss_chunk_tokens=1001))
@@ -286,15 +279,13 @@ def test_the_quack_loss_takes_slices_of_whole_token_tiles():
 
 
 @pytest.mark.parametrize("change, words", [
-    (dict(dim=100, n_heads=2, loss_impl="quack"), "loss_impl quack needs the model's width to be a multiple of 8"),
-    (dict(dim=100, n_heads=2, loss_impl="quack_chunked"), "loss_impl quack_chunked needs the model's width to be"),
-    (dict(vocab_size=50257, loss_impl="quack"), "loss_impl quack needs the vocabulary size to be a multiple of 128"),
+    (dict(dim=100, n_heads=2, loss_impl="quack_chunked"), "loss_impl quack_chunked needs the model's width to be "
+                                                          "a multiple of 8"),
     (dict(hidden_dim=900, mlp_impl="quack"), "mlp_impl quack needs the model's width and hidden width"),
 ])
 def test_shapes_the_quack_kernels_do_not_take_are_named(change, words):
-    impls = {k: change.pop(k, "torch" if k == "mlp_impl" else "full") for k in ("loss_impl", "mlp_impl")}
-    with pytest.raises(ValueError, match=words):
-        quack_ops.check_shape(model_lib.get_preset("20m", **change), impls["loss_impl"], impls["mlp_impl"])
+    cfg = settings.Config(train.DEFAULTS, **{k: change.pop(k) for k in ("loss_impl", "mlp_impl") if k in change})
+    assert words in registry.problem(cfg, model_config=model_lib.get_preset("20m", **change))
 
 
 def test_a_shape_quack_does_not_take_is_refused_with_the_data_before_the_model(text_cache, tmp_path):
@@ -305,18 +296,8 @@ def test_a_shape_quack_does_not_take_is_refused_with_the_data_before_the_model(t
 
 @pytest.mark.parametrize("preset", ["20m", "50m", "90m"])
 def test_every_preset_has_a_shape_the_quack_kernels_take(preset):
-    quack_ops.check_shape(model_lib.get_preset(preset), "quack", "quack")
-
-
-def test_the_scaled_exp_tiles_at_our_widths():
-    """quack 0.6.5's tiles at vocabulary 32,000: 256 over the vocabulary; over the width 256 at 320 (two tiles,
-    512 columns computed) and 512, 192 at 768 (both exact)."""
-    assert [quack_ops.scaled_exp_tiles(32000, width) for width in (320, 512, 768)] == [
-        dict(vocab_tile=256, width_tile=256, width_computed=512),
-        dict(vocab_tile=256, width_tile=256, width_computed=512),
-        dict(vocab_tile=256, width_tile=192, width_computed=768)]
-    assert quack_ops.scaled_exp_tiles(151936, 320)["vocab_tile"] == 128  # quack's own example of a vocabulary
-    assert quack_ops.scaled_exp_tiles(50257, 320)["vocab_tile"] is None
+    cfg = settings.Config(train.DEFAULTS, loss_impl="quack_chunked", mlp_impl="quack")
+    assert registry.problem(cfg, model_config=model_lib.get_preset(preset)) is None
 
 
 def test_the_mlp_microbench_says_in_one_line_that_it_needs_a_gpu(tmp_path):

@@ -79,7 +79,7 @@ COMBINATION_CASES = [
     (dict(name="tuning"), "is a section of the results file"),
     (dict(attention_backend="cudnn"), "runs only on CUDA GPUs"),  # the machine's rules: check_device
     (dict(attention_backend="fa4"), "attention_backend"),
-    (dict(loss_impl="quack"), "loss_impl 'quack' needs a CUDA GPU of compute capability 9.0"),
+    (dict(loss_impl="quack_chunked"), "loss_impl 'quack_chunked' needs a CUDA GPU of compute capability 9.0"),
     (dict(mlp_impl="quack"), "mlp_impl 'quack' needs a CUDA GPU of compute capability 9.0"),
 ]
 

@@ -506,7 +506,7 @@ def test_the_recipe_identity_follows_the_math(text_cache, tmp_path, change):
 
 @pytest.mark.parametrize("change", [dict(micro_batch_size=2), dict(compile=True), dict(attention_backend="math"),
                                     dict(cpu_threads=2), dict(device="cuda"), dict(name="other"),
-                                    dict(out_dir="elsewhere"), dict(loss_impl="chunked"), dict(log_interval=7)])
+                                    dict(out_dir="elsewhere"), dict(loss_impl="fused"), dict(log_interval=7)])
 def test_the_recipe_identity_ignores_execution(text_cache, tmp_path, change):
     cfg = small_config(text_cache, tmp_path)
     assert recipe_id(settings.Config(cfg, **change)) == recipe_id(cfg)
@@ -596,7 +596,7 @@ def test_bad_micro_batch_size_lists_the_valid_ones(text_cache, tmp_path, capsys)
     assert not Path(cfg.results_file).exists()
 
 
-@pytest.mark.parametrize("change, word", [(dict(loss_impl="liger"), "full, chunked, fused"),
+@pytest.mark.parametrize("change, word", [(dict(loss_impl="liger"), "full, fused, quack_chunked"),
                                           (dict(loss_chunk_tokens=0), "loss_chunk_tokens"),
                                           (dict(ddp_bucket_mb=-1), "ddp_bucket_mb"),
                                           (dict(activation_memory_budget=0.0), "activation_memory_budget must lie in"),
@@ -631,7 +631,7 @@ def test_fa4_without_flash_attn_4_is_refused_before_any_work(text_cache, tmp_pat
         plan.check_device(cfg, torch.device("cpu"))
     assert train.main(cli_args(cfg)) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: attention_backend: ") and "Traceback" not in err
+    assert err.startswith("error: attention_backend 'fa4' needs ") and "Traceback" not in err
     assert not Path(cfg.results_file).exists()
 
 
@@ -641,7 +641,7 @@ def test_fa4_on_the_cpu_is_refused_rather_than_run_as_another_kernel(text_cache,
     check_execution(cfg)  # the package imports
     assert train.main(cli_args(cfg)) == 2
     err = capsys.readouterr().err
-    assert "fa4 runs on Hopper and Blackwell GPUs only" in err and err.count("\n") == 1
+    assert "attention_backend 'fa4' runs on Hopper and Blackwell GPUs only" in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("change, word", [(dict(preset="30m"), "20m, 50m, 90m"), (dict(dim=100, n_heads=3), "n_heads"),

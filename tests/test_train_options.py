@@ -115,7 +115,6 @@ def test_init_from_outside_the_family_or_nowhere_is_one_line(text_cache, tmp_pat
 
 
 @pytest.mark.parametrize("setting, words", [
-    ({"attention_backend": "efficient"}, "attention_backend 'efficient' runs only on CUDA GPUs"),
     ({"attention_backend": "cudnn"}, "attention_backend 'cudnn' runs only on CUDA GPUs"),
     ({"name": ""}, "name '' cannot name a run's folder"),
     ({"name": "a/b"}, "give a name without '/'"),

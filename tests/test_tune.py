@@ -20,7 +20,7 @@ TINY = ["--preset=20m", "--dim=64", "--n_layers=2", "--n_heads=2", "--hidden_dim
         "--tokens_per_update=512", "--device=cpu", "--cpu_threads=1", "--train_subset_tokens=60000",
         "--warmup=1", "--steps=2", "--windows=1", "--tune_screen_warmup=1", "--tune_screen_steps=2",
         "--tune_compile_modes=eager", "--tune_micro_batch_sizes=2,3", "--tune_backends=auto,cudnn",
-        "--tune_loss_impls=full,chunked", "--tune_confirm=1", "--tune_screen_noise=0.99"]
+        "--tune_loss_impls=full,fused", "--tune_confirm=1", "--tune_screen_noise=0.99"]
 
 
 def test_cpu_sweep_screens_confirms_selects_reports_and_reuses(tmp_path, text_cache, capsys, monkeypatch):
@@ -45,7 +45,7 @@ def test_cpu_sweep_screens_confirms_selects_reports_and_reuses(tmp_path, text_ca
     assert candidates[0]["confirm"]["protocol"]["steps"] == 2 and candidates[0]["confirm"]["status"] == "ok"
     assert inc["tokens_per_second"] == candidates[0]["confirm"]["tokens_per_second"]  # the measured rate
     assert all(c["screen"]["protocol"]["warmup"] == 1 for c in candidates if c["screen"]["status"] == "ok")
-    assert [c["change"] for c in candidates[1:]] == ["loss_impl=chunked", "micro_batch_size=2"]
+    assert [c["change"] for c in candidates[1:]] == ["loss_impl=fused", "micro_batch_size=2"]
     confirmed = [c for c in candidates if c["confirm"]]
     best_screen = max(candidates[1:], key=lambda c: c["screen"]["tokens_per_second"])
     assert [c["name"] for c in confirmed] == [inc["name"], best_screen["name"]]  # tune_confirm=1 of the screened
@@ -61,7 +61,7 @@ def test_cpu_sweep_screens_confirms_selects_reports_and_reuses(tmp_path, text_ca
 
     # what a person reads: progress while it runs, then the table, the budget and the selected config
     assert any(line.startswith("[screen ") and "min" in line for line in out.splitlines())
-    assert out.index("running incumbent (the config's own): confirm") < out.index("running loss_impl=chunked: screen")
+    assert out.index("running incumbent (the config's own): confirm") < out.index("running loss_impl=fused: screen")
     for column in ("candidate", "screen tok/s", "x inc", "confirm tok/s", "gain", "compile s", "peak GiB", "status"):
         assert column in out
     assert "budget: " in out and "compiling" in out and f"selected {selected['change']}" in out
@@ -173,7 +173,7 @@ def test_an_unwritable_tuned_dir_is_one_line_before_any_candidate(tmp_path, text
                                         ("--name=tuning", "is a section of the results file"),
                                         ("--tune_compile_modes=,", "tune_compile_modes is empty"),
                                         ("--tune_compile_modes=fast", "'fast' is not one of eager, default"),
-                                        ("--tune_loss_impls=liger", "'liger' is not one of full, chunked, fused"),
+                                        ("--tune_loss_impls=liger", "'liger' is not one of full, fused, quack_chunked"),
                                         ("--tune_compile_scopes=layers", "'layers' is not one of model, blocks"),
                                         ("--tune_activation_memory_budgets=0.8,1.5", "must lie in (0, 1], got 1.5"),
                                         ("--tune_micro_batch_sizes=4,x", "list of int"),

@@ -24,8 +24,8 @@ class FakeClock:
 GPU = {"attention_backend": "auto", "loss_impl": "fused", "compile": True, "compile_mode": "reduce-overhead",
        "compile_scope": "model", "activation_memory_budget": 1.0, "micro_batch_size": 32, "cpu_threads": 0}
 CPU = dict(GPU, loss_impl="full", compile=False, compile_mode="default", micro_batch_size=16)
-CHOICES = {"attention_backend": ["auto", "flash", "efficient", "cudnn", "math", "fa4"],
-           "loss_impl": ["full", "chunked", "fused"],
+CHOICES = {"attention_backend": ["auto", "sdpa", "cudnn", "math", "fa4"],
+           "loss_impl": ["full", "fused", "quack_chunked"],
            "compile_mode": ["eager", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"],
            "compile_scope": ["model", "blocks"], "activation_memory_budget": [0.8], "micro_batch_size": [16, 64],
            "cpu_threads": []}
@@ -116,7 +116,7 @@ def test_space_changes_one_lever_at_a_time_in_the_documented_order():
     # SDPA's other kernels after the micro-batch neighbours, and the autotuning modes (minutes of compile) last
     assert levers.index("micro_batch_size") < levers.index("attention_backend", 1)
     assert [tune.mode_of(c) for c in candidates[-2:]] == ["max-autotune", "max-autotune-no-cudagraphs"]
-    assert {c["loss_impl"] for c in candidates} == {"full", "chunked", "fused"}
+    assert {c["loss_impl"] for c in candidates} == {"full", "fused", "quack_chunked"}
     assert dict(GPU, compile_scope="blocks") in candidates and dict(GPU, activation_memory_budget=0.8) in candidates
 
 
@@ -145,20 +145,20 @@ def test_the_levers_values_come_from_their_declarations():
 
 def test_what_cannot_run_here_is_skipped_with_one_line_each(capsys):
     cfg = tune_cfg(device="cpu", tokens_per_update=8 * 1024, micro_batch_size=8)
-    choices = dict(CHOICES, attention_backend=["auto", "sdpa", "flash", "efficient", "cudnn", "math", "fa4"],
+    choices = dict(CHOICES, attention_backend=["auto", "sdpa", "cudnn", "math", "fa4"],
                    compile_mode=["eager", "default", "reduce-overhead"], micro_batch_size=[3, 4], loss_impl=[])
     incumbent, space, refused = tune.plan(cfg, choices, torch.device("cpu"))
     out = capsys.readouterr().out.splitlines()
     why = {r["change"]: r["error"] for r in refused}
     # SDPA's CUDA kernels and fa4 need a GPU, as CUDA graphs do; 3 does not divide the 8 sequences of an update;
     # and auto runs SDPA here, so sdpa would measure the incumbent again
-    assert set(why) == {"attention_backend=efficient", "attention_backend=cudnn", "attention_backend=fa4",
+    assert set(why) == {"attention_backend=cudnn", "attention_backend=fa4",
                         "compile=True, compile_mode=reduce-overhead", "micro_batch_size=3", "attention_backend=sdpa"}
     assert why["compile=True, compile_mode=reduce-overhead"] == "CUDA graphs need a GPU"
     assert why["attention_backend=sdpa"] == "what the incumbent's 'auto' runs here"
     assert all(sum(line.startswith(f"skipping {change}: ") for line in out) == 1 for change in why)
     assert [c for _, c in space if c["attention_backend"] != "auto"] == [
-        dict(incumbent, attention_backend=b) for b in ("flash", "math")]
+        dict(incumbent, attention_backend="math")]
     assert dict(incumbent, micro_batch_size=4) in [c for _, c in space]
 
 
@@ -246,14 +246,17 @@ def test_at_most_tune_confirm_screens_are_confirmed_best_first():
 
 
 def test_a_screen_slower_than_the_incumbents_beyond_screen_noise_is_never_confirmed_nor_selected():
-    # fa4 and chunked loss would win the full protocol, but screen slower than the incumbent beyond the noise
-    gains = {("attention_backend", "fa4"): 1.5, ("loss_impl", "chunked"): 1.4, ("compile_scope", "blocks"): 1.05}
-    screens = {("attention_backend", "fa4"): 0.9, ("loss_impl", "chunked"): 0.96, ("compile_scope", "blocks"): 1.05}
+    # fa4 and the quack loss would win the full protocol, but screen slower than the incumbent beyond the noise
+    gains = {("attention_backend", "fa4"): 1.5, ("loss_impl", "quack_chunked"): 1.4,
+             ("compile_scope", "blocks"): 1.05}
+    screens = {("attention_backend", "fa4"): 0.9, ("loss_impl", "quack_chunked"): 0.96,
+               ("compile_scope", "blocks"): 1.05}
     bench = FakeBench(FakeClock(), GPU, gains=gains, screen_gains=screens)
     sweep = sweep_of(bench, budget=36000, screen_noise=0.03)
     selected = sweep.run()
     confirmed = [c for stage, c in bench.runs if stage == "confirm"]
-    assert dict(GPU, attention_backend="fa4") not in confirmed and dict(GPU, loss_impl="chunked") not in confirmed
+    assert dict(GPU, attention_backend="fa4") not in confirmed
+    assert dict(GPU, loss_impl="quack_chunked") not in confirmed
     assert selected.candidate == dict(GPU, compile_scope="blocks")
     assert sweep.status(trial_of(sweep, attention_backend="fa4"), selected) == "screened out"
 
@@ -308,18 +311,18 @@ def test_every_run_is_ended_by_candidate_timeout_and_by_the_budget():
 
 def test_a_failed_run_ends_only_that_candidate():
     oom = lambda c, stage: "torch.OutOfMemoryError: CUDA out of memory." if c["micro_batch_size"] == 64 else None
-    bench = FakeBench(FakeClock(), GPU, gains={("micro_batch_size", 64): 2.0, ("loss_impl", "chunked"): 1.05},
+    bench = FakeBench(FakeClock(), GPU, gains={("micro_batch_size", 64): 2.0, ("loss_impl", "quack_chunked"): 1.05},
                       fail=oom)
     sweep = sweep_of(bench, budget=36000)
     selected = sweep.run()
     big = trial_of(sweep, micro_batch_size=64)
     assert sweep.status(big, selected) == "screen: out of memory" and "confirm" not in big.results
-    assert selected.candidate == dict(GPU, loss_impl="chunked")
+    assert selected.candidate == dict(GPU, loss_impl="quack_chunked")
 
 
 def test_a_failed_incumbent_still_selects_a_confirmed_candidate():
     fail = lambda c, stage: "RuntimeError: boom" if c == GPU else None
-    bench = FakeBench(FakeClock(), GPU, gains={("loss_impl", "chunked"): 0.9}, fail=fail)
+    bench = FakeBench(FakeClock(), GPU, gains={("loss_impl", "quack_chunked"): 0.9}, fail=fail)
     sweep = sweep_of(bench, budget=36000)
     selected = sweep.run()
     assert selected is not None and selected is not sweep.incumbent and tune.rate(selected.confirm)
@@ -401,16 +404,16 @@ def test_a_15_minute_gpu_sweep_screens_every_cheap_lever_and_confirms_the_best()
             return 1.0
         seconds = 20.0 if c["compile_scope"] == "model" else 10.0
         return seconds * (8.5 if "max-autotune" in c["compile_mode"] else 1.0) + 4.0 * (c["attention_backend"] == "fa4")
-    gains = {("attention_backend", "fa4"): 1.028, ("loss_impl", "full"): 0.92, ("loss_impl", "chunked"): 0.9,
+    gains = {("attention_backend", "fa4"): 1.028, ("loss_impl", "full"): 0.92, ("loss_impl", "quack_chunked"): 0.9,
              ("compile", False): 0.35, ("compile_mode", "default"): 0.99, ("compile_scope", "blocks"): 0.98,
              ("activation_memory_budget", 0.8): 0.965, ("micro_batch_size", 16): 0.97,
-             ("attention_backend", "efficient"): 0.81, ("attention_backend", "math"): 0.5}
+             ("attention_backend", "cudnn"): 1.004, ("attention_backend", "math"): 0.5}
     bench = FakeBench(FakeClock(), GPU, gains=gains, compile_s=compile_s, per_update_s=0.016, outside_s=12.0)
     sweep = sweep_of(bench, budget=15 * 60)
     selected = sweep.run()
     screened = [t for t in sweep.trials[1:] if t.screen]
     assert len(screened) >= 12 and sweep.elapsed() <= 15 * 60
     changes = {tune.describe(t.candidate, GPU) for t in screened}
-    assert {"attention_backend=fa4", "loss_impl=full", "loss_impl=chunked", "compile_scope=blocks"} <= changes
+    assert {"attention_backend=fa4", "loss_impl=full", "loss_impl=quack_chunked", "compile_scope=blocks"} <= changes
     assert all(tune.rate(t.confirm) for t in sweep.best_screened())
     assert selected.candidate == dict(GPU, attention_backend="fa4")  # +2.8%, beyond the 1% noise
