@@ -28,6 +28,7 @@ from kernels import attention
 from plan import USER_ERRORS
 from plots import fmt
 from settings import BENCH_GROUPS, BenchSettings, TrainSettings, setting
+from sweep import STAGES, Sweep, describe, rate
 from trainer import uses_cudagraphs
 
 TRAIN_DEFAULTS = settings.defaults(TrainSettings)  # the keys of a candidate's config file, which train.py runs
@@ -74,9 +75,6 @@ LEVER_KEYS = ("compile", *LISTS.values())  # the train.py keys a candidate may c
 # Only keys that change how the math runs, never what it is: a lever outside them would change the recipe.
 assert set(LEVER_KEYS) <= settings.execution_keys(), set(LEVER_KEYS) - settings.execution_keys()
 WHERE_KEYS = ("results_file", "out_dir")  # where a run writes: its caller's choice, not a setting to reproduce
-STAGES = ("screen", "confirm")
-# A Sweep's protocols unless given (tune() gives the config's: a screen's keys, and bench.py's for confirmations)
-PROTOCOLS = {"screen": {"warmup": 3, "steps": 20, "windows": 1}, "confirm": {"warmup": 20, "steps": 100, "windows": 3}}
 
 
 def mode_of(candidate):
@@ -87,20 +85,6 @@ def candidate_name(candidate):
     c = candidate
     return (f"micro-{c['micro_batch_size']}-{mode_of(c)}-{c['compile_scope']}-{c['attention_backend']}-"
             f"{c['loss_impl']}-amb-{c['activation_memory_budget']:g}-threads-{c['cpu_threads']}")
-
-
-def describe(c, incumbent):
-    """What a candidate changes in the incumbent, as a person would write it."""
-    parts = []
-    if c["compile"] != incumbent["compile"]:
-        parts.append("compile=True" if c["compile"] else "eager")
-    parts += [f"{k}={c[k]:g}" if isinstance(c[k], float) else f"{k}={c[k]}" for k in LEVER_KEYS
-              if k != "compile" and c[k] != incumbent[k] and (c["compile"] or k != "compile_mode")]
-    return ", ".join(parts) or "incumbent (the config's own)"
-
-
-def rate(result):
-    return result["tokens_per_second"] if result and result.get("status") == "ok" else None
 
 
 # ---------------------------------------------------------------- the candidates
@@ -194,155 +178,6 @@ def plan(cfg, choices, device):
         else:
             space.append((lever, candidate))
     return incumbent, space, refused
-
-
-# ---------------------------------------------------------------- the strategy
-
-class Trial:
-    """One candidate: its settings, its lever, and per stage its result, its seconds, or why it did not start."""
-
-    def __init__(self, candidate, lever):
-        self.candidate, self.lever = candidate, lever
-        self.results, self.seconds, self.not_started = {}, {}, {}
-
-    screen = property(lambda self: self.results.get("screen"))
-    confirm = property(lambda self: self.results.get("confirm"))
-
-
-class Sweep:
-    """The strategy of the module docstring, apart from how a run is measured, so tests drive it in fake time.
-
-    measure(candidate, stage, protocol, timeout_seconds) -> a bench entry: status, tokens_per_second,
-    first_update_seconds, and optionally warmup_seconds, measurements (each window's seconds and updates),
-    peak_memory_bytes, wall_seconds (a reused measurement's own), error. say(text) prints progress."""
-
-    def __init__(self, incumbent, space, measure, budget_seconds, protocols=PROTOCOLS, clock=time.monotonic,
-                 candidate_timeout=math.inf, confirm=4, screen_noise=0.03, noise=0.01, say=lambda text: None):
-        self.incumbent = Trial(incumbent, "incumbent")
-        self.trials = [self.incumbent] + [Trial(c, lever) for lever, c in space]
-        self.measure, self.budget_seconds, self.clock, self.say = measure, budget_seconds, clock, say
-        self.protocols = {stage: dict(p) for stage, p in protocols.items()}
-        self.candidate_timeout, self.confirm = candidate_timeout, confirm
-        self.screen_noise, self.noise, self.start_time = screen_noise, noise, clock()
-
-    def elapsed(self):
-        return self.clock() - self.start_time
-
-    def left(self):
-        return self.budget_seconds - self.elapsed()
-
-    def run(self):
-        """The selected trial, or None."""
-        self.attempt(self.incumbent, "confirm")  # no estimate yet: it runs into the budget's end at worst
-        for trial in self.trials:
-            self.attempt(trial, "screen")
-        for trial in self.best_screened():
-            self.attempt(trial, "confirm")
-        return self.selection()
-
-    def attempt(self, trial, stage):
-        """Run trial's stage if its estimate fits in the time left (less, for a screen, the time held back for
-        confirmations), ended by candidate_timeout or by that time's end; else record and say why not."""
-        room = self.left() - (self.held_back() if stage == "screen" else 0.0)
-        estimate = self.estimate(trial, stage)
-        if room <= 0 or (estimate or 0.0) > room:
-            held = f", {self.held_back():.0f} s of them held for confirmations" if stage == "screen" else ""
-            why = f"budget: estimated at {estimate or 0:.0f} s; {max(self.left(), 0):.0f} s left{held}"
-            trial.not_started[stage] = why
-            return self.say(f"{self.head(stage)}  {self.label(trial)}: {stage} not started ({why})")
-        timeout = min(self.candidate_timeout, room)
-        self.say(f"  running {self.label(trial)}: {stage} (at most {timeout / 60:.1f} min)...")
-        start = self.clock()
-        res = trial.results[stage] = self.measure(trial.candidate, stage, dict(self.protocols[stage]), timeout)
-        trial.seconds[stage] = self.clock() - start
-        outcome = f"{rate(res):,.0f} tok/s" if rate(res) else f"error: {str(res.get('error'))[:100]}"
-        self.say(f"{self.head(stage)}  {self.label(trial)}: {outcome}{' (measured before)' * bool(res.get('reused'))}")
-
-    def estimate(self, trial, stage):
-        """Seconds a run should take, from the nearest run measured (trial's own, its screen, else the
-        incumbent's): its wall time, plus or minus the updates the protocols differ by at its pace (the process
-        start and the compile are the same). None before any run."""
-        updates = lambda s: self.protocols[s]["warmup"] + self.protocols[s]["windows"] * self.protocols[s]["steps"]
-        inc = self.incumbent
-        for t, s in ((trial, stage), (trial, "screen"), (inc, stage), (inc, "confirm"), (inc, "screen")):
-            res = t.results.get(s)
-            if res:
-                windows = res.get("measurements") or []
-                timed = sum(m.get("updates") or 0 for m in windows)
-                pace = sum(m["seconds"] for m in windows) / timed if timed else 0.0
-                wall = res.get("wall_seconds", t.seconds.get(s, 0.0))
-                return max(0.0, wall + (updates(stage) - updates(s)) * pace)
-        return None
-
-    def held_back(self):
-        """Seconds the screens leave: the confirmations they have earned and one more (a winner found late), at
-        most tune_confirm, each as long as the longest expected of the incumbent's and theirs."""
-        best = self.best_screened()
-        longest = max(self.estimate(t, "confirm") or 0.0 for t in [self.incumbent, *best])
-        return min(self.confirm, len(best) + 1) * longest
-
-    def screen_ratio(self, trial):
-        inc, own = rate(self.incumbent.screen), rate(trial.screen)
-        return own / inc if inc and own else None
-
-    def best_screened(self):
-        """The candidates that go on to the full protocol: the best tune_confirm screens, best first, none below
-        the incumbent's screen by more than tune_screen_noise (all may go when the incumbent's failed)."""
-        close = [t for t in self.trials[1:] if rate(t.screen) and (self.screen_ratio(t) or 1) + self.screen_noise >= 1]
-        return sorted(close, key=lambda t: -rate(t.screen))[:self.confirm]
-
-    def selection(self):
-        """The fastest trial measured with the full protocol; the incumbent unless beaten by more than noise."""
-        confirmed = [t for t in self.trials if rate(t.confirm)]
-        if not confirmed:
-            return None
-        best = max(confirmed, key=lambda t: rate(t.confirm))
-        inc = rate(self.incumbent.confirm)
-        if inc and best is not self.incumbent and rate(best.confirm) <= inc * (1 + self.noise):
-            return self.incumbent
-        return best
-
-    def seconds_to_finish(self):
-        """About how long the whole sweep would take (the budget to ask for): the incumbent's confirmation, a
-        screen of every trial, and tune_confirm confirmations like the incumbent's."""
-        screens = sum(t.seconds.get("screen") or self.estimate(t, "screen") or 0.0 for t in self.trials)
-        confirms = min(self.confirm, len(self.trials) - 1) * (self.estimate(self.incumbent, "confirm") or 0.0)
-        return self.incumbent.seconds.get("confirm", 0.0) + screens + confirms
-
-    def budget_split(self):
-        """Where the time went: compiling (first updates), measuring (the other updates), and the rest
-        (starting processes, building models, writing results); measurements reused cost nothing."""
-        runs = [res for t in self.trials for res in t.results.values() if not res.get("reused")]
-        compile_s = sum(res.get("first_update_seconds") or 0.0 for res in runs)
-        measure_s = sum(max(0.0, (res.get("warmup_seconds") or 0.0) - (res.get("first_update_seconds") or 0.0))
-                        + sum(m.get("seconds", 0.0) for m in res.get("measurements") or []) for res in runs)
-        elapsed = self.elapsed()
-        return {"elapsed_seconds": elapsed, "compile_seconds": compile_s, "measure_seconds": measure_s,
-                "other_seconds": max(0.0, elapsed - compile_s - measure_s),
-                **{f"{s}_seconds": sum(t.seconds.get(s, 0.0) for t in self.trials) for s in STAGES}}
-
-    def status(self, trial, selected):
-        """One word or phrase for the report."""
-        if trial is selected:
-            return "selected"
-        for stage, res in [(s, trial.results.get(s)) for s in ("confirm", "screen")]:
-            if res and not rate(res):
-                return f"{stage}: " + ("out of memory" if "out of memory" in str(res.get("error")).lower() else "error")
-        if trial.confirm:
-            return "confirmed"
-        if trial.not_started:
-            return "not started (budget)" if "screen" in trial.not_started else "not confirmed (budget)"
-        return "screened out" if trial.screen else "-"
-
-    # -- what a person reads while it runs (a run's output is kept for its error, so say what runs)
-
-    def label(self, trial):
-        return describe(trial.candidate, self.incumbent.candidate)
-
-    def head(self, stage):
-        done = sum(1 for t in self.trials if stage in t.results or stage in t.not_started)
-        total = len(self.trials) if stage == "screen" else len(self.best_screened()) + 1
-        return f"[{stage} {done}/{total}] {self.elapsed() / 60:.1f}/{self.budget_seconds / 60:g} min"
 
 
 # ---------------------------------------------------------------- measuring a candidate: bench.py in a process

@@ -7,6 +7,7 @@ import pytest
 
 import configurator
 import env
+import sweep as sweep_lib
 import train
 import tune
 from results import read_results, record
@@ -37,7 +38,7 @@ def test_cpu_sweep_screens_confirms_selects_reports_and_reuses(tmp_path, text_ca
     tuning = read_results(results)["tuning"]
     inc, candidates = tuning["incumbent"], tuning["candidates"]
     assert [r["change"] for r in tuning["refused"]] == ["micro_batch_size=3", "attention_backend=cudnn"]
-    assert {k: v for k, v in candidates[0].items() if k not in tune.STAGES} == inc
+    assert {k: v for k, v in candidates[0].items() if k not in sweep_lib.STAGES} == inc
     assert inc["lever"] == "incumbent" and inc["micro_batch_size"] == 8
     # the machine once for the sweep; each run keeps only what was its own
     assert tuning["environment"]["cache_identity"] and "cache_identity" not in candidates[0]["screen"]["environment"]
@@ -82,7 +83,8 @@ def test_cpu_sweep_screens_confirms_selects_reports_and_reuses(tmp_path, text_ca
     assert tune.main(argv) == 0
     again = read_results(results)["tuning"]
     assert [c["name"] for c in again["candidates"]] == [c["name"] for c in candidates]
-    assert [(c["change"], s) for c in again["candidates"] for s in tune.STAGES if c[s] and not c[s]["reused"]] == []
+    assert [(c["change"], s) for c in again["candidates"] for s in sweep_lib.STAGES
+            if c[s] and not c[s]["reused"]] == []
     assert again["selected"]["tokens_per_second"] == selected["tokens_per_second"]
     assert again["environment"] == tuning["environment"]  # reused runs came back with the whole fingerprint
 
@@ -96,7 +98,7 @@ def test_only_successes_are_reused(tmp_path, text_cache, monkeypatch):
                        tuned_dir=str(tmp_path / "tuned"))
     runner = tune.BenchRunner(cfg)
     ok, failed = dict(cfg, micro_batch_size=4), dict(cfg, micro_batch_size=2)
-    protocol = dict(tune.PROTOCOLS["screen"], data_mode="real")
+    protocol = dict(sweep_lib.PROTOCOLS["screen"], data_mode="real")
     run = lambda c, status: {"status": status, "source_hash": runner.source, "tokens_per_second": 1.0,
                              "candidate_identity": runner.identity(c, protocol), "environment": {"gpu": None}}
     record(results, ["tuning"], {"environment": {"cpu": "x"},

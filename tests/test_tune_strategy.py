@@ -1,5 +1,5 @@
-"""tune.py's strategy without processes: the candidates, and the Sweep driven by a fake clock and a fake
-measurement, so each rule of its docstring (the incumbent first, screen every candidate, confirm the best few,
+"""tune.py's strategy without processes: the candidates (tune.py), and the Sweep (sweep.py) driven by a fake clock
+and a fake measurement, so each rule of its docstring (the incumbent first, screen every candidate, confirm the best few,
 stop when the budget runs out, select only what was confirmed) is checked by what it decides."""
 import random
 
@@ -8,6 +8,7 @@ import torch
 
 import kernels.attention
 import settings
+import sweep as sweep_lib
 import train
 import tune
 
@@ -77,7 +78,7 @@ class FakeBench:
 
 def sweep_of(bench, budget, incumbent=GPU, space=None, **kw):
     space = tune.search_space(incumbent, CHOICES) if space is None else space
-    return tune.Sweep(incumbent, space, bench, budget, clock=bench.clock, **kw)
+    return sweep_lib.Sweep(incumbent, space, bench, budget, clock=bench.clock, **kw)
 
 
 def trial_of(sweep, **change):
@@ -194,7 +195,7 @@ def test_the_incumbent_is_measured_first_with_the_full_protocol_then_every_scree
     sweep = sweep_of(bench, budget=36000)
     sweep.run()
     assert bench.runs[:2] == [("confirm", GPU), ("screen", GPU)]
-    assert bench.protocols[0] == tune.PROTOCOLS["confirm"] and bench.protocols[1] == tune.PROTOCOLS["screen"]
+    assert bench.protocols[0] == sweep_lib.PROTOCOLS["confirm"] and bench.protocols[1] == sweep_lib.PROTOCOLS["screen"]
     stages = [stage for stage, _ in bench.runs]
     assert stages[1:len(sweep.trials) + 1] == ["screen"] * len(sweep.trials)  # every one screened, then confirms
     assert set(stages[len(sweep.trials) + 1:]) == {"confirm"}
@@ -229,7 +230,7 @@ def test_screens_leave_time_to_confirm_the_best_they_found():
     assert 3 <= len(screened) < len(sweep.trials) - 1  # the budget stopped the screens, not the list's end
     best = sweep.best_screened()
     assert [t.candidate for t in best] == [dict(GPU, attention_backend="fa4"), dict(GPU, loss_impl="full")]
-    assert all(tune.rate(t.confirm) for t in best) and sweep.elapsed() <= 600
+    assert all(sweep_lib.rate(t.confirm) for t in best) and sweep.elapsed() <= 600
     assert selected is best[0] and sweep.status(best[1], selected) == "confirmed"
     assert all("held for confirmations" in t.not_started["screen"] for t in sweep.trials if not t.screen)
 
@@ -262,7 +263,7 @@ def test_a_gain_within_noise_keeps_the_incumbent_and_one_beyond_it_is_selected()
     bench = FakeBench(FakeClock(), GPU, gains={("compile_scope", "blocks"): 1.008})
     sweep = sweep_of(bench, budget=36000, noise=0.01)
     assert sweep.run() is sweep.incumbent
-    assert tune.rate(trial_of(sweep, compile_scope="blocks").confirm) > tune.rate(sweep.incumbent.confirm)
+    assert sweep_lib.rate(trial_of(sweep, compile_scope="blocks").confirm) > sweep_lib.rate(sweep.incumbent.confirm)
     bench = FakeBench(FakeClock(), GPU, gains={("compile_scope", "blocks"): 1.02})
     sweep = sweep_of(bench, budget=36000, noise=0.01)
     assert sweep.run() is trial_of(sweep, compile_scope="blocks")
@@ -322,7 +323,7 @@ def test_a_failed_incumbent_still_selects_a_confirmed_candidate():
     bench = FakeBench(FakeClock(), GPU, gains={("loss_impl", "chunked"): 0.9}, fail=fail)
     sweep = sweep_of(bench, budget=36000)
     selected = sweep.run()
-    assert selected is not None and selected is not sweep.incumbent and tune.rate(selected.confirm)
+    assert selected is not None and selected is not sweep.incumbent and sweep_lib.rate(selected.confirm)
     assert sweep.status(sweep.incumbent, selected) == "confirm: error"
 
 
@@ -346,15 +347,15 @@ def test_random_sweeps_keep_every_rule(seed):
     assert bench.runs[0] == ("confirm", GPU)
     assert len([c for stage, c in bench.runs if stage == "confirm"]) <= sweep.confirm + 1
     if selected is None:
-        assert not tune.rate(sweep.incumbent.confirm)
+        assert not sweep_lib.rate(sweep.incumbent.confirm)
         return
-    assert tune.rate(selected.confirm)
+    assert sweep_lib.rate(selected.confirm)
     assert selected is sweep.incumbent or selected in sweep.best_screened()
-    inc = tune.rate(sweep.incumbent.confirm)
+    inc = sweep_lib.rate(sweep.incumbent.confirm)
     if inc:
-        assert selected is sweep.incumbent or tune.rate(selected.confirm) > inc * 1.01
-    best = max(tune.rate(t.confirm) or 0 for t in sweep.trials)
-    assert tune.rate(selected.confirm) >= best / 1.01  # the fastest confirmation, unless within noise of it
+        assert selected is sweep.incumbent or sweep_lib.rate(selected.confirm) > inc * 1.01
+    best = max(sweep_lib.rate(t.confirm) or 0 for t in sweep.trials)
+    assert sweep_lib.rate(selected.confirm) >= best / 1.01  # the fastest confirmation, unless within noise of it
 
 
 def test_the_budget_split_adds_up():
@@ -410,7 +411,7 @@ def test_a_15_minute_gpu_sweep_screens_every_cheap_lever_and_confirms_the_best()
     selected = sweep.run()
     screened = [t for t in sweep.trials[1:] if t.screen]
     assert len(screened) >= 12 and sweep.elapsed() <= 15 * 60
-    changes = {tune.describe(t.candidate, GPU) for t in screened}
+    changes = {sweep_lib.describe(t.candidate, GPU) for t in screened}
     assert {"attention_backend=fa4", "loss_impl=full", "loss_impl=chunked", "compile_scope=blocks"} <= changes
-    assert all(tune.rate(t.confirm) for t in sweep.best_screened())
+    assert all(sweep_lib.rate(t.confirm) for t in sweep.best_screened())
     assert selected.candidate == dict(GPU, attention_backend="fa4")  # +2.8%, beyond the 1% noise
