@@ -6,6 +6,24 @@ import time
 STAGES = ("screen", "confirm")
 # A Sweep's protocols unless given (tune() gives the config's: a screen's keys, and bench.py's for confirmations)
 PROTOCOLS = {"screen": {"warmup": 3, "steps": 20, "windows": 1}, "confirm": {"warmup": 20, "steps": 100, "windows": 3}}
+INCUMBENT_SHARE = 0.5  # of the time left after the incumbent's screen: its measurement's, which sets the protocol
+
+
+def ladder(full, floor):
+    """The confirmation protocols a budget may afford, largest first: the full one with its warmup and steps halved
+    together (neither below the floor's nor above the full's), then the floor's own single window (a screen's)."""
+    halved = lambda k: {key: min(full[key], max(floor[key], full[key] >> k)) for key in ("warmup", "steps")}
+    rungs = [dict(halved(k), windows=full["windows"]) for k in range(max(full["warmup"], full["steps"]).bit_length())]
+    rungs.append({key: min(full[key], floor[key]) for key in ("warmup", "steps", "windows")})
+    return [rung for i, rung in enumerate(rungs) if rung not in rungs[:i]]
+
+
+def updates(protocol):
+    return protocol["warmup"] + protocol["windows"] * protocol["steps"]
+
+
+def said(protocol):
+    return f"{protocol['warmup']} + {protocol['windows']} x {protocol['steps']} updates"
 
 
 def describe(c, incumbent):
@@ -27,7 +45,7 @@ class Trial:
 
     def __init__(self, candidate, lever):
         self.candidate, self.lever = candidate, lever
-        self.results, self.seconds, self.not_started = {}, {}, {}
+        self.results, self.seconds, self.not_started, self.protocols = {}, {}, {}, {}
 
     screen = property(lambda self: self.results.get("screen"))
     confirm = property(lambda self: self.results.get("confirm"))
@@ -46,6 +64,7 @@ class Sweep:
         self.trials = [self.incumbent] + [Trial(c, lever) for lever, c in space]
         self.measure, self.budget_seconds, self.clock, self.say = measure, budget_seconds, clock, say
         self.protocols = {stage: dict(p) for stage, p in protocols.items()}
+        self.full, self.chosen = dict(self.protocols["confirm"]), False  # the confirmations' until chosen
         self.candidate_timeout, self.confirm = candidate_timeout, confirm
         self.screen_noise, self.noise, self.start_time = screen_noise, noise, clock()
 
@@ -57,12 +76,25 @@ class Sweep:
 
     def run(self):
         """The selected trial, or None."""
-        self.attempt(self.incumbent, "confirm")  # no estimate yet: it runs into the budget's end at worst
-        for trial in self.trials:
+        for trial in self.trials:  # the incumbent's screen first: no estimate yet, it may take the whole budget
             self.attempt(trial, "screen")
+            if not self.chosen and rate(trial.screen):  # a candidate's only where the incumbent's screen failed
+                self.choose_protocol(trial)
+                if trial is self.incumbent:
+                    self.attempt(trial, "confirm")
         for trial in self.best_screened():
             self.attempt(trial, "confirm")
         return self.selection()
+
+    def choose_protocol(self, trial):
+        """Every confirmation's protocol: the ladder's largest whose estimate for trial (the incumbent) fits in
+        INCUMBENT_SHARE of the time left, else its smallest (which runs only where it fits what is left)."""
+        rungs, room = ladder(self.full, self.protocols["screen"]), INCUMBENT_SHARE * self.left()
+        fits = [p for p in rungs if self.estimate(trial, "confirm", p) <= room]
+        self.protocols["confirm"], self.chosen = dict(fits[0] if fits else rungs[-1]), True
+        why = "the full protocol" if fits and fits[0] == self.full else \
+            f"{said(self.full)} would not fit in {INCUMBENT_SHARE:.0%} of the {self.left():.0f} s left"
+        self.say(f"confirmations: {said(self.protocols['confirm'])} ({why})")
 
     def attempt(self, trial, stage):
         """Run trial's stage if its estimate fits in the time left (less, for a screen, the time held back for
@@ -77,17 +109,17 @@ class Sweep:
         timeout = min(self.candidate_timeout, room)
         self.say(f"  running {self.label(trial)}: {stage} (at most {timeout / 60:.1f} min)...")
         start = self.clock()
+        trial.protocols[stage] = dict(self.protocols[stage])
         res = trial.results[stage] = self.measure(trial.candidate, stage, dict(self.protocols[stage]), timeout)
         trial.seconds[stage] = self.clock() - start
         outcome = f"{rate(res):,.0f} tok/s" if rate(res) else f"error: {str(res.get('error'))[:100]}"
         self.say(f"{self.head(stage)}  {self.label(trial)}: {outcome}{' (measured before)' * bool(res.get('reused'))}")
 
-    def estimate(self, trial, stage):
-        """Seconds a run should take, from the nearest run measured (trial's own, its screen, else the
-        incumbent's): its wall time, plus or minus the updates the protocols differ by at its pace (the process
-        start and the compile are the same). None before any run."""
-        updates = lambda s: self.protocols[s]["warmup"] + self.protocols[s]["windows"] * self.protocols[s]["steps"]
-        inc = self.incumbent
+    def estimate(self, trial, stage, protocol=None):
+        """Seconds a run of stage (with protocol, else the stage's) should take, from the nearest run measured
+        (trial's own, its screen, else the incumbent's): its wall time, plus or minus the updates the protocols
+        differ by at its pace (the process start and the compile are the same). None before any run."""
+        inc, protocol = self.incumbent, protocol or self.protocols[stage]
         for t, s in ((trial, stage), (trial, "screen"), (inc, stage), (inc, "confirm"), (inc, "screen")):
             res = t.results.get(s)
             if res:
@@ -95,7 +127,7 @@ class Sweep:
                 timed = sum(m.get("updates") or 0 for m in windows)
                 pace = sum(m["seconds"] for m in windows) / timed if timed else 0.0
                 wall = res.get("wall_seconds", t.seconds.get(s, 0.0))
-                return max(0.0, wall + (updates(stage) - updates(s)) * pace)
+                return max(0.0, wall + (updates(protocol) - updates(t.protocols.get(s, self.protocols[s]))) * pace)
         return None
 
     def held_back(self):
@@ -115,23 +147,28 @@ class Sweep:
         close = [t for t in self.trials[1:] if rate(t.screen) and (self.screen_ratio(t) or 1) + self.screen_noise >= 1]
         return sorted(close, key=lambda t: -rate(t.screen))[:self.confirm]
 
+    def measured_by(self, trial):
+        """The stage whose rate stands for trial: its confirmation; the incumbent's screen where it has none."""
+        return "confirm" if rate(trial.confirm) else "screen" if trial is self.incumbent and rate(trial.screen) \
+            else None
+
     def selection(self):
-        """The fastest trial measured with the full protocol; the incumbent unless beaten by more than noise."""
-        confirmed = [t for t in self.trials if rate(t.confirm)]
-        if not confirmed:
-            return None
-        best = max(confirmed, key=lambda t: rate(t.confirm))
-        inc = rate(self.incumbent.confirm)
-        if inc and best is not self.incumbent and rate(best.confirm) <= inc * (1 + self.noise):
-            return self.incumbent
+        """The fastest candidate confirmed with the protocol the incumbent was measured with, if faster than it by
+        more than noise, else the incumbent; where the incumbent could not be measured, the fastest confirmed."""
+        inc, stage = self.incumbent, self.measured_by(self.incumbent)
+        same = [t for t in self.trials[1:] if rate(t.confirm)
+                and (stage is None or t.protocols["confirm"] == inc.protocols[stage])]
+        best = max(same, key=lambda t: rate(t.confirm), default=None)
+        if stage and not (best and rate(best.confirm) > rate(inc.results[stage]) * (1 + self.noise)):
+            return inc
         return best
 
     def seconds_to_finish(self):
-        """About how long the whole sweep would take (the budget to ask for): the incumbent's confirmation, a
-        screen of every trial, and tune_confirm confirmations like the incumbent's."""
+        """About how long the whole sweep would take with the full protocol (the budget to ask for): a screen of
+        every trial, and the incumbent's and tune_confirm confirmations like it."""
         screens = sum(t.seconds.get("screen") or self.estimate(t, "screen") or 0.0 for t in self.trials)
-        confirms = min(self.confirm, len(self.trials) - 1) * (self.estimate(self.incumbent, "confirm") or 0.0)
-        return self.incumbent.seconds.get("confirm", 0.0) + screens + confirms
+        confirm = self.estimate(self.incumbent, "confirm", self.full) or 0.0
+        return screens + (1 + min(self.confirm, len(self.trials) - 1)) * confirm
 
     def budget_split(self):
         """Where the time went: compiling (first updates), measuring (the other updates), and the rest

@@ -1,10 +1,12 @@
 """Sweep the execution settings that keep the math, within a budget: python tune.py [config] --budget=45
 
-1. Measure the incumbent (the config as given) with the full protocol v2 (bench.py's warmup, steps and windows).
-2. Screen it and every candidate (the incumbent with one lever changed) briefly, leaving time to confirm the best.
+1. Screen the incumbent (the config as given), then measure it with the largest protocol that fits in half the time
+   left (protocol v2, bench.py's warmup, steps and windows, halved down to the screen's): every confirmation's.
+2. Screen every candidate (the incumbent with one lever changed) briefly, leaving time to confirm the best.
 3. Confirm the best tune_confirm screens (none below the incumbent's by more than tune_screen_noise), best first.
 4. Stop when the budget runs out: no run starts unless its estimate fits; each ends by candidate_timeout at most.
-5. Select the fastest confirmed run, never an unconfirmed one: the incumbent unless beaten by more than tune_noise.
+5. Select the fastest run confirmed with the incumbent's protocol if faster by more than tune_noise, else the
+   incumbent, measured as the budget allowed (its screen at least): any budget that fits a screen answers.
 
 Each run is bench.py in its own process, so an out-of-memory error, a crash or a hang ends that candidate only; a
 value that cannot run here is skipped with one line. docs/TUNING.md: the levers, their order, what they cost.
@@ -28,7 +30,7 @@ from kernels import attention
 from plan import USER_ERRORS
 from plots import fmt
 from settings import BENCH_GROUPS, BenchSettings, TrainSettings, setting
-from sweep import STAGES, Sweep, describe, rate
+from sweep import STAGES, Sweep, describe, rate, said
 from trainer import uses_cudagraphs
 
 TRAIN_DEFAULTS = settings.defaults(TrainSettings)  # the keys of a candidate's config file, which train.py runs
@@ -280,14 +282,16 @@ def with_environment(run, shared):
 
 
 def trial_record(sweep, trial, selected):
-    """A candidate's entry: its settings, both stages' results, its config file and its status."""
-    runs = [res for res in (trial.screen, trial.confirm) if res]
+    """A candidate's entry: its settings, both stages' results, its config file, its status, and the rate that
+    stands for it (its confirmation's, or the incumbent's screen's) with the stage and protocol it was measured by."""
+    runs, stage = [res for res in (trial.screen, trial.confirm) if res], sweep.measured_by(trial)
     firsts = [res["first_update_seconds"] for res in runs if res.get("first_update_seconds") is not None]
     peaks = [res["peak_memory_bytes"] for res in runs if res.get("peak_memory_bytes")]
     return dict(trial.candidate, name=candidate_name(trial.candidate), lever=trial.lever, change=sweep.label(trial),
                 config_path=next((res["config_path"] for res in runs if res.get("config_path")), None),
                 status=sweep.status(trial, selected), screen=trial.screen, confirm=trial.confirm,
-                screen_ratio=sweep.screen_ratio(trial), tokens_per_second=rate(trial.confirm),
+                screen_ratio=sweep.screen_ratio(trial), tokens_per_second=rate(trial.results.get(stage)),
+                measured_by=stage, protocol=trial.protocols.get(stage),
                 compile_seconds=firsts[0] if firsts else None, peak_memory_bytes=max(peaks) if peaks else None,
                 not_started=trial.not_started or None)
 
@@ -299,8 +303,9 @@ def tuning_record(cfg, sweep, selected, refused, source):
     chosen = summary(records[sweep.trials.index(selected)]) if selected else None
     inc_rate = records[0]["tokens_per_second"]
     return {"run_id": env.new_run_id(), "budget_minutes": cfg.budget,
-            "budget_exhausted": any(t.not_started for t in sweep.trials), "elapsed_minutes": sweep.elapsed() / 60,
-            "source_hash": source, "environment": environment, "protocols": sweep.protocols,
+            "budget_exhausted": any(t.not_started for t in sweep.trials) or sweep.protocols["confirm"] != sweep.full,
+            "elapsed_minutes": sweep.elapsed() / 60, "source_hash": source, "environment": environment,
+            "protocols": sweep.protocols, "full_protocol": sweep.full,
             "confirmations": sweep.confirm, "incumbent": summary(records[0]), "candidates": records, "selected": chosen,
             "selected_config_path": chosen["config_path"] if chosen else None,
             "gain_over_incumbent": chosen["tokens_per_second"] / inc_rate - 1 if chosen and inc_rate else None,
@@ -311,14 +316,15 @@ def tuning_record(cfg, sweep, selected, refused, source):
 
 def print_report(tuning):
     """The candidates' table, the selection and its gain, where the budget went, and the selected config."""
-    inc = tuning["incumbent"]["tokens_per_second"]
+    inc, inc_protocol = tuning["incumbent"]["tokens_per_second"], tuning["incumbent"]["protocol"]
     print(f"\n{'candidate':<46}{'screen tok/s':>13}{'x inc':>7}{'confirm tok/s':>14}{'gain':>8}{'compile s':>10}"
           f"{'peak GiB':>9}  status")
     for c in tuning["candidates"]:
-        gain = c["tokens_per_second"] / inc - 1 if c["tokens_per_second"] and inc else None
+        gain = c["tokens_per_second"] / inc - 1 if c["tokens_per_second"] and inc and c["protocol"] == inc_protocol \
+            else None
         peak = c["peak_memory_bytes"] / 2**30 if c["peak_memory_bytes"] else None
         print(f"{c['change'][:45]:<46}{fmt(rate(c['screen']), ',.0f'):>13}{fmt(c['screen_ratio'], '.3f'):>7}"
-              f"{fmt(c['tokens_per_second'], ',.0f'):>14}{fmt(gain, '+.1%'):>8}"
+              f"{fmt(rate(c['confirm']), ',.0f'):>14}{fmt(gain, '+.1%'):>8}"
               f"{fmt(c['compile_seconds'], '.1f'):>10}{fmt(peak, '.2f'):>9}  {c['status']}")
     for c in tuning["candidates"]:
         for stage in STAGES:
@@ -330,17 +336,23 @@ def print_report(tuning):
           f"{split['compile_seconds'] / 60:.1f}, measuring {split['measure_seconds'] / 60:.1f}, starting "
           f"processes and the rest {split['other_seconds'] / 60:.1f}")
     if tuning["budget_exhausted"]:
-        print(f"budget exhausted: some runs did not fit in what was left; screening every candidate and confirming "
-              f"the best would take about {math.ceil(tuning['minutes_to_finish']):.0f} min (--budget)")
+        confirm, full = tuning["protocols"]["confirm"], tuning["full_protocol"]
+        cut = [what for what, why in (("some runs did not fit in what was left", any(c["not_started"] for c in
+                                                                                      tuning["candidates"])),
+                                      (f"confirmations ran {said(confirm)}, not {said(full)}", confirm != full)) if why]
+        print(f"budget exhausted: {'; '.join(cut)}; screening every candidate and confirming the best with the full "
+              f"protocol would take about {math.ceil(tuning['minutes_to_finish']):.0f} min (--budget)")
     sel = tuning["selected"]
     if not sel:
-        print("no selection: no candidate finished the full protocol")
+        print("no selection: the incumbent could not be measured (not even its screen), nor any candidate confirmed")
         return
     gain = tuning["gain_over_incumbent"]
     versus = f"{100 * gain:+.1f}% over the incumbent" if gain is not None else "the incumbent failed"
-    print(f"selected {sel['change']}: {sel['tokens_per_second']:,.0f} tok/s ({versus}) -> "
-          f"python train.py {sel['config_path']}")
-    if sel["lever"] == "incumbent" and any((c["tokens_per_second"] or 0) > inc for c in tuning["candidates"]):
+    stage = "confirmation" if sel["measured_by"] == "confirm" else "screen"
+    print(f"selected {sel['change']}: {sel['tokens_per_second']:,.0f} tok/s ({versus}), measured with "
+          f"{said(sel['protocol'])} (its {stage}) -> python train.py {sel['config_path']}")
+    if sel["lever"] == "incumbent" and any((c["tokens_per_second"] or 0) > inc and c["protocol"] == inc_protocol
+                                           for c in tuning["candidates"]):
         print(f"  kept: confirmed candidates measured faster, none by more than tune_noise ({tuning['noise']:.1%})")
     if sel["config_path"] and Path(sel["config_path"]).is_file():
         print(Path(sel["config_path"]).read_text().rstrip())
@@ -359,8 +371,8 @@ def tune(cfg):
     runner = BenchRunner(cfg)
     for candidate in [incumbent] + [c for _, c in space]:
         runner.config_path(candidate)  # a tracked file in the way is refused now, not halfway through
-    print(f"{len(space)} candidates besides the incumbent; screens: {screen['warmup']} + {screen['steps']} "
-          f"updates, confirmations: {confirm['warmup']} + {confirm['windows']} x {confirm['steps']}", flush=True)
+    print(f"{len(space)} candidates besides the incumbent; screens: {said(screen)}; confirmations: {said(confirm)} "
+          f"or less, as the budget affords after the incumbent's screen", flush=True)
     sweep = Sweep(incumbent, space, runner, cfg.budget * 60, {"screen": screen, "confirm": confirm},
                   candidate_timeout=cfg.candidate_timeout * 60, confirm=cfg.tune_confirm,
                   screen_noise=cfg.tune_screen_noise, noise=cfg.tune_noise, say=lambda text: print(text, flush=True))
