@@ -1,10 +1,12 @@
 """Sweep the execution settings that keep the math, within a budget: python tune.py [config] --budget=45
 
-1. Measure the incumbent (the config as given) with the full protocol v2 (bench.py's warmup, steps and windows).
-2. Screen it and every candidate (the incumbent with one lever changed) briefly, leaving time to confirm the best.
+1. Screen the incumbent (the config as given), then measure it with the largest protocol that fits in half the time
+   left (protocol v2, bench.py's warmup, steps and windows, halved down to the screen's): every confirmation's.
+2. Screen every candidate (the incumbent with one lever changed) briefly, leaving time to confirm the best.
 3. Confirm the best tune_confirm screens (none below the incumbent's by more than tune_screen_noise), best first.
 4. Stop when the budget runs out: no run starts unless its estimate fits; each ends by candidate_timeout at most.
-5. Select the fastest confirmed run, never an unconfirmed one: the incumbent unless beaten by more than tune_noise.
+5. Select the fastest run confirmed with the incumbent's protocol if faster by more than tune_noise, else the
+   incumbent, measured as the budget allowed (its screen at least): any budget that fits a screen answers.
 
 Each run is bench.py in its own process, so an out-of-memory error, a crash or a hang ends that candidate only; a
 value that cannot run here is skipped with one line. docs/TUNING.md: the levers, their order, what they cost.
@@ -28,6 +30,7 @@ from kernels import attention
 from plan import USER_ERRORS
 from plots import fmt
 from settings import BENCH_GROUPS, BenchSettings, TrainSettings, setting
+from sweep import STAGES, Sweep, describe, rate, said
 from trainer import uses_cudagraphs
 
 TRAIN_DEFAULTS = settings.defaults(TrainSettings)  # the keys of a candidate's config file, which train.py runs
@@ -74,9 +77,6 @@ LEVER_KEYS = ("compile", *LISTS.values())  # the train.py keys a candidate may c
 # Only keys that change how the math runs, never what it is: a lever outside them would change the recipe.
 assert set(LEVER_KEYS) <= settings.execution_keys(), set(LEVER_KEYS) - settings.execution_keys()
 WHERE_KEYS = ("results_file", "out_dir")  # where a run writes: its caller's choice, not a setting to reproduce
-STAGES = ("screen", "confirm")
-# A Sweep's protocols unless given (tune() gives the config's: a screen's keys, and bench.py's for confirmations)
-PROTOCOLS = {"screen": {"warmup": 3, "steps": 20, "windows": 1}, "confirm": {"warmup": 20, "steps": 100, "windows": 3}}
 
 
 def mode_of(candidate):
@@ -87,20 +87,6 @@ def candidate_name(candidate):
     c = candidate
     return (f"micro-{c['micro_batch_size']}-{mode_of(c)}-{c['compile_scope']}-{c['attention_backend']}-"
             f"{c['loss_impl']}-amb-{c['activation_memory_budget']:g}-threads-{c['cpu_threads']}")
-
-
-def describe(c, incumbent):
-    """What a candidate changes in the incumbent, as a person would write it."""
-    parts = []
-    if c["compile"] != incumbent["compile"]:
-        parts.append("compile=True" if c["compile"] else "eager")
-    parts += [f"{k}={c[k]:g}" if isinstance(c[k], float) else f"{k}={c[k]}" for k in LEVER_KEYS
-              if k != "compile" and c[k] != incumbent[k] and (c["compile"] or k != "compile_mode")]
-    return ", ".join(parts) or "incumbent (the config's own)"
-
-
-def rate(result):
-    return result["tokens_per_second"] if result and result.get("status") == "ok" else None
 
 
 # ---------------------------------------------------------------- the candidates
@@ -194,155 +180,6 @@ def plan(cfg, choices, device):
         else:
             space.append((lever, candidate))
     return incumbent, space, refused
-
-
-# ---------------------------------------------------------------- the strategy
-
-class Trial:
-    """One candidate: its settings, its lever, and per stage its result, its seconds, or why it did not start."""
-
-    def __init__(self, candidate, lever):
-        self.candidate, self.lever = candidate, lever
-        self.results, self.seconds, self.not_started = {}, {}, {}
-
-    screen = property(lambda self: self.results.get("screen"))
-    confirm = property(lambda self: self.results.get("confirm"))
-
-
-class Sweep:
-    """The strategy of the module docstring, apart from how a run is measured, so tests drive it in fake time.
-
-    measure(candidate, stage, protocol, timeout_seconds) -> a bench entry: status, tokens_per_second,
-    first_update_seconds, and optionally warmup_seconds, measurements (each window's seconds and updates),
-    peak_memory_bytes, wall_seconds (a reused measurement's own), error. say(text) prints progress."""
-
-    def __init__(self, incumbent, space, measure, budget_seconds, protocols=PROTOCOLS, clock=time.monotonic,
-                 candidate_timeout=math.inf, confirm=4, screen_noise=0.03, noise=0.01, say=lambda text: None):
-        self.incumbent = Trial(incumbent, "incumbent")
-        self.trials = [self.incumbent] + [Trial(c, lever) for lever, c in space]
-        self.measure, self.budget_seconds, self.clock, self.say = measure, budget_seconds, clock, say
-        self.protocols = {stage: dict(p) for stage, p in protocols.items()}
-        self.candidate_timeout, self.confirm = candidate_timeout, confirm
-        self.screen_noise, self.noise, self.start_time = screen_noise, noise, clock()
-
-    def elapsed(self):
-        return self.clock() - self.start_time
-
-    def left(self):
-        return self.budget_seconds - self.elapsed()
-
-    def run(self):
-        """The selected trial, or None."""
-        self.attempt(self.incumbent, "confirm")  # no estimate yet: it runs into the budget's end at worst
-        for trial in self.trials:
-            self.attempt(trial, "screen")
-        for trial in self.best_screened():
-            self.attempt(trial, "confirm")
-        return self.selection()
-
-    def attempt(self, trial, stage):
-        """Run trial's stage if its estimate fits in the time left (less, for a screen, the time held back for
-        confirmations), ended by candidate_timeout or by that time's end; else record and say why not."""
-        room = self.left() - (self.held_back() if stage == "screen" else 0.0)
-        estimate = self.estimate(trial, stage)
-        if room <= 0 or (estimate or 0.0) > room:
-            held = f", {self.held_back():.0f} s of them held for confirmations" if stage == "screen" else ""
-            why = f"budget: estimated at {estimate or 0:.0f} s; {max(self.left(), 0):.0f} s left{held}"
-            trial.not_started[stage] = why
-            return self.say(f"{self.head(stage)}  {self.label(trial)}: {stage} not started ({why})")
-        timeout = min(self.candidate_timeout, room)
-        self.say(f"  running {self.label(trial)}: {stage} (at most {timeout / 60:.1f} min)...")
-        start = self.clock()
-        res = trial.results[stage] = self.measure(trial.candidate, stage, dict(self.protocols[stage]), timeout)
-        trial.seconds[stage] = self.clock() - start
-        outcome = f"{rate(res):,.0f} tok/s" if rate(res) else f"error: {str(res.get('error'))[:100]}"
-        self.say(f"{self.head(stage)}  {self.label(trial)}: {outcome}{' (measured before)' * bool(res.get('reused'))}")
-
-    def estimate(self, trial, stage):
-        """Seconds a run should take, from the nearest run measured (trial's own, its screen, else the
-        incumbent's): its wall time, plus or minus the updates the protocols differ by at its pace (the process
-        start and the compile are the same). None before any run."""
-        updates = lambda s: self.protocols[s]["warmup"] + self.protocols[s]["windows"] * self.protocols[s]["steps"]
-        inc = self.incumbent
-        for t, s in ((trial, stage), (trial, "screen"), (inc, stage), (inc, "confirm"), (inc, "screen")):
-            res = t.results.get(s)
-            if res:
-                windows = res.get("measurements") or []
-                timed = sum(m.get("updates") or 0 for m in windows)
-                pace = sum(m["seconds"] for m in windows) / timed if timed else 0.0
-                wall = res.get("wall_seconds", t.seconds.get(s, 0.0))
-                return max(0.0, wall + (updates(stage) - updates(s)) * pace)
-        return None
-
-    def held_back(self):
-        """Seconds the screens leave: the confirmations they have earned and one more (a winner found late), at
-        most tune_confirm, each as long as the longest expected of the incumbent's and theirs."""
-        best = self.best_screened()
-        longest = max(self.estimate(t, "confirm") or 0.0 for t in [self.incumbent, *best])
-        return min(self.confirm, len(best) + 1) * longest
-
-    def screen_ratio(self, trial):
-        inc, own = rate(self.incumbent.screen), rate(trial.screen)
-        return own / inc if inc and own else None
-
-    def best_screened(self):
-        """The candidates that go on to the full protocol: the best tune_confirm screens, best first, none below
-        the incumbent's screen by more than tune_screen_noise (all may go when the incumbent's failed)."""
-        close = [t for t in self.trials[1:] if rate(t.screen) and (self.screen_ratio(t) or 1) + self.screen_noise >= 1]
-        return sorted(close, key=lambda t: -rate(t.screen))[:self.confirm]
-
-    def selection(self):
-        """The fastest trial measured with the full protocol; the incumbent unless beaten by more than noise."""
-        confirmed = [t for t in self.trials if rate(t.confirm)]
-        if not confirmed:
-            return None
-        best = max(confirmed, key=lambda t: rate(t.confirm))
-        inc = rate(self.incumbent.confirm)
-        if inc and best is not self.incumbent and rate(best.confirm) <= inc * (1 + self.noise):
-            return self.incumbent
-        return best
-
-    def seconds_to_finish(self):
-        """About how long the whole sweep would take (the budget to ask for): the incumbent's confirmation, a
-        screen of every trial, and tune_confirm confirmations like the incumbent's."""
-        screens = sum(t.seconds.get("screen") or self.estimate(t, "screen") or 0.0 for t in self.trials)
-        confirms = min(self.confirm, len(self.trials) - 1) * (self.estimate(self.incumbent, "confirm") or 0.0)
-        return self.incumbent.seconds.get("confirm", 0.0) + screens + confirms
-
-    def budget_split(self):
-        """Where the time went: compiling (first updates), measuring (the other updates), and the rest
-        (starting processes, building models, writing results); measurements reused cost nothing."""
-        runs = [res for t in self.trials for res in t.results.values() if not res.get("reused")]
-        compile_s = sum(res.get("first_update_seconds") or 0.0 for res in runs)
-        measure_s = sum(max(0.0, (res.get("warmup_seconds") or 0.0) - (res.get("first_update_seconds") or 0.0))
-                        + sum(m.get("seconds", 0.0) for m in res.get("measurements") or []) for res in runs)
-        elapsed = self.elapsed()
-        return {"elapsed_seconds": elapsed, "compile_seconds": compile_s, "measure_seconds": measure_s,
-                "other_seconds": max(0.0, elapsed - compile_s - measure_s),
-                **{f"{s}_seconds": sum(t.seconds.get(s, 0.0) for t in self.trials) for s in STAGES}}
-
-    def status(self, trial, selected):
-        """One word or phrase for the report."""
-        if trial is selected:
-            return "selected"
-        for stage, res in [(s, trial.results.get(s)) for s in ("confirm", "screen")]:
-            if res and not rate(res):
-                return f"{stage}: " + ("out of memory" if "out of memory" in str(res.get("error")).lower() else "error")
-        if trial.confirm:
-            return "confirmed"
-        if trial.not_started:
-            return "not started (budget)" if "screen" in trial.not_started else "not confirmed (budget)"
-        return "screened out" if trial.screen else "-"
-
-    # -- what a person reads while it runs (a run's output is kept for its error, so say what runs)
-
-    def label(self, trial):
-        return describe(trial.candidate, self.incumbent.candidate)
-
-    def head(self, stage):
-        done = sum(1 for t in self.trials if stage in t.results or stage in t.not_started)
-        total = len(self.trials) if stage == "screen" else len(self.best_screened()) + 1
-        return f"[{stage} {done}/{total}] {self.elapsed() / 60:.1f}/{self.budget_seconds / 60:g} min"
 
 
 # ---------------------------------------------------------------- measuring a candidate: bench.py in a process
@@ -445,14 +282,16 @@ def with_environment(run, shared):
 
 
 def trial_record(sweep, trial, selected):
-    """A candidate's entry: its settings, both stages' results, its config file and its status."""
-    runs = [res for res in (trial.screen, trial.confirm) if res]
+    """A candidate's entry: its settings, both stages' results, its config file, its status, and the rate that
+    stands for it (its confirmation's, or the incumbent's screen's) with the stage and protocol it was measured by."""
+    runs, stage = [res for res in (trial.screen, trial.confirm) if res], sweep.measured_by(trial)
     firsts = [res["first_update_seconds"] for res in runs if res.get("first_update_seconds") is not None]
     peaks = [res["peak_memory_bytes"] for res in runs if res.get("peak_memory_bytes")]
     return dict(trial.candidate, name=candidate_name(trial.candidate), lever=trial.lever, change=sweep.label(trial),
                 config_path=next((res["config_path"] for res in runs if res.get("config_path")), None),
                 status=sweep.status(trial, selected), screen=trial.screen, confirm=trial.confirm,
-                screen_ratio=sweep.screen_ratio(trial), tokens_per_second=rate(trial.confirm),
+                screen_ratio=sweep.screen_ratio(trial), tokens_per_second=rate(trial.results.get(stage)),
+                measured_by=stage, protocol=trial.protocols.get(stage),
                 compile_seconds=firsts[0] if firsts else None, peak_memory_bytes=max(peaks) if peaks else None,
                 not_started=trial.not_started or None)
 
@@ -464,8 +303,9 @@ def tuning_record(cfg, sweep, selected, refused, source):
     chosen = summary(records[sweep.trials.index(selected)]) if selected else None
     inc_rate = records[0]["tokens_per_second"]
     return {"run_id": env.new_run_id(), "budget_minutes": cfg.budget,
-            "budget_exhausted": any(t.not_started for t in sweep.trials), "elapsed_minutes": sweep.elapsed() / 60,
-            "source_hash": source, "environment": environment, "protocols": sweep.protocols,
+            "budget_exhausted": any(t.not_started for t in sweep.trials) or sweep.protocols["confirm"] != sweep.full,
+            "elapsed_minutes": sweep.elapsed() / 60, "source_hash": source, "environment": environment,
+            "protocols": sweep.protocols, "full_protocol": sweep.full,
             "confirmations": sweep.confirm, "incumbent": summary(records[0]), "candidates": records, "selected": chosen,
             "selected_config_path": chosen["config_path"] if chosen else None,
             "gain_over_incumbent": chosen["tokens_per_second"] / inc_rate - 1 if chosen and inc_rate else None,
@@ -476,14 +316,15 @@ def tuning_record(cfg, sweep, selected, refused, source):
 
 def print_report(tuning):
     """The candidates' table, the selection and its gain, where the budget went, and the selected config."""
-    inc = tuning["incumbent"]["tokens_per_second"]
+    inc, inc_protocol = tuning["incumbent"]["tokens_per_second"], tuning["incumbent"]["protocol"]
     print(f"\n{'candidate':<46}{'screen tok/s':>13}{'x inc':>7}{'confirm tok/s':>14}{'gain':>8}{'compile s':>10}"
           f"{'peak GiB':>9}  status")
     for c in tuning["candidates"]:
-        gain = c["tokens_per_second"] / inc - 1 if c["tokens_per_second"] and inc else None
+        gain = c["tokens_per_second"] / inc - 1 if c["tokens_per_second"] and inc and c["protocol"] == inc_protocol \
+            else None
         peak = c["peak_memory_bytes"] / 2**30 if c["peak_memory_bytes"] else None
         print(f"{c['change'][:45]:<46}{fmt(rate(c['screen']), ',.0f'):>13}{fmt(c['screen_ratio'], '.3f'):>7}"
-              f"{fmt(c['tokens_per_second'], ',.0f'):>14}{fmt(gain, '+.1%'):>8}"
+              f"{fmt(rate(c['confirm']), ',.0f'):>14}{fmt(gain, '+.1%'):>8}"
               f"{fmt(c['compile_seconds'], '.1f'):>10}{fmt(peak, '.2f'):>9}  {c['status']}")
     for c in tuning["candidates"]:
         for stage in STAGES:
@@ -495,17 +336,23 @@ def print_report(tuning):
           f"{split['compile_seconds'] / 60:.1f}, measuring {split['measure_seconds'] / 60:.1f}, starting "
           f"processes and the rest {split['other_seconds'] / 60:.1f}")
     if tuning["budget_exhausted"]:
-        print(f"budget exhausted: some runs did not fit in what was left; screening every candidate and confirming "
-              f"the best would take about {math.ceil(tuning['minutes_to_finish']):.0f} min (--budget)")
+        confirm, full = tuning["protocols"]["confirm"], tuning["full_protocol"]
+        cut = [what for what, why in (("some runs did not fit in what was left", any(c["not_started"] for c in
+                                                                                      tuning["candidates"])),
+                                      (f"confirmations ran {said(confirm)}, not {said(full)}", confirm != full)) if why]
+        print(f"budget exhausted: {'; '.join(cut)}; screening every candidate and confirming the best with the full "
+              f"protocol would take about {math.ceil(tuning['minutes_to_finish']):.0f} min (--budget)")
     sel = tuning["selected"]
     if not sel:
-        print("no selection: no candidate finished the full protocol")
+        print("no selection: the incumbent could not be measured (not even its screen), nor any candidate confirmed")
         return
     gain = tuning["gain_over_incumbent"]
     versus = f"{100 * gain:+.1f}% over the incumbent" if gain is not None else "the incumbent failed"
-    print(f"selected {sel['change']}: {sel['tokens_per_second']:,.0f} tok/s ({versus}) -> "
-          f"python train.py {sel['config_path']}")
-    if sel["lever"] == "incumbent" and any((c["tokens_per_second"] or 0) > inc for c in tuning["candidates"]):
+    stage = "confirmation" if sel["measured_by"] == "confirm" else "screen"
+    print(f"selected {sel['change']}: {sel['tokens_per_second']:,.0f} tok/s ({versus}), measured with "
+          f"{said(sel['protocol'])} (its {stage}) -> python train.py {sel['config_path']}")
+    if sel["lever"] == "incumbent" and any((c["tokens_per_second"] or 0) > inc and c["protocol"] == inc_protocol
+                                           for c in tuning["candidates"]):
         print(f"  kept: confirmed candidates measured faster, none by more than tune_noise ({tuning['noise']:.1%})")
     if sel["config_path"] and Path(sel["config_path"]).is_file():
         print(Path(sel["config_path"]).read_text().rstrip())
@@ -524,8 +371,8 @@ def tune(cfg):
     runner = BenchRunner(cfg)
     for candidate in [incumbent] + [c for _, c in space]:
         runner.config_path(candidate)  # a tracked file in the way is refused now, not halfway through
-    print(f"{len(space)} candidates besides the incumbent; screens: {screen['warmup']} + {screen['steps']} "
-          f"updates, confirmations: {confirm['warmup']} + {confirm['windows']} x {confirm['steps']}", flush=True)
+    print(f"{len(space)} candidates besides the incumbent; screens: {said(screen)}; confirmations: {said(confirm)} "
+          f"or less, as the budget affords after the incumbent's screen", flush=True)
     sweep = Sweep(incumbent, space, runner, cfg.budget * 60, {"screen": screen, "confirm": confirm},
                   candidate_timeout=cfg.candidate_timeout * 60, confirm=cfg.tune_confirm,
                   screen_noise=cfg.tune_screen_noise, noise=cfg.tune_noise, say=lambda text: print(text, flush=True))

@@ -7,6 +7,7 @@ import pytest
 
 import configurator
 import env
+import sweep as sweep_lib
 import train
 import tune
 from results import read_results, record
@@ -37,7 +38,7 @@ def test_cpu_sweep_screens_confirms_selects_reports_and_reuses(tmp_path, text_ca
     tuning = read_results(results)["tuning"]
     inc, candidates = tuning["incumbent"], tuning["candidates"]
     assert [r["change"] for r in tuning["refused"]] == ["micro_batch_size=3", "attention_backend=cudnn"]
-    assert {k: v for k, v in candidates[0].items() if k not in tune.STAGES} == inc
+    assert {k: v for k, v in candidates[0].items() if k not in sweep_lib.STAGES} == inc
     assert inc["lever"] == "incumbent" and inc["micro_batch_size"] == 8
     # the machine once for the sweep; each run keeps only what was its own
     assert tuning["environment"]["cache_identity"] and "cache_identity" not in candidates[0]["screen"]["environment"]
@@ -82,7 +83,8 @@ def test_cpu_sweep_screens_confirms_selects_reports_and_reuses(tmp_path, text_ca
     assert tune.main(argv) == 0
     again = read_results(results)["tuning"]
     assert [c["name"] for c in again["candidates"]] == [c["name"] for c in candidates]
-    assert [(c["change"], s) for c in again["candidates"] for s in tune.STAGES if c[s] and not c[s]["reused"]] == []
+    assert [(c["change"], s) for c in again["candidates"] for s in sweep_lib.STAGES
+            if c[s] and not c[s]["reused"]] == []
     assert again["selected"]["tokens_per_second"] == selected["tokens_per_second"]
     assert again["environment"] == tuning["environment"]  # reused runs came back with the whole fingerprint
 
@@ -96,7 +98,7 @@ def test_only_successes_are_reused(tmp_path, text_cache, monkeypatch):
                        tuned_dir=str(tmp_path / "tuned"))
     runner = tune.BenchRunner(cfg)
     ok, failed = dict(cfg, micro_batch_size=4), dict(cfg, micro_batch_size=2)
-    protocol = dict(tune.PROTOCOLS["screen"], data_mode="real")
+    protocol = dict(sweep_lib.PROTOCOLS["screen"], data_mode="real")
     run = lambda c, status: {"status": status, "source_hash": runner.source, "tokens_per_second": 1.0,
                              "candidate_identity": runner.identity(c, protocol), "environment": {"gpu": None}}
     record(results, ["tuning"], {"environment": {"cpu": "x"},
@@ -195,3 +197,29 @@ def test_sweep_settings_are_checked_before_any_candidate(tmp_path, text_cache, c
     assert tune.main(argv) == 2
     assert words in capsys.readouterr().err
     assert not results.exists() and not (tmp_path / "tuned").exists()
+
+
+def test_a_one_minute_budget_on_the_tiny_config_answers_with_a_selection(tmp_path, text_cache, capsys):
+    """tune.py always answers: config/tiny_cpu.py (a smaller model on the test cache, no candidate besides the
+    incumbent, so that it costs what the incumbent's measurement does) with its protocol, bench.py's 20 + 3 x 100
+    updates, and a 1-minute budget ends with the incumbent selected, measured with the protocol that fitted."""
+    results = tmp_path / "results.json"
+    argv = [str(env.REPO / "config" / "tiny_cpu.py"), f"--data_dir={text_cache}", "--vocab_size=256", "--dim=64",
+            "--n_layers=2", "--hidden_dim=128", "--train_subset_tokens=60000", "--cpu_threads=1",
+            "--tune_compile_modes=eager", "--tune_backends=auto", "--tune_loss_impls=full",
+            "--tune_micro_batch_sizes=16", f"--results_file={results}", f"--tuned_dir={tmp_path / 'tuned'}",
+            "--budget=1"]
+    assert tune.main(argv) == 0
+    out, tuning = capsys.readouterr().out, read_results(results)["tuning"]
+    selected, [incumbent] = tuning["selected"], tuning["candidates"]
+    assert selected["lever"] == "incumbent" and selected["tokens_per_second"] > 0
+    assert tuning["full_protocol"] == {"warmup": 20, "steps": 100, "windows": 3}  # not fixed: chosen from it
+    assert selected["protocol"] == (tuning["protocols"]["confirm"] if selected["measured_by"] == "confirm"
+                                    else tuning["protocols"]["screen"])
+    assert selected["protocol"] in sweep_lib.ladder(tuning["full_protocol"], tuning["protocols"]["screen"])
+    run = incumbent[selected["measured_by"]]  # the protocol recorded is the one the run was measured with
+    assert {k: run["protocol"][k] for k in selected["protocol"]} == selected["protocol"]
+    assert run["tokens_per_second"] == selected["tokens_per_second"] and run["status"] == "ok"
+    assert tuning["elapsed_minutes"] <= 1.05  # each run ends by the budget's end at the latest
+    assert f"{selected['tokens_per_second']:,.0f} tok/s (+0.0% over the incumbent), measured with " \
+           f"{sweep_lib.said(selected['protocol'])} (its " in out

@@ -1,6 +1,7 @@
-"""tune.py's strategy without processes: the candidates, and the Sweep driven by a fake clock and a fake
-measurement, so each rule of its docstring (the incumbent first, screen every candidate, confirm the best few,
-stop when the budget runs out, select only what was confirmed) is checked by what it decides."""
+"""tune.py's strategy without processes: the candidates (tune.py), and the Sweep (sweep.py) driven by a fake clock
+and a fake measurement, so each rule of its docstring (the incumbent first, with the protocol the budget affords,
+screen every candidate, confirm the best few, stop when the budget runs out, select only what was confirmed with the
+incumbent's protocol, and the incumbent at least) is checked by what it decides."""
 import random
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 
 import kernels.attention
 import settings
+import sweep as sweep_lib
 import train
 import tune
 
@@ -77,7 +79,7 @@ class FakeBench:
 
 def sweep_of(bench, budget, incumbent=GPU, space=None, **kw):
     space = tune.search_space(incumbent, CHOICES) if space is None else space
-    return tune.Sweep(incumbent, space, bench, budget, clock=bench.clock, **kw)
+    return sweep_lib.Sweep(incumbent, space, bench, budget, clock=bench.clock, **kw)
 
 
 def trial_of(sweep, **change):
@@ -189,33 +191,68 @@ def test_fa4_is_a_lever_where_it_can_run_and_named_where_it_cannot_is_refused(mo
 
 # ---------------------------------------------------------------- the sweep
 
-def test_the_incumbent_is_measured_first_with_the_full_protocol_then_every_screen_before_any_confirmation():
+def test_the_incumbent_is_screened_then_measured_with_the_full_protocol_a_large_budget_affords_then_the_rest():
     bench = FakeBench(FakeClock(), GPU)
     sweep = sweep_of(bench, budget=36000)
     sweep.run()
-    assert bench.runs[:2] == [("confirm", GPU), ("screen", GPU)]
-    assert bench.protocols[0] == tune.PROTOCOLS["confirm"] and bench.protocols[1] == tune.PROTOCOLS["screen"]
-    stages = [stage for stage, _ in bench.runs]
-    assert stages[1:len(sweep.trials) + 1] == ["screen"] * len(sweep.trials)  # every one screened, then confirms
-    assert set(stages[len(sweep.trials) + 1:]) == {"confirm"}
+    assert bench.runs[:3] == [("screen", GPU), ("confirm", GPU), ("screen", dict(GPU, attention_backend="fa4"))]
+    assert bench.protocols[:2] == [sweep_lib.PROTOCOLS["screen"], sweep_lib.PROTOCOLS["confirm"]]
+    stages, n = [stage for stage, _ in bench.runs], len(sweep.trials)
+    assert stages[2:n + 1] == ["screen"] * (n - 1) and set(stages[n + 1:]) == {"confirm"}  # every screen, then confirms
+    confirms = [p for (stage, _), p in zip(bench.runs, bench.protocols) if stage == "confirm"]
+    assert all(p == sweep_lib.PROTOCOLS["confirm"] for p in confirms)
 
 
-def test_a_budget_that_fits_only_the_incumbent_selects_it():
+def test_the_protocols_a_budget_may_afford_halve_the_full_one_down_to_a_screens():
+    shape = lambda rungs: [(p["warmup"], p["windows"], p["steps"]) for p in rungs]
+    cpu_screen = {"warmup": 3, "steps": 10, "windows": 1}
+    assert shape(sweep_lib.ladder(sweep_lib.PROTOCOLS["confirm"], cpu_screen)) == [
+        (20, 3, 100), (10, 3, 50), (5, 3, 25), (3, 3, 12), (3, 3, 10), (3, 1, 10)]
+    # never above the full protocol, and a full protocol no larger than a screen is its only rung
+    tiny = {"warmup": 1, "steps": 2, "windows": 1}
+    assert shape(sweep_lib.ladder(dict(tiny, windows=3), cpu_screen)) == [(1, 3, 2), (1, 1, 2)]
+    assert sweep_lib.ladder(tiny, tiny) == [tiny]
+
+
+def test_a_budget_that_fits_only_the_incumbent_selects_it_measured_with_the_protocol_that_fits():
     bench = FakeBench(FakeClock(), GPU, gains={("attention_backend", "fa4"): 1.05})
-    # the incumbent's confirmation takes 86.8 s: no screen leaves room for another confirmation in what is left
+    # its screen takes 27.4 s; in half the 102.6 s left, protocol v2 (86.8 s) and its first half (54.8 s) do not
+    # fit, the next, 5 + 3 x 25 updates (38.8 s), does; after it no screen leaves room for another confirmation
     sweep = sweep_of(bench, budget=130)
     assert sweep.run() is sweep.incumbent
-    assert bench.runs == [("confirm", GPU)] and sweep.elapsed() <= 130
-    assert all(set(t.not_started) == {"screen"} for t in sweep.trials)
+    assert bench.runs == [("screen", GPU), ("confirm", GPU)] and sweep.elapsed() <= 130
+    assert bench.protocols[1] == sweep.protocols["confirm"] == {"warmup": 5, "steps": 25, "windows": 3}
+    assert sweep.measured_by(sweep.incumbent) == "confirm" and sweep.full == sweep_lib.PROTOCOLS["confirm"]
+    assert all(set(t.not_started) == {"screen"} for t in sweep.trials[1:])
     assert "held for confirmations" in sweep.trials[1].not_started["screen"]
     assert sweep.status(sweep.trials[1], sweep.incumbent) == "not started (budget)"
 
 
+@pytest.mark.parametrize("budget, measured_by", [(60, "confirm"), (40, "screen")])
+def test_a_budget_that_fits_a_screen_answers_with_the_incumbent(budget, measured_by):
+    """No rung fits in half what its 27.4 s screen leaves: the smallest (a screen's protocol) runs where it fits
+    what is left (60 s), and where it does not (40 s) the incumbent's screen is its measurement."""
+    bench = FakeBench(FakeClock(), GPU, gains={("attention_backend", "fa4"): 1.05})
+    sweep = sweep_of(bench, budget=budget)
+    assert sweep.run() is sweep.incumbent and sweep.measured_by(sweep.incumbent) == measured_by
+    assert sweep.protocols["confirm"] == sweep_lib.PROTOCOLS["screen"] and sweep.elapsed() <= budget
+    assert [stage for stage, _ in bench.runs] == ["screen", "confirm"][:1 + (measured_by == "confirm")]
+
+
 def test_a_budget_that_cannot_finish_one_run_selects_nothing_and_ends_on_time():
     bench = FakeBench(FakeClock(), GPU)
-    sweep = sweep_of(bench, budget=60)
+    sweep = sweep_of(bench, budget=20)
     assert sweep.run() is None
-    assert bench.timeouts == [60] and sweep.elapsed() <= 60  # the incumbent's confirmation, ended at the budget's end
+    assert bench.timeouts == [20] and sweep.elapsed() <= 20  # the incumbent's screen, ended at the budget's end
+
+
+def test_a_candidate_confirmed_with_another_protocol_than_the_incumbents_measurement_is_not_selected():
+    # the incumbent's confirmation fails: its screen is its measurement, which fa4's confirmation cannot be set against
+    fail = lambda c, stage: "RuntimeError: boom" if c == GPU and stage == "confirm" else None
+    bench = FakeBench(FakeClock(), GPU, gains={("attention_backend", "fa4"): 1.2}, fail=fail)
+    sweep = sweep_of(bench, budget=36000)
+    assert sweep.run() is sweep.incumbent and sweep.measured_by(sweep.incumbent) == "screen"
+    assert sweep_lib.rate(trial_of(sweep, attention_backend="fa4").confirm) == pytest.approx(1200.0)
 
 
 def test_screens_leave_time_to_confirm_the_best_they_found():
@@ -229,7 +266,7 @@ def test_screens_leave_time_to_confirm_the_best_they_found():
     assert 3 <= len(screened) < len(sweep.trials) - 1  # the budget stopped the screens, not the list's end
     best = sweep.best_screened()
     assert [t.candidate for t in best] == [dict(GPU, attention_backend="fa4"), dict(GPU, loss_impl="full")]
-    assert all(tune.rate(t.confirm) for t in best) and sweep.elapsed() <= 600
+    assert all(sweep_lib.rate(t.confirm) for t in best) and sweep.elapsed() <= 600
     assert selected is best[0] and sweep.status(best[1], selected) == "confirmed"
     assert all("held for confirmations" in t.not_started["screen"] for t in sweep.trials if not t.screen)
 
@@ -265,7 +302,7 @@ def test_a_gain_within_noise_keeps_the_incumbent_and_one_beyond_it_is_selected()
     bench = FakeBench(FakeClock(), GPU, gains={("compile_scope", "blocks"): 1.008})
     sweep = sweep_of(bench, budget=36000, noise=0.01)
     assert sweep.run() is sweep.incumbent
-    assert tune.rate(trial_of(sweep, compile_scope="blocks").confirm) > tune.rate(sweep.incumbent.confirm)
+    assert sweep_lib.rate(trial_of(sweep, compile_scope="blocks").confirm) > sweep_lib.rate(sweep.incumbent.confirm)
     bench = FakeBench(FakeClock(), GPU, gains={("compile_scope", "blocks"): 1.02})
     sweep = sweep_of(bench, budget=36000, noise=0.01)
     assert sweep.run() is trial_of(sweep, compile_scope="blocks")
@@ -325,15 +362,17 @@ def test_a_failed_incumbent_still_selects_a_confirmed_candidate():
     bench = FakeBench(FakeClock(), GPU, gains={("loss_impl", "quack_chunked"): 0.9}, fail=fail)
     sweep = sweep_of(bench, budget=36000)
     selected = sweep.run()
-    assert selected is not None and selected is not sweep.incumbent and tune.rate(selected.confirm)
-    assert sweep.status(sweep.incumbent, selected) == "confirm: error"
+    assert selected is not None and selected is not sweep.incumbent and sweep_lib.rate(selected.confirm)
+    assert sweep.status(sweep.incumbent, selected) == "screen: error" and "confirm" not in sweep.incumbent.results
+    assert sweep.protocols["confirm"] == sweep_lib.PROTOCOLS["confirm"]  # chosen from the first screen that ran
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_random_sweeps_keep_every_rule(seed):
     """Whatever the speeds, compile times and budget: the sweep ends within its budget, measures the incumbent
-    first, selects only a candidate measured with the full protocol among the best screened, and never one
-    slower than the incumbent or within the noise of it."""
+    first, answers whenever the incumbent's screen finished, confirms with one protocol, selects only a candidate
+    confirmed among the best screened with the incumbent's measurement's protocol, and never one slower than the
+    incumbent or within the noise of it."""
     rng = random.Random(seed)
     space = tune.search_space(GPU, CHOICES)
     gains = {(k, c[k]): rng.uniform(0.8, 1.15) for lever, c in space for k in changed(c, GPU)}
@@ -346,18 +385,21 @@ def test_random_sweeps_keep_every_rule(seed):
     sweep = sweep_of(bench, budget=budget, candidate_timeout=600.0, noise=0.01, confirm=rng.randint(1, 5))
     selected = sweep.run()
     assert sweep.elapsed() <= budget + 1e-6 and all(t <= 600.0 for t in bench.timeouts)
-    assert bench.runs[0] == ("confirm", GPU)
-    assert len([c for stage, c in bench.runs if stage == "confirm"]) <= sweep.confirm + 1
+    assert bench.runs[0] == ("screen", GPU)
+    confirms = [p for (stage, _), p in zip(bench.runs, bench.protocols) if stage == "confirm"]
+    assert len(confirms) <= sweep.confirm + 1 and all(p == sweep.protocols["confirm"] for p in confirms)
+    inc = sweep.incumbent
     if selected is None:
-        assert not tune.rate(sweep.incumbent.confirm)
+        assert not sweep_lib.rate(inc.screen)
         return
-    assert tune.rate(selected.confirm)
-    assert selected is sweep.incumbent or selected in sweep.best_screened()
-    inc = tune.rate(sweep.incumbent.confirm)
-    if inc:
-        assert selected is sweep.incumbent or tune.rate(selected.confirm) > inc * 1.01
-    best = max(tune.rate(t.confirm) or 0 for t in sweep.trials)
-    assert tune.rate(selected.confirm) >= best / 1.01  # the fastest confirmation, unless within noise of it
+    assert selected is inc or (sweep_lib.rate(selected.confirm) and selected in sweep.best_screened())
+    measured = lambda t: sweep_lib.rate(t.results[sweep.measured_by(t)])
+    if sweep.measured_by(inc):
+        same = [t for t in sweep.trials[1:] if sweep_lib.rate(t.confirm)
+                and t.protocols["confirm"] == inc.protocols[sweep.measured_by(inc)]]
+        assert selected is inc or (selected in same and measured(selected) > measured(inc) * 1.01)
+        best = max([measured(inc)] + [sweep_lib.rate(t.confirm) for t in same])
+        assert measured(selected) >= best / 1.01  # the fastest of those measured alike, unless within noise of it
 
 
 def test_the_budget_split_adds_up():
@@ -380,14 +422,18 @@ def test_the_tuning_record_has_every_field_a_reader_uses():
     cfg = tune_cfg(budget=600.0)
     tuning = tune.tuning_record(cfg, sweep, selected, [], "hash")
     assert {"run_id", "budget_minutes", "budget_exhausted", "elapsed_minutes", "source_hash", "environment",
-            "protocols", "incumbent", "candidates", "selected", "selected_config_path", "gain_over_incumbent",
+            "protocols", "full_protocol", "incumbent", "candidates", "selected", "selected_config_path",
+            "gain_over_incumbent",
             "budget_split", "minutes_to_finish", "noise", "screen_noise", "refused", "base_config"} <= set(tuning)
     assert tuning["selected"]["change"] == "compile_scope=blocks" and not tuning["budget_exhausted"]
+    assert tuning["selected"]["measured_by"] == "confirm"
+    assert tuning["selected"]["protocol"] == tuning["protocols"]["confirm"] == tuning["full_protocol"]
     assert tuning["minutes_to_finish"] * 60 >= sweep.budget_split()["screen_seconds"]
     assert tuning["gain_over_incumbent"] == pytest.approx(0.05)
     record = tuning["candidates"][1]
     for field in ("name", "lever", "change", "config_path", "status", "screen", "confirm", "screen_ratio",
-                  "tokens_per_second", "compile_seconds", "peak_memory_bytes", "not_started", *tune.LEVER_KEYS):
+                  "tokens_per_second", "measured_by", "protocol", "compile_seconds", "peak_memory_bytes",
+                  "not_started", *tune.LEVER_KEYS):
         assert field in record
     # and the values a reader takes from them: the fake bench gives blocks 1.05x, every compile 20 s
     [blocks] = [r for r in tuning["candidates"] if r["change"] == "compile_scope=blocks"]
@@ -413,7 +459,7 @@ def test_a_15_minute_gpu_sweep_screens_every_cheap_lever_and_confirms_the_best()
     selected = sweep.run()
     screened = [t for t in sweep.trials[1:] if t.screen]
     assert len(screened) >= 12 and sweep.elapsed() <= 15 * 60
-    changes = {tune.describe(t.candidate, GPU) for t in screened}
+    changes = {sweep_lib.describe(t.candidate, GPU) for t in screened}
     assert {"attention_backend=fa4", "loss_impl=full", "loss_impl=quack_chunked", "compile_scope=blocks"} <= changes
-    assert all(tune.rate(t.confirm) for t in sweep.best_screened())
+    assert all(sweep_lib.rate(t.confirm) for t in sweep.best_screened())
     assert selected.candidate == dict(GPU, attention_backend="fa4")  # +2.8%, beyond the 1% noise
