@@ -6,7 +6,6 @@ metrics.py keeps the run's accounting. This file is the run's lifecycle: start o
 (validation, checkpoint, record) and the end.
 """
 import dataclasses
-import os
 import signal
 import sys
 import time
@@ -18,6 +17,7 @@ import checkpoint
 import env
 import model as model_lib
 import optim
+import process_guard
 import settings
 from configurator import ConfigError, load_config
 from data.loader import CacheError, Prefetcher, TokenCache, TrainData, eval_batch_count, eval_batches
@@ -120,17 +120,15 @@ def training_data(cfg, cache, sequences_per_update):
 # ---------------------------------------------------------------- signals
 
 class StopRequest:
-    """Turns SIGTERM/SIGINT (a scheduler's time limit, Ctrl-C) into a checkpoint at the next update. The first
-    signal is acknowledged at once and stops a validation pass early; a second one (not the first arriving twice)
-    ends the process without a checkpoint."""
+    """Turns SIGTERM/SIGINT/SIGHUP (a scheduler's time limit, Ctrl-C, a closed terminal) into a checkpoint at the
+    next update. The first signal is acknowledged at once and stops a validation pass early; a second one (not the
+    first arriving twice) ends the process without a checkpoint."""
 
-    SAME_STOP_SECONDS = 2.0  # a scheduler may signal the process and its parent passes the signal on too
+    SAME_STOP_SECONDS = process_guard.SAME_STOP_SECONDS  # a scheduler may signal the process, and its parent too
 
     def __init__(self):
         self.signal, self.signalled_at = None, None
-        self.previous = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self.previous[sig] = signal.signal(sig, self._handle)
+        self.previous = process_guard.install(self._handle)  # not a SIGHUP that nohup ignores
 
     def _handle(self, signum, frame):
         if self.signal is not None:  # a second signal: stop now, unless it is the first one arriving twice
@@ -139,9 +137,8 @@ class StopRequest:
             signal.signal(signum, self.previous[signum])
             raise KeyboardInterrupt
         self.signal, self.signalled_at = signum, time.monotonic()
-        # os.write, not print: a handler's print can reenter a print the signal interrupted
-        os.write(2, f"{signal.Signals(signum).name} received: stopping at the next update with a checkpoint "
-                    f"(a second one stops at once, without one)\n".encode())
+        process_guard.stop_requested(f"{signal.Signals(signum).name} received: stopping at the next update with a "
+                                     f"checkpoint (a second one stops at once, without one)\n")
 
     def restore(self):
         for sig, handler in self.previous.items():
@@ -431,15 +428,16 @@ def loop(run, stop):
 
 
 def main(argv):
-    try:
-        cfg = Config(load_config(TrainSettings, argv))  # Run checks every rule, once
-        entry = train(cfg)
-        end_distributed()
-    except USER_ERRORS as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    with process_guard.guarded():  # a closed output, a hang-up or a late signal never costs the run its updates
+        try:
+            cfg = Config(load_config(TrainSettings, argv))  # Run checks every rule, once
+            entry = train(cfg)
+            end_distributed()
+        except USER_ERRORS as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 130
     # A stopped run checkpointed cleanly but is not finished: say so to whatever runs this next.
     return EXIT_INTERRUPTED if entry["status"] == "interrupted" else 0
 

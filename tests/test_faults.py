@@ -1,0 +1,132 @@
+"""Faults a real run meets (issue #42): its output's reader going away, a hang-up, a signal sent twice, a full
+disk, a results file that is a link, a device or not UTF-8, and inputs that passed silently or as a traceback.
+Signals and pipes go to real train.py and data/prepare.py subprocesses; the model and data are the smallest."""
+import errno
+import gzip
+import io
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import bench
+import checkpoint
+import configurator
+import results
+import sample
+import train
+from configurator import ConfigError
+from data import loader
+from data.prepare import PrepareError, prepare
+from results import ResultsFileError, check_writable, read_results, record
+from tests.conftest import write_cache
+from tests.test_prepare import alive, descendants
+from tests.test_train import REPO, cli_args, small_config
+
+TINY = dict(dim=32, n_layers=1, hidden_dim=64, full_validation=False, val_subset_tokens=4 * 64)
+
+
+def tiny_config(cache, tmp_path, **overrides):
+    return small_config(cache, tmp_path, **{**TINY, **overrides})
+
+
+def start_train(cfg, **popen):
+    """train.py on cfg as its own process, its output (stdout and stderr) into one pipe unless told otherwise."""
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, **popen}
+    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *cli_args(cfg)], cwd=REPO, text=True, **popen)
+
+
+def read_until(proc, words, timeout=120):
+    """The lines proc prints up to the first that holds `words`."""
+    lines, deadline = [], time.time() + timeout
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"train.py ended (exit {proc.wait()}) before printing {words!r}:\n{''.join(lines)}")
+        lines.append(line)
+        if words in line:
+            return lines
+    raise AssertionError(f"no {words!r} within {timeout} s")
+
+
+def finish(proc, timeout=120):
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def assert_checkpointed_stop(cfg, tmp_path):
+    entry = read_results(cfg.results_file)["t"]
+    assert entry["status"] == "interrupted" and 0 < entry["step"] < entry["total_updates"], entry.get("error")
+    assert torch.load(tmp_path / "out" / "ckpt.pt", weights_only=False)["step"] == entry["step"]
+
+
+# ---------------------------------------------------------------- work lost: the output, a hang-up, signals
+
+LONG = dict(epochs=10, train_subset_tokens=0, log_interval=10**6)  # ~2,300 updates, only the epochs' lines
+
+
+@pytest.mark.parametrize("fault", ["SIGTERM with the output's pipe closed", "SIGHUP"])
+def test_a_stop_signal_checkpoints_even_with_no_reader_left_or_as_a_hang_up(text_cache, tmp_path, fault):
+    """Cases 1 and 4: the handler's own acknowledgement raised BrokenPipeError (the run failed, no checkpoint);
+    SIGHUP (a terminal closed without nohup) killed the process and left its entry "running"."""
+    cfg = tiny_config(text_cache, tmp_path, **LONG)
+    proc = start_train(cfg)
+    read_until(proc, "first update")
+    if fault.startswith("SIGTERM"):
+        proc.stdout.close()  # the ssh session dropped, the tee killed: nobody reads stdout and stderr any more
+        proc.send_signal(signal.SIGTERM)
+        assert finish(proc) == train.EXIT_INTERRUPTED
+    else:
+        proc.send_signal(signal.SIGHUP)
+        assert finish(proc) == train.EXIT_INTERRUPTED
+        assert "signal SIGHUP: checkpointed" in proc.stdout.read()
+    assert_checkpointed_stop(cfg, tmp_path)
+
+
+def test_a_reader_that_stops_early_costs_the_run_nothing(text_cache, tmp_path):
+    """Case 3: `train.py ... | head -n 2` failed the run at the next log line (BrokenPipeError, a traceback)."""
+    cfg = tiny_config(text_cache, tmp_path, epochs=1, train_subset_tokens=40 * 8 * 64 + 1, log_interval=1)
+    command = f"{shlex.join([sys.executable, str(REPO / 'train.py'), *cli_args(cfg)])} | head -n 2; " \
+              "exit ${PIPESTATUS[0]}"
+    done = subprocess.run(["bash", "-c", command], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and len(done.stdout.splitlines()) == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-2000:]
+    entry = read_results(cfg.results_file)["t"]
+    assert entry["status"] == "complete" and entry["step"] == 40
+
+
+def test_the_stop_signal_sent_again_as_the_run_ends_keeps_exit_status_3(text_cache, tmp_path):
+    """Case 5: SIGTERM twice, 0.3 s apart: the second came after the run had put the default handler back, and
+    killed the checkpointed process (exit -15)."""
+    cfg = tiny_config(text_cache, tmp_path, **dict(LONG, log_interval=10))
+    proc = start_train(cfg)
+    read_until(proc, "update 10/")
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    assert finish(proc) == train.EXIT_INTERRUPTED
+    assert_checkpointed_stop(cfg, tmp_path)
+
+
+def test_a_hang_up_that_nohup_ignores_stays_ignored():
+    """SIGHUP is a stop only where the process does not ignore it: under nohup the run carries on."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        stop = train.StopRequest()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == stop._handle
+        stop.restore()
+    finally:
+        signal.signal(signal.SIGHUP, previous)
