@@ -26,12 +26,19 @@ def new_file_mode():
     return 0o666 & ~_UMASK
 
 
+def real_path(path):
+    """The file `path` names: through a symbolic link, its target (results.json linked to results/h200.json is
+    that file, replaced there and locked beside it, never swapped for a plain copy of it)."""
+    return Path(os.path.realpath(path))
+
+
 def atomic_write(path, write):
-    """Call write(f) on a temporary file in the same folder, fsync, then rename over `path`.
+    """Call write(f) on a temporary file in the same folder, fsync, then rename over `path` (over a symbolic
+    link's target).
 
     Readers see the old file or the new one, never half of one, even if this process is killed.
     """
-    path = Path(path)
+    path = real_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -87,14 +94,22 @@ def dumps(value, indent=0):
 
 
 def read_results(path):
-    """The results file as a dict ({} when it does not exist yet); a file that does not parse is an error."""
+    """The results file as a dict ({} when it does not exist yet); a file that does not parse, is not UTF-8 or is
+    not a regular file is an error."""
     path = Path(path)
     if not path.exists():
         return {}
+    if not path.is_file() and not path.is_dir():  # /dev/full or /dev/zero read forever, a pipe blocks
+        raise ResultsFileError(f"results file {path} is not a regular file (a device, a pipe or a socket); pass "
+                               f"--results_file a JSON file's path")
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:  # a folder, or no permission
         raise ResultsFileError(f"results file {path} cannot be read ({exc.strerror}); pass another --results_file") from None
+    except UnicodeDecodeError as exc:  # a hand-edited note in Latin-1, say
+        raise ResultsFileError(f"results file {path} is not UTF-8 text: byte {exc.start:,} is "
+                               f"0x{exc.object[exc.start]:02x}; it was left as it is: write that character in UTF-8 "
+                               f"(as JSON files are), or pass another --results_file") from None
     try:
         data = json.loads(text) if text.strip() else {}
     except json.JSONDecodeError as exc:
@@ -126,7 +141,7 @@ def _lock(path):
 def check_writable(path):
     """A ResultsFileError now, before a script's work, if the results file's folder cannot hold its lock (the
     file itself is replaced by a rename in that folder, so the folder is what must be writable), or if a file
-    there is not one of results (a folder, an empty path, or a file that is not valid JSON)."""
+    there is not one of results (a folder, an empty path, a device, or a file that is not valid JSON)."""
     if not str(path).strip() or Path(path).is_dir():
         raise ResultsFileError(f"results file {str(path)!r} is {'a folder' if str(path).strip() else 'empty'}; "
                                f"pass --results_file a JSON file's path")
@@ -134,8 +149,9 @@ def check_writable(path):
     if path.exists():
         read_results(path)  # a file that is not a results file, refused before the work rather than after
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(str(path) + ".lock", "a"):
+        real = real_path(path)  # through a link, the lock goes beside its target
+        real.parent.mkdir(parents=True, exist_ok=True)
+        with open(str(real) + ".lock", "a"):
             pass
     except OSError as exc:
         raise ResultsFileError(f"results file {path} cannot be written ({exc.strerror or exc}); "
@@ -157,14 +173,16 @@ def _parent(data, keys, path):
 
 
 def _update(path, change):
-    """Under the file's lock: read, call change(data), write back atomically."""
+    """Under the file's lock: read, call change(data), write back atomically (through a symbolic link, locked
+    beside its target: every writer of that file takes the one lock)."""
     from filelock import Timeout
+    real = real_path(path)
     try:  # the lock file goes beside the results file, so its folder must exist first
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with _lock(path):
-            data = read_results(path)
+        real.parent.mkdir(parents=True, exist_ok=True)
+        with _lock(real):
+            data = read_results(real)
             change(data)
-            atomic_write_text(path, dumps(data) + "\n")
+            atomic_write_text(real, dumps(data) + "\n")
     except (OSError, Timeout) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
         raise ResultsFileError(f"results file {path} cannot be written ({why}); pass another --results_file") from None

@@ -130,3 +130,61 @@ def test_a_hang_up_that_nohup_ignores_stays_ignored():
         stop.restore()
     finally:
         signal.signal(signal.SIGHUP, previous)
+
+
+# ---------------------------------------------------------------- work written to the wrong place
+
+def test_a_results_file_that_is_a_link_is_written_through_it(tmp_path):
+    """Case 2: the atomic replace swapped the link for a plain file, and the real file never got the entry."""
+    real = tmp_path / "results" / "h200.json"
+    real.parent.mkdir()
+    real.write_text('{"kept": 1}\n')
+    link = tmp_path / "results.json"
+    link.symlink_to(real)
+    record(link, ["benchmarks", "new"], {"tokens_per_second": 2.0})
+    results.append(link, ["notes"], "appended")
+    check_writable(link)
+    assert link.is_symlink() and link.resolve() == real
+    assert read_results(real) == {"kept": 1, "benchmarks": {"new": {"tokens_per_second": 2.0}}, "notes": ["appended"]}
+    assert (tmp_path / "results" / "h200.json.lock").exists()  # one lock for every writer of that file
+    results.atomic_write_text(link, "{}\n")  # and every other atomic write (a checkpoint, say) goes through too
+    assert link.is_symlink() and real.read_text() == "{}\n"
+
+
+# ---------------------------------------------------------------- tracebacks
+
+def test_a_results_file_that_is_not_utf8_is_one_clear_error(text_cache, tmp_path, capsys):
+    """Case 15: a hand-edited note in Latin-1 was a UnicodeDecodeError from read_results."""
+    path = tmp_path / "results.json"
+    path.write_bytes('{"note": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(ResultsFileError, match="is not UTF-8 text: byte 13 is 0xe9"):
+        read_results(path)
+    assert train.main(cli_args(tiny_config(text_cache, tmp_path))) == 2
+    assert "not UTF-8" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_a_results_file_that_is_not_a_regular_file_is_refused(tmp_path):
+    """Case 16: --results_file=/dev/full read for ever, until memory ran out; a named pipe blocked."""
+    fifo = tmp_path / "pipe.json"
+    os.mkfifo(fifo)
+
+    def writer():  # for the old behaviour: a reader of the pipe gets a byte, not a hang
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:  # no reader yet
+                time.sleep(0.05)
+                continue
+            os.write(fd, b"x")
+            os.close(fd)
+            return
+    threading.Thread(target=writer, daemon=True).start()
+    with pytest.raises(ResultsFileError, match="is not a regular file"):
+        check_writable(fifo)
+    # /dev/full, in a process whose memory is bounded: before, it read zeros until a MemoryError
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30)); import results\n"
+            "try:\n    results.check_writable('/dev/full')\nexcept results.ResultsFileError as exc:\n"
+            "    sys.exit(f'error: {exc}')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert "error: results file /dev/full is not a regular file" in done.stderr, done.stderr[-1000:]
