@@ -138,16 +138,26 @@ def _lock(path):
     return FileLock(lock, timeout=600)
 
 
-def check_writable(path):
+def check_writable(path, sections=()):
     """A ResultsFileError now, before a script's work, if the results file's folder cannot hold its lock (the
     file itself is replaced by a rename in that folder, so the folder is what must be writable), or if a file
-    there is not one of results (a folder, an empty path, a device, or a file that is not valid JSON)."""
+    there is not one of results (a folder, an empty path, a device, or a file that is not valid JSON), or holds
+    something else than an object at one of `sections` (each a key or a list of keys: where the script records
+    its entries, bench.py's "benchmarks", say)."""
     if not str(path).strip() or Path(path).is_dir():
         raise ResultsFileError(f"results file {str(path)!r} is {'a folder' if str(path).strip() else 'empty'}; "
                                f"pass --results_file a JSON file's path")
     path = Path(path)
     if path.exists():
-        read_results(path)  # a file that is not a results file, refused before the work rather than after
+        data = read_results(path)  # a file that is not a results file, refused before the work rather than after
+        for keys in map(_key_list, sections):
+            node = data
+            for depth, key in enumerate(keys, 1):
+                node = node.get(key, {})
+                if not isinstance(node, dict):
+                    raise ResultsFileError(f"results file {path}: its section {'.'.join(keys[:depth])!r} is a "
+                                           f"{type(node).__name__}, not an object of entries; it was left as it "
+                                           f"is: fix or move it, or pass another --results_file")
     try:
         real = real_path(path)  # through a link, the lock goes beside its target
         real.parent.mkdir(parents=True, exist_ok=True)

@@ -151,6 +151,26 @@ def test_a_results_file_that_is_a_link_is_written_through_it(tmp_path):
     assert link.is_symlink() and real.read_text() == "{}\n"
 
 
+# ---------------------------------------------------------------- wrong results, silently
+
+def test_bench_refuses_a_benchmarks_section_that_is_not_an_object_before_the_work(text_cache, tmp_path,
+                                                                                 monkeypatch, capsys):
+    """Case 12: bench.py ran the whole benchmark, then failed to record it: the figures were lost."""
+    path = tmp_path / "results.json"
+    path.write_text('{"benchmarks": []}\n')
+    monkeypatch.setattr(bench, "run_protocol", lambda cfg: pytest.fail("the benchmark ran"))
+    argv = ["--dim=32", "--n_layers=1", "--n_heads=2", "--hidden_dim=64", "--seq_len=64", "--device=cpu",
+            f"--data_dir={text_cache}", f"--results_file={path}"]
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "its section 'benchmarks' is a list, not an object of entries" in err and err.count("\n") == 1
+    assert path.read_text() == '{"benchmarks": []}\n'
+    path.write_text('{"profiles": {"x": 3}}')  # a section given as its keys, checked at each level
+    with pytest.raises(ResultsFileError, match="its section 'profiles.x' is a int"):
+        check_writable(path, sections=[["profiles", "x"]])
+    check_writable(path, sections=["benchmarks", ["benchmarks", "x"], "profiles"])  # absent, or objects: fine
+
+
 # ---------------------------------------------------------------- tracebacks
 
 def test_a_results_file_that_is_not_utf8_is_one_clear_error(text_cache, tmp_path, capsys):
