@@ -32,26 +32,48 @@ def real_path(path):
     return Path(os.path.realpath(path))
 
 
+class _Watched:
+    """The temporary file as write() sees it, keeping the OSError a write raised: torch.save reports a full disk
+    as its own RuntimeError ("enforce fail at inline_container.cc"), which hides "No space left on device"."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
 def atomic_write(path, write):
     """Call write(f) on a temporary file in the same folder, fsync, then rename over `path` (over a symbolic
-    link's target).
+    link's target). An OSError of the file's writes (a full disk) is raised as such, whatever write() made of it.
 
     Readers see the old file or the new one, never half of one, even if this process is killed.
     """
     path = real_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    watched = None
     try:
         # mkstemp makes the file owner-only; keep the replaced file's mode, or what open() would have given
         os.fchmod(fd, path.stat().st_mode & 0o777 if path.exists() else new_file_mode())
         with os.fdopen(fd, "wb") as f:
-            write(f)
+            watched = _Watched(f)
+            write(watched)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if watched is not None and watched.error and not isinstance(exc, OSError):
+            raise watched.error from None
         raise
 
 

@@ -29,7 +29,7 @@ from trainer import Trainer, all_reduce_sum, distributed, end_distributed, micro
 
 DEFAULTS = settings.defaults(TrainSettings)
 EXIT_INTERRUPTED = 3  # exit status of a run stopped by a signal or stop_after_updates, checkpointed to resume
-USER_ERRORS = (ConfigError, ResultsFileError, CacheError)  # mistakes a user can fix: one line, never a traceback
+USER_ERRORS = (ConfigError, ResultsFileError, CacheError, checkpoint.CheckpointError)  # one line, no traceback
 
 
 # ---------------------------------------------------------------- setting up: every check before any work

@@ -173,6 +173,45 @@ def test_bench_refuses_a_benchmarks_section_that_is_not_an_object_before_the_wor
 
 # ---------------------------------------------------------------- tracebacks
 
+class SmallDisk(io.FileIO):
+    """A file on a filesystem of `capacity` bytes that the folder's other files fill: a write past it fails as a
+    full tmpfs's does."""
+    capacity = 0
+
+    def write(self, data):
+        folder = Path(os.readlink(f"/proc/self/fd/{self.fileno()}")).parent
+        used = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+        if used + len(data) > self.capacity:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return super().write(data)
+
+
+def test_a_full_disk_at_the_checkpoint_is_one_line_and_keeps_the_last_checkpoint(text_cache, tmp_path, monkeypatch,
+                                                                               capsys):
+    """Case 13: torch.save's `RuntimeError: [enforce fail at inline_container.cc]`, a traceback."""
+    cfg = tiny_config(text_cache, tmp_path, epochs=2)
+    out = tmp_path / "out"
+    real_fdopen = os.fdopen
+    saves = []
+
+    def fdopen(fd, *args, **kwargs):  # the checkpoint's temporary file is on a disk that holds ~1.5 checkpoints
+        if not os.readlink(f"/proc/self/fd/{fd}").startswith(str(out)):
+            return real_fdopen(fd, *args, **kwargs)
+        saves.append(fd)
+        SmallDisk.capacity = int(1.5 * (out / "ckpt.pt").stat().st_size) if (out / "ckpt.pt").exists() else 10**9
+        return io.BufferedWriter(SmallDisk(fd, "wb"))
+    monkeypatch.setattr(results.os, "fdopen", fdopen)
+    assert train.main(cli_args(cfg)) == 2
+    monkeypatch.undo()
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("error", "Traceback"))]
+    assert len(saves) == 2 and len(err) == 1, err
+    assert f"out_dir {out}" in err[0] and "(No space left on device)" in err[0] and "intact" in err[0], err[0]
+    kept = checkpoint.read(out / "ckpt.pt")
+    assert kept["epoch"] == 1 and sorted(p.name for p in out.iterdir()) == ["ckpt.pt", "run.lock"]
+    entry = read_results(cfg.results_file)["t"]
+    assert entry["status"] == "failed" and "No space left on device" in entry["error"]
+
+
 def test_a_results_file_that_is_not_utf8_is_one_clear_error(text_cache, tmp_path, capsys):
     """Case 15: a hand-edited note in Latin-1 was a UnicodeDecodeError from read_results."""
     path = tmp_path / "results.json"
