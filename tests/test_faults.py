@@ -153,6 +153,16 @@ def test_a_results_file_that_is_a_link_is_written_through_it(tmp_path):
 
 # ---------------------------------------------------------------- wrong results, silently
 
+def test_a_config_file_that_calls_exit_is_refused(tmp_path, capsys):
+    """Case 10: sys.exit(0) in a config file ended train.py with status 0, nothing done and nothing said."""
+    config = tmp_path / "c.py"
+    config.write_text("import sys\nepochs = 3\nsys.exit(0)\n")
+    with pytest.raises(ConfigError, match=r"called exit\(0\); a config file assigns settings"):
+        configurator.load_config(train.DEFAULTS, [str(config)])
+    assert train.main([str(config)]) == 2
+    assert "called exit(0)" in capsys.readouterr().err
+
+
 def test_bench_refuses_a_benchmarks_section_that_is_not_an_object_before_the_work(text_cache, tmp_path,
                                                                                  monkeypatch, capsys):
     """Case 12: bench.py ran the whole benchmark, then failed to record it: the figures were lost."""
@@ -247,3 +257,14 @@ def test_a_results_file_that_is_not_a_regular_file_is_refused(tmp_path):
             "    sys.exit(f'error: {exc}')")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert "error: results file /dev/full is not a regular file" in done.stderr, done.stderr[-1000:]
+
+
+# ---------------------------------------------------------------- also
+
+def test_a_config_file_with_a_utf8_bom_is_read_as_python_reads_it(tmp_path):
+    """Case 20: a BOM (Windows editors) was a SyntaxError although Python runs such a file."""
+    config = tmp_path / "c.py"
+    config.write_text("# written on Windows\nepochs = 3\nname = 'caf\u00e9'\n", encoding="utf-8-sig")
+    assert config.read_bytes().startswith(b"\xef\xbb\xbf")
+    loaded = configurator.load_config(train.DEFAULTS, [str(config)])
+    assert loaded["epochs"] == 3 and loaded["name"] == "caf\u00e9"
