@@ -153,6 +153,15 @@ def test_a_results_file_that_is_a_link_is_written_through_it(tmp_path):
 
 # ---------------------------------------------------------------- wrong results, silently
 
+def test_an_empty_validation_split_is_refused(text_cache, tmp_path, capsys):
+    """Case 6: the run ended complete, its validation-subset loss 0.0 over 0 tokens, below any target."""
+    cache = write_cache(tmp_path / "empty-val", np.asarray(loader.TokenCache(text_cache).train), [], 256)
+    assert train.main(cli_args(tiny_config(cache, tmp_path, epochs=1))) == 2
+    err = capsys.readouterr().err
+    assert "val split is empty" in err and "val.bin" in err and err.count("\n") == 1
+    assert not (tmp_path / "results.json").exists()
+
+
 def test_a_config_file_that_calls_exit_is_refused(tmp_path, capsys):
     """Case 10: sys.exit(0) in a config file ended train.py with status 0, nothing done and nothing said."""
     config = tmp_path / "c.py"
@@ -268,3 +277,27 @@ def test_a_config_file_with_a_utf8_bom_is_read_as_python_reads_it(tmp_path):
     assert config.read_bytes().startswith(b"\xef\xbb\xbf")
     loaded = configurator.load_config(train.DEFAULTS, [str(config)])
     assert loaded["epochs"] == 3 and loaded["name"] == "caf\u00e9"
+
+
+def test_relative_paths_from_another_folder_and_a_folder_as_config_file_say_what_happened(tmp_path, monkeypatch):
+    """Case 21: from another folder the repository's cache "has no meta.json; prepare it first", and a folder
+    given as the config file "does not exist"."""
+    repo = tmp_path / "proj"
+    (repo / "config").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="is a folder; pass a file such as config/tiny_cpu.py"):
+        configurator.load_config(train.DEFAULTS, [str(repo / "config")])
+    write_cache(repo / "data" / "cache" / "c", list(range(200)), list(range(50)), 256)
+    (repo / "config" / "c.py").write_text("epochs = 1\n")
+    monkeypatch.setattr(loader, "REPO", repo)
+    monkeypatch.setattr(configurator, "REPO", repo)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(loader.CacheError) as info:
+        loader.TokenCache("data/cache/c")
+    assert f"relative paths are taken from the current folder {elsewhere}" in str(info.value)
+    assert f"data_dir={repo / 'data' / 'cache' / 'c'}" in str(info.value)
+    with pytest.raises(ConfigError, match=f"relative paths are taken from the current folder {elsewhere}"):
+        configurator.load_config(train.DEFAULTS, ["config/c.py"])
+    with pytest.raises(loader.CacheError, match="has no meta.json; prepare it first"):  # nowhere: as before
+        loader.TokenCache("data/cache/none")
