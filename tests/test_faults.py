@@ -172,6 +172,14 @@ def test_a_config_file_that_calls_exit_is_refused(tmp_path, capsys):
     assert "called exit(0)" in capsys.readouterr().err
 
 
+def test_sample_refuses_a_number_of_new_tokens_it_would_never_finish(tmp_path, capsys):
+    """Case 11: --max_new_tokens=1000000000 was accepted, and generated for ever, printing nothing."""
+    assert sample.main([f"--out_dir={tmp_path}", "--max_new_tokens=1000000000", "--device=cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "max_new_tokens must be at most 100,000" in err and "1,000,000,000" in err
+    assert sample.new_tokens_problem(sample.MAX_NEW_TOKENS) is None
+
+
 def test_bench_refuses_a_benchmarks_section_that_is_not_an_object_before_the_work(text_cache, tmp_path,
                                                                                  monkeypatch, capsys):
     """Case 12: bench.py ran the whole benchmark, then failed to record it: the figures were lost."""
