@@ -239,6 +239,19 @@ def test_a_full_disk_at_the_checkpoint_is_one_line_and_keeps_the_last_checkpoint
     assert entry["status"] == "failed" and "No space left on device" in entry["error"]
 
 
+@pytest.mark.parametrize("damage", ["truncated", "random bytes"])
+def test_a_compressed_source_file_that_does_not_decompress_is_named(tmp_path, damage):
+    """Case 14: EOFError or BadGzipFile from the diagnosis, a traceback."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("A first document, whole. " * 50)
+    whole = gzip.compress(("The second document, cut short by an interrupted download. " * 400).encode())
+    (src / "b.txt.gz").write_bytes(whole[:len(whole) // 2] if damage == "truncated" else os.urandom(2000))
+    with pytest.raises(PrepareError, match=r"--source file '.*b\.txt\.gz' does not decompress as \.gz data "
+                                           r"\((EOFError|BadGzipFile): .*truncated \(an interrupted download\?\)"):
+        prepare(src, tmp_path / "cache", vocab_size=300, num_proc=1)
+
+
 def test_a_results_file_that_is_not_utf8_is_one_clear_error(text_cache, tmp_path, capsys):
     """Case 15: a hand-edited note in Latin-1 was a UnicodeDecodeError from read_results."""
     path = tmp_path / "results.json"
