@@ -195,7 +195,7 @@ def prepare(source, out, tokenizer=None, vocab_size=VOCAB_SIZE, val_fraction=0.0
     source, out = str(source), Path(out)
     num_proc = diagnose.check_arguments(out, val_fraction, max_documents, num_proc)
     # 1. what the inputs are, hashed before any work, so an up-to-date cache is found without tokenizing
-    read, rule, source_sha = sources.find_source(source, streaming, max_documents, hub_reachable)
+    read, rule, source_sha = sources.find_source(source, streaming, max_documents, hub_reachable, out)
     if rule is None:
         rule = f"held-out fraction {val_fraction} by document sha256" + (f" seed {seed}" if seed else "")
     tok, tok_name, tok_vocab, tok_files = tokenizer_identity(tokenizer, vocab_size, max_vocab)

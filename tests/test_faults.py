@@ -291,6 +291,18 @@ def test_a_results_file_that_is_not_a_regular_file_is_refused(tmp_path):
 
 # ---------------------------------------------------------------- also
 
+def test_an_out_folder_inside_a_flat_source_is_no_part_of_it(tmp_path):
+    """Case 19: the second identical run was refused ("mixes file types"): the cache's own files had become part
+    of the source."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(4):
+        (src / f"d{i}.txt").write_text(f"Document {i}: the quick brown fox jumps over the lazy dog. " * 20)
+    first = prepare(src, src / "cache", vocab_size=300, num_proc=1)
+    again = prepare(src, src / "cache", vocab_size=300, num_proc=1)
+    assert again["cache_identity"] == first["cache_identity"] and again["train_documents"] == 3
+
+
 def test_a_config_file_with_a_utf8_bom_is_read_as_python_reads_it(tmp_path):
     """Case 20: a BOM (Windows editors) was a SyntaxError although Python runs such a file."""
     config = tmp_path / "c.py"
