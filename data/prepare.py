@@ -323,6 +323,24 @@ def build(source, splits, tok, tok_name, vocab_size, val_fraction, num_proc, see
 
 # ----------------------------------------------------------------------------- command line
 
+def die_with_parent():
+    """From now on each process the main thread forks (datasets' workers, their manager) is killed when this one
+    ends, however it ends (Linux's PR_SET_PDEATHSIG): killed with -9, its workers tokenized on for many seconds."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import threading
+        forking = []  # before a fork: the parent's pid if its main thread forks (whose end the child's signal follows)
+
+        def child():
+            if forking[-1]:
+                ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+                if os.getppid() != forking[-1]:  # the parent ended before that: no signal would come
+                    os._exit(1)
+        os.register_at_fork(before=lambda: forking.append(threading.current_thread() is threading.main_thread()
+                                                          and os.getpid()), after_in_parent=forking.pop,
+                            after_in_child=child)
+
+
 @contextlib.contextmanager
 def stopped_by_signals(out):
     """While the command runs, SIGTERM or SIGINT ends it whole: the tokenizing workers are killed (each works
@@ -332,6 +350,7 @@ def stopped_by_signals(out):
     one-process tokenizing batch can delay. A forked worker dies of the signal as if no handler were set."""
     import multiprocess  # datasets' pools, a fork of multiprocessing
     main_pid = os.getpid()
+    die_with_parent()  # and of a SIGKILL, which no handler sees
 
     def stop(signum, frame):
         if os.getpid() != main_pid:

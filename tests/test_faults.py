@@ -132,6 +132,42 @@ def test_a_hang_up_that_nohup_ignores_stays_ignored():
         signal.signal(signal.SIGHUP, previous)
 
 
+# ---------------------------------------------------------------- work lost: prepare's workers
+
+def test_the_tokenizing_workers_die_with_a_killed_prepare(tmp_path):
+    """Case 18: after kill -9 of data/prepare.py, its 3 tokenizing workers ran on for 15 s and more."""
+    from tests.test_sample import bpe_tokenizer
+    src = tmp_path / "src"
+    src.mkdir()
+    texts = [" ".join(f"word{(i * 7919 + j) % 5003} and {j}" for j in range(7000)) for i in range(60)]
+    for i, text in enumerate(texts):  # ~9 MB: each worker tokenizes its third for well over 10 s
+        (src / f"d{i:02d}.txt").write_text(text)
+    bpe_tokenizer(texts[0], 400).save_pretrained(tmp_path / "tok")
+    run = subprocess.Popen([sys.executable, str(REPO / "data" / "prepare.py"), "--source", str(src), "--out",
+                            str(tmp_path / "cache"), "--tokenizer", str(tmp_path / "tok"), "--num_proc", "3"],
+                           cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers, deadline = set(), time.time() + 90
+    try:
+        while len(workers) < 3 and run.poll() is None and time.time() < deadline:
+            if list(tmp_path.glob("cache.tmp-*/tokenizer.json")):  # saved just before the tokenizing pool starts
+                workers = descendants(run.pid)
+            time.sleep(0.05)
+        assert len(workers) >= 3, f"no tokenizing workers seen; exit code {run.poll()}"
+        run.kill()
+        run.wait()
+        deadline = time.time() + 5
+        while any(map(alive, workers)) and time.time() < deadline:
+            time.sleep(0.05)
+        left = [pid for pid in workers if alive(pid)]
+    finally:
+        for pid in descendants(run.pid) | workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if run.poll() is None:
+            run.kill()
+    assert not left, f"{len(left)} of {len(workers)} workers outlived the killed prepare"
+
+
 # ---------------------------------------------------------------- work written to the wrong place
 
 def test_a_results_file_that_is_a_link_is_written_through_it(tmp_path):
