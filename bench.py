@@ -211,7 +211,7 @@ def run(cfg):
     """Run the protocol (once, or per preset) and record it; returns the entries."""
     rank = int(os.environ.get("RANK", "0"))
     settings.check(BenchSettings, cfg)  # on the settings as given: each preset's run below has the preset's shape
-    check_writable(cfg.results_file)  # before any measurement, not after it
+    check_writable(cfg.results_file, sections=["benchmarks", "profiles"])  # before any measurement, not after it
     runs = [(cfg.name, cfg)]
     if cfg.presets:  # each preset in its own shape (the settings refused shape keys beside them)
         runs = [(f"{cfg.name}-{preset}", settings.Config(cfg, preset=preset, name=f"{cfg.name}-{preset}"))

@@ -14,10 +14,22 @@ from model import ModelConfig, Transformer
 from results import atomic_write
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written (a full disk, a folder made read-only); the previous one is kept."""
+
+
 def save(path, model, optimizer, step, state):
-    """Write model, optimizer, update count, RNG states and `state` (the run's counters, recipe and config)."""
+    """Write model, optimizer, update count, RNG states and `state` (the run's counters, recipe and config);
+    a CheckpointError, in one sentence, when the folder cannot take it (atomic_write leaves the last one whole)."""
     payload = dict(state, model=model.state_dict(), optimizer=optimizer.state_dict(), step=step, rng=rng_state())
-    atomic_write(path, lambda f: torch.save(payload, f))
+    try:
+        atomic_write(path, lambda f: torch.save(payload, f))
+    except OSError as exc:
+        path = Path(path)
+        kept = ("the previous checkpoint there is intact (--resume=True continues from it)" if path.exists()
+                else "no checkpoint was written")
+        raise CheckpointError(f"checkpoint {path} could not be written in out_dir {path.parent} "
+                              f"({exc.strerror or exc}); {kept}: free space there, or give another --out_dir") from None
 
 
 def read(path, device="cpu"):

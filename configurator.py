@@ -15,6 +15,8 @@ class ConfigError(ValueError):
     """A user mistake in a config file or a --key=value override."""
 
 
+REPO = Path(__file__).resolve().parent  # where config/ lies, named when a relative path is not found from here
+
 # Keys that were renamed: the old name is refused with the new one, never silently ignored.
 RENAMED_KEYS = {"sdpa_backend": "attention_backend"}
 
@@ -82,6 +84,19 @@ def print_usage(settings):
             print(f"  {f'--{key}={defaults[key]!r}':<34} {m.get('help', '')}{extra}")
 
 
+def missing_config_file(arg):
+    """The error for a config file argument that is no file: a folder, or a path not found from the current
+    folder (which relative paths are taken from, also when the script is run from elsewhere)."""
+    path = Path(arg)
+    if path.is_dir():
+        return ConfigError(f"config file {arg!r} is a folder; pass a file such as config/tiny_cpu.py, or overrides "
+                           f"as --key=value")
+    in_repo = "" if path.is_absolute() or not (REPO / path).is_file() else \
+        f" (relative paths are taken from the current folder {os.getcwd()}; the repository has it at {REPO / path})"
+    return ConfigError(f"config file {arg!r} does not exist{in_repo}; pass a file such as config/tiny_cpu.py or "
+                       f"overrides as --key=value")
+
+
 def load_config(settings, argv, file_keys=None):
     """nanoGPT-style configuration: defaults <- config files (plain assignments) <- --key=value overrides.
 
@@ -127,14 +142,16 @@ def load_config(settings, argv, file_keys=None):
         else:
             path = Path(arg)
             if not path.is_file():
-                raise ConfigError(f"config file {arg!r} does not exist; pass a file such as config/tiny_cpu.py "
-                                  f"or overrides as --key=value")
+                raise missing_config_file(arg)
             # One namespace holding the settings so far, as nanoGPT's configurator runs a file in the script's
             # globals: `tokens_per_update = seq_len * 32` sees the default seq_len, and a comprehension or
             # function in the file sees the names assigned above it (with separate locals it did not).
             namespace = dict(also, **config)
-            try:
-                exec(compile(path.read_text(), str(path), "exec"), namespace)
+            try:  # its bytes, as Python runs a file: a UTF-8 BOM (Windows editors) or a coding line is understood
+                exec(compile(path.read_bytes(), str(path), "exec"), namespace)
+            except SystemExit as exc:  # sys.exit() in a config file would end the script silently, having done nothing
+                raise ConfigError(f"config file {arg} called exit({'' if exc.code is None else repr(exc.code)}); a "
+                                  f"config file assigns settings and ends by itself") from None
             except Exception as exc:  # a config file is user input: report, don't trace back
                 raise ConfigError(f"config file {arg} could not be run: {type(exc).__name__}: {exc}") from None
             for key, value in namespace.items():

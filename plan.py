@@ -17,7 +17,7 @@ from distributed import distributed
 from kernels import registry
 from results import ResultsFileError, check_writable
 
-USER_ERRORS = (ConfigError, ResultsFileError, CacheError)  # mistakes a user can fix: one line, never a traceback
+USER_ERRORS = (ConfigError, ResultsFileError, CacheError, checkpoint.CheckpointError)  # one line, never a traceback
 SYNTHETIC_VOCAB = 32000  # bench.py's synthetic tokens without a cache: the Llama tokenizer's vocabulary
 
 

@@ -33,25 +33,54 @@ def new_file_mode():
     return 0o666 & ~_UMASK
 
 
+def real_path(path):
+    """The file `path` names: through a symbolic link, its target (results.json linked to results/h200.json is
+    that file, replaced there and locked beside it, never swapped for a plain copy of it)."""
+    return Path(os.path.realpath(path))
+
+
+class _Watched:
+    """The temporary file as write() sees it, keeping the OSError a write raised: torch.save reports a full disk
+    as its own RuntimeError ("enforce fail at inline_container.cc"), which hides "No space left on device"."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
 def atomic_write(path, write):
-    """Call write(f) on a temporary file in the same folder, fsync, then rename over `path`.
+    """Call write(f) on a temporary file in the same folder, fsync, then rename over `path` (over a symbolic
+    link's target). An OSError of the file's writes (a full disk) is raised as such, whatever write() made of it.
 
     Readers see the old file or the new one, never half of one, even if this process is killed.
     """
-    path = Path(path)
+    path = real_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    watched = None
     try:
         # mkstemp makes the file owner-only; keep the replaced file's mode, or what open() would have given
         os.fchmod(fd, path.stat().st_mode & 0o777 if path.exists() else new_file_mode())
         with os.fdopen(fd, "wb") as f:
-            write(f)
+            watched = _Watched(f)
+            write(watched)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if watched is not None and watched.error and not isinstance(exc, OSError):
+            raise watched.error from None
         raise
 
 
@@ -94,14 +123,22 @@ def dumps(value, indent=0):
 
 
 def read_results(path):
-    """The results file as a dict ({} when it does not exist yet); a file that does not parse is an error."""
+    """The results file as a dict ({} when it does not exist yet); a file that does not parse, is not UTF-8 or is
+    not a regular file is an error."""
     path = Path(path)
     if not path.exists():
         return {}
+    if not path.is_file() and not path.is_dir():  # /dev/full or /dev/zero read forever, a pipe blocks
+        raise ResultsFileError(f"results file {path} is not a regular file (a device, a pipe or a socket); pass "
+                               f"--results_file a JSON file's path")
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:  # a folder, or no permission
         raise ResultsFileError(f"results file {path} cannot be read ({exc.strerror}); pass another --results_file") from None
+    except UnicodeDecodeError as exc:  # a hand-edited note in Latin-1, say
+        raise ResultsFileError(f"results file {path} is not UTF-8 text: byte {exc.start:,} is "
+                               f"0x{exc.object[exc.start]:02x}; it was left as it is: write that character in UTF-8 "
+                               f"(as JSON files are), or pass another --results_file") from None
     try:
         data = json.loads(text) if text.strip() else {}
     except json.JSONDecodeError as exc:
@@ -130,19 +167,30 @@ def _lock(path):
     return FileLock(lock, timeout=600)
 
 
-def check_writable(path):
+def check_writable(path, sections=()):
     """A ResultsFileError now, before a script's work, if the results file's folder cannot hold its lock (the
     file itself is replaced by a rename in that folder, so the folder is what must be writable), or if a file
-    there is not one of results (a folder, an empty path, or a file that is not valid JSON)."""
+    there is not one of results (a folder, an empty path, a device, or a file that is not valid JSON), or holds
+    something else than an object at one of `sections` (each a key or a list of keys: where the script records
+    its entries, bench.py's "benchmarks", say)."""
     if not str(path).strip() or Path(path).is_dir():
         raise ResultsFileError(f"results file {str(path)!r} is {'a folder' if str(path).strip() else 'empty'}; "
                                f"pass --results_file a JSON file's path")
     path = Path(path)
     if path.exists():
-        read_results(path)  # a file that is not a results file, refused before the work rather than after
+        data = read_results(path)  # a file that is not a results file, refused before the work rather than after
+        for keys in map(_key_list, sections):
+            node = data
+            for depth, key in enumerate(keys, 1):
+                node = node.get(key, {})
+                if not isinstance(node, dict):
+                    raise ResultsFileError(f"results file {path}: its section {'.'.join(keys[:depth])!r} is a "
+                                           f"{type(node).__name__}, not an object of entries; it was left as it "
+                                           f"is: fix or move it, or pass another --results_file")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(str(path) + ".lock", "a"):
+        real = real_path(path)  # through a link, the lock goes beside its target
+        real.parent.mkdir(parents=True, exist_ok=True)
+        with open(str(real) + ".lock", "a"):
             pass
     except OSError as exc:
         raise ResultsFileError(f"results file {path} cannot be written ({exc.strerror or exc}); "
@@ -164,14 +212,16 @@ def _parent(data, keys, path):
 
 
 def _update(path, change):
-    """Under the file's lock: read, call change(data), write back atomically."""
+    """Under the file's lock: read, call change(data), write back atomically (through a symbolic link, locked
+    beside its target: every writer of that file takes the one lock)."""
     from filelock import Timeout
+    real = real_path(path)
     try:  # the lock file goes beside the results file, so its folder must exist first
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with _lock(path):
-            data = read_results(path)
+        real.parent.mkdir(parents=True, exist_ok=True)
+        with _lock(real):
+            data = read_results(real)
             change(data)
-            atomic_write_text(path, dumps(data) + "\n")
+            atomic_write_text(real, dumps(data) + "\n")
     except (OSError, Timeout) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
         raise ResultsFileError(f"results file {path} cannot be written ({why}); pass another --results_file") from None

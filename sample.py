@@ -53,12 +53,25 @@ def temperature_problem(t):
     return None
 
 
+# Each new token runs the whole context again (generate() keeps no KV cache): 100,000 tokens take minutes on a
+# GPU and hours on a CPU, and a billion would run for ever, printing nothing until the end.
+MAX_NEW_TOKENS = 100_000
+
+
+def new_tokens_problem(n):
+    if n > MAX_NEW_TOKENS:
+        return (f"max_new_tokens must be at most {MAX_NEW_TOKENS:,} (each token runs the whole context again, and "
+                f"the samples print at the end), got {n:,}")
+    return None
+
+
 @dataclasses.dataclass
 class Sampling:
     """sampling and export"""
     prompt: str = setting("Once upon a time", '"" starts from the end-of-text token, i.e. a new document',
                           rule=prompt_problem)
-    max_new_tokens: int = setting(200, "tokens generated after the prompt", bounds=">= 0")
+    max_new_tokens: int = setting(200, f"tokens generated after the prompt (at most {MAX_NEW_TOKENS:,})",
+                                  bounds=">= 0", rule=new_tokens_problem)
     temperature: float = setting(0.8, "0 is greedy decoding", rule=temperature_problem)
     top_k: int = setting(50, "sample only among the k likeliest tokens (0: all of them)", bounds=">= 0")
     num_samples: int = setting(1, "samples, one after another", bounds=">= 1")

@@ -5,7 +5,6 @@ plan.py checks the settings and resolves the run; trainer.py holds the update st
 metrics.py keeps the run's state and accounting. This file is the run's lifecycle: start or resume, the loop with
 its validations and checkpoints when they are due, and the end its stop reason calls for.
 """
-import os
 import signal
 import sys
 import time
@@ -17,6 +16,7 @@ import env
 import model as model_lib
 import optim
 import plan as plan_lib
+import process_guard
 import settings
 from configurator import ConfigError, load_config
 from data.loader import Prefetcher, eval_batch_count, eval_batches
@@ -35,17 +35,15 @@ INTERRUPTING = ("signal", "stop_after_updates")  # stop reasons that leave the r
 # ---------------------------------------------------------------- signals
 
 class StopRequest:
-    """Turns SIGTERM/SIGINT (a scheduler's time limit, Ctrl-C) into a checkpoint at the next update. The first
-    signal is acknowledged at once and stops a validation pass early; a second one (not the first arriving twice)
-    ends the process without a checkpoint."""
+    """Turns SIGTERM/SIGINT/SIGHUP (a scheduler's time limit, Ctrl-C, a closed terminal) into a checkpoint at the
+    next update. The first signal is acknowledged at once and stops a validation pass early; a second one (not the
+    first arriving twice) ends the process without a checkpoint."""
 
-    SAME_STOP_SECONDS = 2.0  # a scheduler may signal the process and its parent passes the signal on too
+    SAME_STOP_SECONDS = process_guard.SAME_STOP_SECONDS  # a scheduler may signal the process, and its parent too
 
     def __init__(self):
         self.signal, self.signalled_at = None, None
-        self.previous = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self.previous[sig] = signal.signal(sig, self._handle)
+        self.previous = process_guard.install(self._handle)  # not a SIGHUP that nohup ignores
 
     def _handle(self, signum, frame):
         if self.signal is not None:  # a second signal: stop now, unless it is the first one arriving twice
@@ -54,9 +52,8 @@ class StopRequest:
             signal.signal(signum, self.previous[signum])
             raise KeyboardInterrupt
         self.signal, self.signalled_at = signum, time.monotonic()
-        # os.write, not print: a handler's print can reenter a print the signal interrupted
-        os.write(2, f"{signal.Signals(signum).name} received: stopping at the next update with a checkpoint "
-                    f"(a second one stops at once, without one)\n".encode())
+        process_guard.stop_requested(f"{signal.Signals(signum).name} received: stopping at the next update with a "
+                                     f"checkpoint (a second one stops at once, without one)\n")
 
     def restore(self):
         for sig, handler in self.previous.items():
@@ -387,15 +384,16 @@ def resumed_settings(cfg, argv):
 
 
 def main(argv):
-    try:
-        cfg = resumed_settings(settings.load(TrainSettings, argv), argv)  # plan.resolve checks every rule, once
-        entry = train(cfg)
-        end_distributed()
-    except USER_ERRORS as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    with process_guard.guarded():  # a closed output, a hang-up or a late signal never costs the run its updates
+        try:
+            cfg = resumed_settings(settings.load(TrainSettings, argv), argv)  # plan.resolve checks every rule, once
+            entry = train(cfg)
+            end_distributed()
+        except USER_ERRORS as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 130
     # A stopped run checkpointed cleanly but is not finished: say so to whatever runs this next.
     return EXIT_STATUS.get(entry["status"], 0)
 

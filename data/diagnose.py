@@ -14,6 +14,7 @@ import os
 
 import numpy as np
 
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 SUPPORTED = ".txt, .jsonl or .json, each optionally compressed as .gz, .bz2, .xz or .zst, or .parquet"
 JSON_TYPES = {bool: "a boolean", int: "a number", float: "a number", list: "an array", dict: "an object"}
 
@@ -106,24 +107,49 @@ def check_local_text(builder, files):
     """Raise the PrepareError naming the first file, and place in it, whose text datasets cannot take as
     documents: a byte that is not UTF-8 in a .txt, a line of a JSON-lines file that is not JSON, a 'text' that is
     not a string in a jsonl/json/parquet row.
-    Returns when it finds none (the caller then reports datasets' own error)."""
+    A compressed file that does not decompress (truncated by an interrupted download, or not of its format) is
+    named as such. Returns when it finds none (the caller then reports datasets' own error)."""
     for path in files:
-        if builder == "text":
-            bad = first_non_utf8(path)
-            if bad is not None:
-                where = " of its decompressed text" if path.suffix.lower() in (".gz", ".bz2", ".xz", ".zst") else ""
-                raise PrepareError(f"--source file {str(path)!r} is not UTF-8: byte offset {bad[0]:,}{where} "
-                                   f"(0x{bad[1]:02x}) is not valid UTF-8; .txt files must be UTF-8 text "
-                                   f"(iconv -f LATIN1 -t UTF-8 converts Latin-1)")
-            continue
-        found = first_non_string_parquet(path) if builder == "parquet" else first_non_string_json(path)
-        if found is not None:
-            where, what = found
-            if what is None:
-                raise PrepareError(f"--source file {str(path)!r} {where} is not JSON; each line of a JSON-lines "
-                                   f"file must be one JSON object with a 'text'")
-            raise PrepareError(f"--source file {str(path)!r} {where} has a 'text' that is {what}, not a string; "
-                               f"each document's 'text' must be a string (or null, read as an empty document)")
+        try:
+            check_file_text(builder, path)
+        except read_errors() as exc:
+            if isinstance(exc, OSError) and exc.errno is not None:  # no permission, say
+                raise PrepareError(f"--source file {str(path)!r} cannot be read ({exc.strerror})") from None
+            raise PrepareError(f"--source file {str(path)!r} does not decompress as {path.suffix} data "
+                               f"({type(exc).__name__}: {exc}): it is truncated (an interrupted download?) or not "
+                               f"of that format; download it again, or move it out of the source") from None
+
+
+def read_errors():
+    """What reading a corpus file raises when it cannot be read or decompressed (gzip's BadGzipFile and bz2's
+    bad data are OSErrors without an errno; a truncated stream is an EOFError)."""
+    import lzma
+    import zlib
+    errors = (EOFError, OSError, zlib.error, lzma.LZMAError)
+    if importlib.util.find_spec("zstandard") is not None:
+        import zstandard
+        errors += (zstandard.ZstdError,)
+    return errors
+
+
+def check_file_text(builder, path):
+    """check_local_text for one file."""
+    if builder == "text":
+        bad = first_non_utf8(path)
+        if bad is not None:
+            where = " of its decompressed text" if path.suffix.lower() in COMPRESSED else ""
+            raise PrepareError(f"--source file {str(path)!r} is not UTF-8: byte offset {bad[0]:,}{where} "
+                               f"(0x{bad[1]:02x}) is not valid UTF-8; .txt files must be UTF-8 text "
+                               f"(iconv -f LATIN1 -t UTF-8 converts Latin-1)")
+        return
+    found = first_non_string_parquet(path) if builder == "parquet" else first_non_string_json(path)
+    if found is not None:
+        where, what = found
+        if what is None:
+            raise PrepareError(f"--source file {str(path)!r} {where} is not JSON; each line of a JSON-lines "
+                               f"file must be one JSON object with a 'text'")
+        raise PrepareError(f"--source file {str(path)!r} {where} has a 'text' that is {what}, not a string; "
+                           f"each document's 'text' must be a string (or null, read as an empty document)")
 
 
 def open_local(path):

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 IGNORE = -100  # target of a padded position: the loss skips it
+REPO = Path(__file__).resolve().parents[1]  # named when a relative data_dir is found there but not from here
 
 
 class CacheError(ValueError):
@@ -39,8 +40,7 @@ class TokenCache:
         self.path = Path(path)
         meta_path = self.path / "meta.json"
         if not meta_path.is_file():
-            raise CacheError(f"token cache {self.path} has no meta.json; prepare it first, e.g. "
-                             f"{prepare_command(self.path, vocab_size)}")
+            raise CacheError(missing_cache(self.path, vocab_size))
         try:
             self.meta = json.loads(meta_path.read_text())
             dtype = np.dtype(self.meta["dtype"])
@@ -71,11 +71,26 @@ class TokenCache:
             if verify and sha256_file(path) != digests[split]:
                 raise CacheError(f"{path} does not match the identity in meta.json (its bytes changed "
                                  f"after preparation); prepare the cache again")
-            tokens = np.memmap(path, dtype=dtype, mode="r") if expected else np.zeros(0, dtype)
+            if expected < 2:  # else a validation over no tokens has loss 0.0, below any target
+                raise CacheError(f"{path} holds {expected} tokens, as meta.json says: the cache's {split} split is "
+                                 f"empty, with no token to {'train' if split == 'train' else 'validate'} on; prepare "
+                                 f"the cache again from a source with {split} documents")
+            tokens = np.memmap(path, dtype=dtype, mode="r")
             if verify and expected and int(tokens.max()) >= self.vocab_size:
                 raise CacheError(f"{path} holds token id {int(tokens.max())}, outside its vocabulary of "
                                  f"{self.vocab_size}; prepare the cache again")
             setattr(self, split, tokens)
+
+
+def missing_cache(path, vocab_size=0):
+    """Why a token cache folder without meta.json is refused, and the command that prepares it; a relative path
+    that the repository holds a cache at is said to be taken from the current folder (a script run from
+    elsewhere)."""
+    if not path.is_absolute() and (REPO / path / "meta.json").is_file() and (REPO / path).resolve() != path.resolve():
+        return (f"token cache {path} has no meta.json here: relative paths are taken from the current folder "
+                f"{Path.cwd()}, and the repository's {path} holds one; run from {REPO}, or give "
+                f"data_dir={REPO / path}")
+    return f"token cache {path} has no meta.json; prepare it first, e.g. {prepare_command(path, vocab_size)}"
 
 
 def tokenizer_size(folder):

@@ -195,7 +195,7 @@ def prepare(source, out, tokenizer=None, vocab_size=VOCAB_SIZE, val_fraction=0.0
     source, out = str(source), Path(out)
     num_proc = diagnose.check_arguments(out, val_fraction, max_documents, num_proc)
     # 1. what the inputs are, hashed before any work, so an up-to-date cache is found without tokenizing
-    read, rule, source_sha = sources.find_source(source, streaming, max_documents, hub_reachable)
+    read, rule, source_sha = sources.find_source(source, streaming, max_documents, hub_reachable, out)
     if rule is None:
         rule = f"held-out fraction {val_fraction} by document sha256" + (f" seed {seed}" if seed else "")
     tok, tok_name, tok_vocab, tok_files = tokenizer_identity(tokenizer, vocab_size, max_vocab)
@@ -323,6 +323,24 @@ def build(source, splits, tok, tok_name, vocab_size, val_fraction, num_proc, see
 
 # ----------------------------------------------------------------------------- command line
 
+def die_with_parent():
+    """From now on each process the main thread forks (datasets' workers, their manager) is killed when this one
+    ends, however it ends (Linux's PR_SET_PDEATHSIG): killed with -9, its workers tokenized on for many seconds."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import threading
+        forking = []  # before a fork: the parent's pid if its main thread forks (whose end the child's signal follows)
+
+        def child():
+            if forking[-1]:
+                ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+                if os.getppid() != forking[-1]:  # the parent ended before that: no signal would come
+                    os._exit(1)
+        os.register_at_fork(before=lambda: forking.append(threading.current_thread() is threading.main_thread()
+                                                          and os.getpid()), after_in_parent=forking.pop,
+                            after_in_child=child)
+
+
 @contextlib.contextmanager
 def stopped_by_signals(out):
     """While the command runs, SIGTERM or SIGINT ends it whole: the tokenizing workers are killed (each works
@@ -332,6 +350,7 @@ def stopped_by_signals(out):
     one-process tokenizing batch can delay. A forked worker dies of the signal as if no handler were set."""
     import multiprocess  # datasets' pools, a fork of multiprocessing
     main_pid = os.getpid()
+    die_with_parent()  # and of a SIGKILL, which no handler sees
 
     def stop(signum, frame):
         if os.getpid() != main_pid:

@@ -21,9 +21,10 @@ BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parq
 COMPRESSIONS = ("", ".gz", ".bz2", ".xz", ".zst")  # decompressed by datasets' download manager
 
 
-def find_source(source, streaming, max_documents, hub_reachable):
+def find_source(source, streaming, max_documents, hub_reachable, out=None):
     """What `source` holds, found before any reading: (read(tmp) -> its datasets, split rule or None, the
-    sha256 that identifies it). hub_reachable() says whether an hf: source can be loaded."""
+    sha256 that identifies it). hub_reachable() says whether an hf: source can be loaded; `out`, the cache to
+    write, whose own files are no part of a source folder that holds it."""
     if source.startswith("hf:"):
         name = parse_hf(source)[0]
         if not hub_reachable():
@@ -32,7 +33,7 @@ def find_source(source, streaming, max_documents, hub_reachable):
         hub_splits, rule = open_hub(source, streaming)
         read = functools.partial(hub_to_datasets, hub_splits, streaming, max_documents)
         return read, rule, env.hash_json({"hf": source, "max_documents": max_documents})
-    split_files, base, rule, builder = find_local(source)
+    split_files, base, rule, builder = find_local(source, out)
     listing = sorted([str(f.relative_to(base)), f.stat().st_size, sha256_file(f)]
                      for fs in split_files.values() for f in fs)
     read = functools.partial(local_to_datasets, source, split_files, builder, max_documents)
@@ -53,11 +54,26 @@ def builder_of(path):
     return None if compressed and builder == "parquet" else builder
 
 
-def data_files_in(folder):
-    """Supported files under `folder`, sorted. Other files (README, MANIFEST.tsv) are skipped with a note."""
+def made_by_prepare(path, out):
+    """Whether `path` is one of the cache `out`'s own files: in it, its lock, or a build or old copy beside it
+    (a cache written into its source folder would otherwise become part of that source the next time)."""
+    if out is None:
+        return False
+    try:
+        parts = path.resolve().relative_to(out.resolve().parent).parts
+    except ValueError:
+        return False
+    return (parts[0] == out.name and len(parts) > 1 or parts[0] == f"{out.name}.lock"
+            or parts[0].startswith((f"{out.name}.tmp-", f"{out.name}.old-")))
+
+
+def data_files_in(folder, out=None):
+    """Supported files under `folder`, sorted. Other files (README, MANIFEST.tsv) are skipped with a note; the
+    files of the cache `out` (made_by_prepare) are no part of it."""
     files, others = [], []
     for p in sorted(folder.rglob("*")):
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts):
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts) \
+                and not made_by_prepare(p, out):
             (files if builder_of(p) else others).append(p)
     if not files:
         raise PrepareError(f"folder {str(folder)!r} holds no data files; supported: {diagnose.SUPPORTED}")
@@ -67,11 +83,14 @@ def data_files_in(folder):
     return files
 
 
-def find_local(source):
-    """({split: [files]}, base folder for relative names, split rule or None for a held-out split, builder)."""
+def find_local(source, out=None):
+    """({split: [files]}, base folder for relative names, split rule or None for a held-out split, builder);
+    the files of the cache `out` are left out."""
     rule = None
+    out = None if out is None else Path(out)
     if glob.has_magic(source):
-        files = sorted(Path(f) for f in glob.glob(source, recursive=True) if os.path.isfile(f))
+        files = sorted(Path(f) for f in glob.glob(source, recursive=True)
+                       if os.path.isfile(f) and not made_by_prepare(Path(f), out))
         if not files:
             raise PrepareError(f"--source {source!r} is a glob that matches no file")
         # names are made relative to the glob's folder part before the first wildcard
@@ -89,10 +108,10 @@ def find_local(source):
             base = path
             val_dir = next((path / v for v in ("val", "validation") if (path / v).is_dir()), None)
             if (path / "train").is_dir() and val_dir is not None:
-                split_files = {"train": data_files_in(path / "train"), "val": data_files_in(val_dir)}
+                split_files = {"train": data_files_in(path / "train", out), "val": data_files_in(val_dir, out)}
                 rule = f"folders train/ and {val_dir.name}/"
             else:
-                split_files = {"corpus": data_files_in(path)}
+                split_files = {"corpus": data_files_in(path, out)}
     files = [f for fs in split_files.values() for f in fs]
     builders = [builder_of(f) for f in files]
     diagnose.check_file_types(source, files, builders)
