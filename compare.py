@@ -76,7 +76,8 @@ DEFAULTS = settings.defaults(CompareSettings)
 
 
 def compare(cfg):
-    check_writable(cfg.results_file)
+    check_writable(cfg.results_file, sections=["time-to-target" if cfg.mode == "time-to-target" else
+                                               "matched-comparison"])
     return time_to_target.time_to_target_mode(cfg) if cfg.mode == "time-to-target" else matched_mode(cfg)
 
 

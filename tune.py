@@ -363,6 +363,7 @@ def print_report(tuning):
 def tune(cfg):
     """Every check first (a mistake that would fail every candidate is one line, not a sweep), then the sweep."""
     run_plan = plan_lib.resolve(cfg, TuneSettings, world=(0, 0, 1), synthetic=cfg.data_mode == "synthetic")
+    results.check_writable(cfg.results_file, sections=["tuning", "benchmarks"])  # where the sweep records
     device = torch.device(run_plan.device)
     cuda = device.type == "cuda"
     incumbent, space, refused = plan(cfg, lever_choices(cfg, cuda), device)
