@@ -47,10 +47,30 @@ def _check_type(key, value, default, kind, where):
     return value
 
 
+# nanoGPT's keys whose closest spelling here is not what they mean (max_iters is closest to eval_interval): the
+# keys that do their job here, and how, for a script that has those keys.
+NANOGPT_KEYS = {
+    "max_iters": (("epochs", "stop_after_updates"), "a run is `epochs` passes over train_subset_tokens; "
+                  "stop_after_updates=N stops it after N updates, checkpointed (--resume=True goes on)"),
+    "lr_decay_iters": (("lr_schedule", "cooldown_fraction"), "the schedule spans the whole run (its epochs); "
+                       "lr_schedule and cooldown_fraction set its shape"),
+    "batch_size": (("micro_batch_size", "tokens_per_update"), "micro_batch_size is the sequences of one "
+                   "micro-step; tokens_per_update sets an update's size"),
+    "gradient_accumulation_steps": (("tokens_per_update", "micro_batch_size"), "the micro-steps follow from "
+                                    "tokens_per_update / (micro_batch_size x seq_len)"),
+    "block_size": (("seq_len",), "the context length is seq_len"),
+    "n_embd": (("dim",), "the model's width is dim"),
+    "eval_iters": (("val_subset_tokens",), "the validation subset is val_subset_tokens tokens"),
+}
+
+
 def _unknown_key(key, defaults, where):
     if RENAMED_KEYS.get(key) in defaults:
         return ConfigError(f"{where}: config key {key!r} is now called {RENAMED_KEYS[key]!r}; use "
                            f"{RENAMED_KEYS[key]} = ... (or --{RENAMED_KEYS[key]}=...) with the same values")
+    keys, how = NANOGPT_KEYS.get(key, ((None,), ""))
+    if all(k in defaults for k in keys):
+        return ConfigError(f"{where}: unknown config key {key!r} (nanoGPT's); here {how}")
     close = difflib.get_close_matches(key, list(defaults), n=3, cutoff=0.5)
     hint = f"closest valid keys: {', '.join(close)}" if close else "--help lists every key"
     return ConfigError(f"{where}: unknown config key {key!r}; {hint}")

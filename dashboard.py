@@ -1,8 +1,19 @@
 """Optional dashboards for a training run, as nanoGPT's wandb_log and torchtitan's metrics loggers: TensorBoard
 (torch.utils.tensorboard; pip install tensorboard) and Weights & Biases in offline mode (pip install wandb; sync
 later with `wandb sync`). Both are off by default; the results entry records the same curves either way.
+
+Each run is its own run in both, as nanoGPT's and litgpt's users expect: TensorBoard writes to
+<tensorboard_dir>/<run name>, so `tensorboard --logdir <tensorboard_dir>` shows one curve per run (a resumed run
+appends to its folder), and W&B names the run by its name.
 """
+from pathlib import Path
+
 from configurator import ConfigError
+
+
+def tensorboard_folder(cfg):
+    """Where a run's TensorBoard events go: a subfolder of tensorboard_dir named after the run."""
+    return Path(cfg.tensorboard_dir) / cfg.name
 
 
 class Dashboards:
@@ -16,11 +27,12 @@ class Dashboards:
             except ImportError:
                 raise ConfigError("tensorboard_dir is set but the tensorboard package is not installed; "
                                   "pip install tensorboard, or leave tensorboard_dir empty") from None
+            folder = tensorboard_folder(cfg)
             try:
-                self.tensorboard = SummaryWriter(log_dir=cfg.tensorboard_dir)
+                self.tensorboard = SummaryWriter(log_dir=str(folder))
             except OSError as exc:
-                raise ConfigError(f"tensorboard_dir {cfg.tensorboard_dir!r} cannot be written ({exc.strerror}); "
-                                  f"give a writable folder") from None
+                raise ConfigError(f"tensorboard_dir {cfg.tensorboard_dir!r}: {folder} cannot be written "
+                                  f"({exc.strerror}); give a writable folder") from None
             self.writers.append(self._tensorboard)
         if cfg.wandb_log:
             try:

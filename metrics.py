@@ -63,6 +63,8 @@ class Metrics:
         self.diverged = None  # what was not finite, once something is
         self.interval_tokens, self.loss_total = 0, None
         self.segment_start = self.interval_start = time.time()
+        # (tokens, training seconds) after this process's first update, which compiles: the ETA's mean rate since
+        self.rate_start = None
 
     def restore(self, saved):
         """The state a checkpoint saved (a dict with at least RESUME_FIELDS)."""
@@ -122,8 +124,9 @@ class Metrics:
         """One update's tokens and loss; the first update's time (compile included) is measured and printed."""
         state = self.state
         state.update_in_epoch += 1
-        if state.first_update_seconds is None:
+        if self.rate_start is None:
             self.synchronize()
+        if state.first_update_seconds is None:
             state.first_update_seconds = time.time() - self.segment_start
             if self.main:
                 print(f"first update: {state.first_update_seconds:.1f} s"
@@ -131,6 +134,16 @@ class Metrics:
         self.loss_total = loss_sum if self.loss_total is None else self.loss_total + loss_sum
         state.tokens += n_tokens
         self.interval_tokens += n_tokens
+        if self.rate_start is None:
+            self.rate_start = (state.tokens, self.training_seconds_now())
+
+    def mean_rate(self, interval_rate):
+        """Tokens per training second since this process's first update (a resumed run's earlier processes and the
+        compile left out), or the interval's rate before there is any: what the ETA divides by. One interval's rate
+        swings with whatever shared the machine then, and an ETA of it swung by minutes from line to line."""
+        tokens, seconds = self.rate_start or (0, 0.0)
+        elapsed = self.training_seconds_now() - seconds
+        return (self.state.tokens - tokens) / elapsed if self.state.tokens > tokens and elapsed > 0 else interval_rate
 
     def log(self, grad_norm):
         """The interval's mean training loss, learning rate and gradient norm: printed, recorded in the
@@ -150,7 +163,7 @@ class Metrics:
                                                "train/tokens_per_second": rate})
             mfu = env.mfu(self.facts["flops"], rate / self.world_size, self.facts["gpu_name"])
             mfu = f"{100 * mfu:.1f}%" if mfu else "n/a"
-            eta = (self.facts["total_updates"] - trainer.step) * self.cfg.tokens_per_update / rate
+            eta = (self.facts["total_updates"] - trainer.step) * self.cfg.tokens_per_update / self.mean_rate(rate)
             print(f"update {trainer.step}/{self.facts['total_updates']} | epoch {state.epoch + 1} | loss {loss:.4f} | "
                   f"grad norm {norm:.3f} | lr {lr:.2e} | {rate / 1e3:,.1f}K tok/s | MFU {mfu} | "
                   f"ETA {format_seconds(eta)}", flush=True)

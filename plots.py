@@ -3,9 +3,11 @@ scripts/plot_runs.py's plot of any runs of a results file share them.
 
 A run's entry holds `validation_curve` (the validation-subset loss at each epoch end) and `training_curve` (the
 mean training loss of each log interval). Each panel draws one line per run that has points for it, in the run's
-colour in every panel. `training_curve` is optional, as results files (results/h200.json among them) hold entries
-without it: such an entry is drawn in the validation panels only, and a figure of such entries alone has no
-training row. Figures are matplotlib's Agg (no display), written atomically.
+colour in every panel (a curve of one point, a run that logged once, is a dot), and its legend names every run: one
+it cannot draw is listed with the reason (no such curve, or no finite loss). `training_curve` is optional, as
+results files (results/h200.json among them) hold entries without it: such an entry is drawn in the validation
+panels only, and a figure of such entries alone has no training row. Figures are matplotlib's Agg (no display),
+written atomically.
 """
 import math
 import os
@@ -80,9 +82,11 @@ def without_finite_losses(runs):
 
 def runs_figure(runs, x="both", title=None):
     """A figure of runs [(name, entry), ...]: a row per curve (training loss, validation loss), a column per x
-    axis (tokens, seconds or both), one line per run in each panel where the run has points."""
+    axis (tokens, seconds or both), one line per run in each panel where the run has points, and every run in each
+    panel's legend."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
     if x not in X_CHOICES:
         raise PlotError(f"--x={x!r} is not one of {', '.join(X_CHOICES)}")
     axes_x = list(X_AXES) if x == "both" else [x]
@@ -95,27 +99,34 @@ def runs_figure(runs, x="both", title=None):
         for col, axis in enumerate(axes_x):
             field, xlabel = X_AXES[axis]
             ax = grid[row][col]
-            missing, not_finite = [], []
+            absent = []  # legend handles of the runs this panel cannot draw, each saying why
             for i, (name, entry) in enumerate(runs):
                 xs, ys = points(entry, curve, field)
                 if xs:
-                    ax.plot(xs, ys, marker=marker, color=f"C{i % 10}", label=name)
-                elif any(p.get(field) is not None for p in entry.get(curve) or []):
-                    not_finite.append(name)  # points on this axis, none with a finite loss: diverged
+                    # a curve of one point is a line of no length: drawn without a marker it is not there at all
+                    ax.plot(xs, ys, marker=marker or ("o" if len(xs) == 1 else None), color=f"C{i % 10}", label=name)
+                    continue
+                if any(p.get(field) is not None for p in entry.get(curve) or []):
+                    why = "no finite loss"  # points on this axis, none with a finite loss: diverged
                 else:
-                    missing.append(name)
-            # an entry without the curve, or a run stopped before its first log line or epoch end; or one that diverged
-            notes = [f"no {curve.replace('_', ' ')}: {', '.join(missing)}"] * bool(missing) + \
-                [f"no finite loss: {', '.join(not_finite)}"] * bool(not_finite)
-            if notes:
-                ax.text(0.02, 0.02, "\n".join(notes), transform=ax.transAxes, fontsize=8, color="0.4")
+                    # an entry without the curve, or a run stopped before its first log line or epoch end
+                    why = f"no {curve.replace('_', ' ')}"
+                absent.append(Line2D([], [], linestyle="none", label=f"{name}: {why}"))
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
-            if ax.lines:
-                ax.legend(fontsize=8)
+            if ax.lines or absent:  # every run is in every panel's legend: drawn, or named with the reason it is not
+                ax.legend(handles=ax.lines + absent, fontsize=8)
     fig.suptitle(title or " vs ".join(name for name, _ in runs))
     return fig
+
+
+def extend_legend(ax, *artists):
+    """Add artists drawn on a runs_figure panel afterwards (a target line) to its legend, which keeps naming the runs
+    it could not draw (ax.legend() alone would rebuild it from the drawn lines only)."""
+    old = ax.get_legend()
+    handles, labels = (list(old.legend_handles), [t.get_text() for t in old.get_texts()]) if old else ([], [])
+    ax.legend(handles + list(artists), labels + [a.get_label() for a in artists], fontsize=8)
 
 
 def save_figure(fig, path):

@@ -1,5 +1,19 @@
 """GPU kernel time by category, from torch.profiler: what bench.py's profile and the microbenchmarks in scripts/
-report (a category says where an update's time goes; the kernels' names say which one to work on)."""
+report (a category says where an update's time goes; the kernels' names say which one to work on).
+
+quiet_profile runs torch.profiler without its own lines, which landed in bench.py's output (every bench run
+profiles one update for its attention kernels) and so in what tune.py reads of each candidate: libkineto, its C++
+side, writes lines to the process's stderr as a profile starts and stops (torch 2.13's CPU build
+"USDT:... profiler_start"; "STAGE:... Completed Stage: Warm Up" and CUPTI's notices in other builds and log
+levels), and torch.profiler warns in Python (torch 2.11 on an H200: "Profiler clears events at the end of each
+cycle")."""
+import contextlib
+import os
+import re
+import sys
+import tempfile
+import warnings
+
 import torch
 
 # Kernel-name patterns by category, first match wins (order matters: attention before softmax, etc.).
@@ -55,12 +69,51 @@ def gpu_kernel_ms(evt):
     return device_us / 1e3
 
 
+# A line of libkineto's log ("STAGE:2026-12-02 13:32:10 22990:22990 SyncActivityProfilerHandler.cpp:51] ...", the
+# level before the colon) or one naming CUPTI or Kineto ("[W kineto_shim.cpp:...]", "libkineto: ...")
+PROFILER_LINE = re.compile(r"^[A-Z]+:\d{4}-\d\d-\d\d [\d:.]+ \d+:\d+ \w+\.cpp:\d+\]|CUPTI|[Kk]ineto")
+
+
+def is_profiler_line(line):
+    """Whether a line of output is torch.profiler's own (libkineto's log, CUPTI's notices), not the program's."""
+    return bool(PROFILER_LINE.search(line))
+
+
+@contextlib.contextmanager
+def quiet_profile(activities):
+    """torch.profiler.profile(activities=...), yielding the profile, with its lines held back: what is written to
+    the process's stderr (file descriptor 2, where libkineto writes) while it runs is passed on afterwards without
+    the profiler's lines, and torch.profiler's own Python warnings are left out."""
+    from torch.profiler import profile
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with tempfile.TemporaryFile() as held:
+            os.dup2(held.fileno(), 2)
+            try:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", module=r"torch\.(autograd\.)?profiler")
+                    with profile(activities=activities) as prof:
+                        yield prof
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+                held.seek(0)
+                kept = [line for line in held.read().decode(errors="replace").splitlines(keepends=True)
+                        if not is_profiler_line(line)]
+                if kept:  # the profiled work's own warnings, which are not the profiler's
+                    sys.stderr.write("".join(kept))
+                    sys.stderr.flush()
+    finally:
+        os.close(saved)
+
+
 def profiled_kernels(trainer, batches, n_updates):
-    """Run n_updates under torch.profiler; the device kernels (or, on the CPU, the ops) that ran."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    """Run n_updates under torch.profiler (quietly); the device kernels (or, on the CPU, the ops) that ran."""
+    from torch.profiler import ProfilerActivity
     cuda = trainer.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with torch_profile(activities=activities) as prof:
+    with quiet_profile(activities) as prof:
         for _ in range(n_updates):
             trainer.update(*next(batches))
         if cuda:

@@ -32,9 +32,11 @@ class CompareError(ValueError):
 # ---------------------------------------------------------------- the runs' configs, checked
 
 def run_folders(cfg, side):
-    """A run's own out_dir ("" for out/<its name>) and TensorBoard folder, so that no two runs share one."""
+    """A run's own out_dir ("" for out/<its name>), so that no two runs share one, and compare's tensorboard_dir as
+    given: train.py writes each run's events into <tensorboard_dir>/<run name> (dashboard.py), and the runs' names
+    differ, so `tensorboard --logdir` on it shows each run once, not nested under its side as well."""
     return {"out_dir": str(Path(cfg.out_dir) / side) if cfg.out_dir else "",
-            "tensorboard_dir": str(Path(cfg.tensorboard_dir) / side) if cfg.get("tensorboard_dir") else ""}
+            "tensorboard_dir": cfg.get("tensorboard_dir") or ""}
 
 
 def seed_run_name(baseline_name, seed):

@@ -169,8 +169,8 @@ class Lifecycle:
     log_interval: int = setting(50, "updates between log lines", RUN, bounds="> 0")
     checkpoint_minutes: float = setting(0.0, "also checkpoint every N minutes (0: only at epoch ends and on signals)",
                                         RUN, bounds=">= 0")
-    tensorboard_dir: str = setting("", "also log the curves to TensorBoard in this folder (pip install tensorboard)",
-                                   RUN)
+    tensorboard_dir: str = setting("", "also log the curves to TensorBoard, into <this folder>/<name> (pip install "
+                                       "tensorboard)", RUN)
     wandb_log: bool = setting(False, "also log them to Weights & Biases, offline (pip install wandb)", RUN)
     wandb_project: str = setting("tiny-llm", "the Weights & Biases project", RUN)
     stop_after_updates: int = setting(0, "stop (checkpointed) after N updates of this process, as a scheduler's "

@@ -198,8 +198,7 @@ def save_figure(path, runs, target, title):
     curves = [(name, {"validation_curve": entry.get("validation_curve") or []}) for name, entry in runs]
     fig = plots.runs_figure(curves, x="seconds", title=title)  # validation curves only: one panel
     ax = fig.axes[0]
-    ax.axhline(target, linestyle="--", color="0.3", linewidth=1, label=f"target {target:g}")
-    ax.legend(fontsize=8)
+    plots.extend_legend(ax, ax.axhline(target, linestyle="--", color="0.3", linewidth=1, label=f"target {target:g}"))
     plots.save_figure(fig, path)
     return fig
 

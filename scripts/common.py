@@ -69,12 +69,12 @@ def kernel_ms(fn, reps):
     """GPU kernel milliseconds per call. Wall time would measure the host: flash-attn-4 and quack prepare each
     launch in Python, which CUDA graphs and a busy GPU hide in training but not in a loop of lone calls."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
-    from profiling import gpu_kernel_ms
+    from profiling import gpu_kernel_ms, quiet_profile
     for _ in range(3):
         fn()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with quiet_profile([ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()

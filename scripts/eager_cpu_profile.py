@@ -17,7 +17,7 @@ import plan as plan_lib  # noqa: E402
 import settings  # noqa: E402
 from data.loader import batch_stream, synthetic_batches  # noqa: E402
 from plan import USER_ERRORS  # noqa: E402
-from profiling import gpu_kernel_ms  # noqa: E402
+from profiling import gpu_kernel_ms, quiet_profile  # noqa: E402
 from trainer import Trainer  # noqa: E402
 
 
@@ -38,9 +38,9 @@ def main(argv, updates=10, top=25):
         trainer.update(*next(batches))
     sync()
     wall_ms = (time.perf_counter() - start) / updates * 1e3
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if trainer.device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with quiet_profile(activities) as prof:
         for _ in range(updates):
             trainer.update(*next(batches))
         sync()

@@ -22,7 +22,7 @@ import settings  # noqa: E402
 from data.loader import Prefetcher, eval_batches  # noqa: E402
 from configurator import ConfigError  # noqa: E402
 from plan import USER_ERRORS  # noqa: E402
-from profiling import gpu_kernel_ms  # noqa: E402
+from profiling import gpu_kernel_ms, quiet_profile  # noqa: E402
 from results import read_results, record  # noqa: E402
 from trainer import Trainer  # noqa: E402
 
@@ -46,8 +46,8 @@ def timed_passes(trainer, make_batches, passes):
 
 
 def kernel_ms(trainer, make_batches):
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    from torch.profiler import ProfilerActivity
+    with quiet_profile([ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         trainer.evaluate(make_batches())
     return sum(gpu_kernel_ms(evt) for evt in prof.key_averages())
 

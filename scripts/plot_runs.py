@@ -1,11 +1,12 @@
 """Plot the loss curves of training runs of a results file: training loss and validation-subset loss against
-training tokens and against training seconds, one line per run.
+training tokens and against training seconds, one line per run (a dot for a run that logged once).
 
     python scripts/plot_runs.py RESULTS.json [RUN ...] [--out=out/runs.png] [--x=tokens|seconds|both]
 
 Without RUN names, every training run in the file (its top-level entries with a recipe identity). Entries
-written before train.py recorded the training curve are drawn in the validation panels only; a run without a
-finite loss (diverged) is named in a note and not drawn.
+written before train.py recorded the training curve are drawn in the validation panels only, and named in the
+training panels' legend as having none; a run without a finite loss (diverged) is named so in the legend and
+not drawn.
 Exit status: 0 when the plot is written, 2 on a mistake (an unknown run, a bad --out, a broken results file,
 no run with a finite loss).
 """

@@ -7,7 +7,43 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from plots import finite_number, fmt  # noqa: E402
 from results import ResultsFileError, read_results  # noqa: E402
+
+
+def gib(n_bytes):
+    """Bytes as GiB with two decimals, "-" when missing."""
+    return fmt(n_bytes / 2**30 if finite_number(n_bytes) else None, "5.2f")
+
+
+def benchmark_lines(name, e, width):
+    tps = fmt(e.get("tokens_per_second"), ",.0f")
+    windows = " / ".join(fmt(m.get("tokens_per_second"), ",.0f") for m in e.get("measurements", []))
+    first = fmt(e.get("first_update_seconds"), "5.1f", "s")
+    lines = [f"{name:<{width}}{e.get('status', '-'):>6}{tps:>12}  first {first:>6}"
+             f"  peak {gib(e.get('peak_memory_bytes'))}  dev {gib(e.get('device_peak_used_bytes'))} GiB"
+             f"  windows {windows or '-'}  eff {fmt(e.get('scaling_efficiency'), '.2f')}  {(e.get('error') or '')[:90]}"
+             .rstrip()]
+    if e.get("measurements"):  # the mean training loss of each window: bench trains the recipe from its first update
+        losses = " / ".join(fmt(m.get("loss"), ".5f") for m in e["measurements"])
+        lines.append(f"{'':<{width}}window losses {losses}")
+    return lines
+
+
+def profile_lines(name, p):
+    n = p["profiled_updates"]
+    categories = ", ".join(f"{c} {fmt(ms / n, '.2f')}" for c, ms in p["kernel_ms_by_category"].items() if ms)
+    lines = [f"{name}: {fmt(p['kernel_ms'] / n, '.2f')} ms of kernels per update ({categories})"]
+    for k in p.get("top_kernels", [])[:12]:
+        lines.append(f"  {fmt(k['ms'] / n, '7.3f')} ms  x{k['count'] // n:<4} {k['category']:<14}{k['name'][:100]}")
+    return lines
+
+
+def run_line(name, run, width):
+    validation = run.get("final_validation") or {}
+    return (f"{name:<{width}}{run.get('status')}  validation loss {fmt(validation.get('loss'), '.4f')}"
+            f"  validation tok/s {fmt(validation.get('tokens_per_second'), ',.0f')}"
+            f"  median training tok/s {fmt(run.get('median_training_tokens_per_second'), ',.0f')}")
 
 
 def main(path, prefixes):
@@ -15,32 +51,14 @@ def main(path, prefixes):
         raise ResultsFileError(f"{path} does not exist")
     data = read_results(path)
     wanted = lambda name: not prefixes or name.startswith(tuple(prefixes))
-    for name, e in data.get("benchmarks", {}).items():
-        if not wanted(name):
-            continue
-        tps = e.get("tokens_per_second")
-        windows = [round(m["tokens_per_second"]) for m in e.get("measurements", [])]
-        print(f"{name:<30}{e['status']:>6}{(f'{tps:,.0f}' if tps else '-'):>12}"
-              f"  first {e.get('first_update_seconds') or 0:5.1f}s  peak {(e.get('peak_memory_bytes') or 0) / 2**30:5.2f}"
-              f"  dev {(e.get('device_peak_used_bytes') or 0) / 2**30:5.2f} GiB  windows {windows}"
-              f"  eff {e.get('scaling_efficiency')}  {e.get('error', '')[:90]}")
-        if windows:  # the mean training loss of each window: bench trains the recipe from its first update
-            print(f"{'':<30}window losses {[round(m['loss'], 5) for m in e['measurements']]}")
-    for name, p in data.get("profiles", {}).items():
-        if not wanted(name):
-            continue
-        n = p["profiled_updates"]
-        categories = {c: round(ms / n, 2) for c, ms in p["kernel_ms_by_category"].items() if ms}
-        print(f"{name}: {p['kernel_ms'] / n:.2f} ms of kernels per update, {categories}")
-        for k in p.get("top_kernels", [])[:12]:
-            print(f"  {k['ms'] / n:7.3f} ms  x{k['count'] // n:<4} {k['category']:<14}{k['name'][:100]}")
-    for name, run in data.items():
-        if isinstance(run, dict) and "final_validation" in run and wanted(name):
-            validation = run.get("final_validation") or {}
-            print(f"{name:<30}{run.get('status')}  validation loss {validation.get('loss')}"
-                  f"  validation tok/s {validation.get('tokens_per_second')}"
-                  f"  median training tok/s {run.get('median_training_tokens_per_second')}")
-
+    benchmarks = {n: e for n, e in data.get("benchmarks", {}).items() if wanted(n)}
+    runs = {n: r for n, r in data.items() if isinstance(r, dict) and "final_validation" in r and wanted(n)}
+    width = max(map(len, [*benchmarks, *runs]), default=0) + 2  # a long name does not push its row out of line
+    lines = [line for name, e in benchmarks.items() for line in benchmark_lines(name, e, max(width, 30))]
+    lines += [line for name, p in data.get("profiles", {}).items() if wanted(name) for line in profile_lines(name, p)]
+    lines += [run_line(name, run, max(width, 30)) for name, run in runs.items()]
+    if lines:
+        print("\n".join(lines))
 
 if __name__ == "__main__":
     if len(sys.argv) < 2:

@@ -219,3 +219,44 @@ def test_mfu_peak_table():
     assert env.peak_flops("NVIDIA H200") == 989e12
     assert env.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
     assert env.peak_flops("Some Future GPU") is None
+
+
+def test_bench_output_holds_no_profiler_line(tmp_path, text_cache):
+    """Every bench run profiles an update (for its attention kernels), and libkineto wrote its own lines to stderr
+    ("USDT:... SyncActivityProfilerHandler.cpp:52] profiler_start" on this CPU torch, "STAGE:... Completed Stage"
+    and CUPTI's on a GPU) into bench's output and so into tune.py's candidates', which run bench.py as a process and
+    read it: that process's whole output is checked here."""
+    import subprocess
+    import sys
+    from tests.test_train import REPO
+    argv = TINY + ["--windows=1", f"--data_dir={text_cache}", f"--results_file={tmp_path / 'r.json'}", "--name=quiet"]
+    proc = subprocess.run([sys.executable, str(REPO / "bench.py"), *argv], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert read_results(tmp_path / "r.json")["benchmarks"]["quiet"]["attention_kernels"]  # the profile ran
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert lines and not [line for line in lines if profiling.is_profiler_line(line)], lines
+
+
+def test_a_quiet_profile_passes_the_profiled_works_own_stderr_on(capfd):
+    import sys
+    import warnings
+    from torch.profiler import ProfilerActivity
+    assert profiling.is_profiler_line("STAGE:2026-12-02 13:32:10 22990:22990 SyncActivityProfilerHandler.cpp:51] "
+                                      "Completed Stage: Warm Up")
+    assert profiling.is_profiler_line("WARNING: CUPTI initialization failed") and not profiling.is_profiler_line(
+        "bench: window 1/3: 1,234 tokens/s")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # CUDA on a CPU: torch.profiler warns that it is not available
+        with profiling.quiet_profile([ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            torch.ones(8) @ torch.ones(8)
+            print("the work's own line", file=sys.stderr)
+            warnings.warn("the work's own warning")
+            # torch.profiler's own Python warning, as torch 2.11 gives it on an H200
+            exec("import warnings; warnings.warn('Profiler clears events at the end of each cycle.')",
+                 {"__name__": "torch.profiler.profiler"})
+    assert prof.key_averages()
+    assert [str(w.message) for w in caught] == ["the work's own warning"]
+    err = capfd.readouterr().err
+    assert "the work's own line" in err and "profiler_start" not in err, err

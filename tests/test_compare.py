@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import configurator
+import dashboard
 from results import lookup, read_results, record
 import compare
 import matched
@@ -348,10 +349,11 @@ def test_every_run_has_its_own_folders_and_the_noise_runs_are_the_baseline_at_ot
     noise = matched.noise_configs(cfg, base)
     assert [c.name for c in noise] == ["f-baseline-seed6", "f-baseline-seed7"] and [c.seed for c in noise] == [6, 7]
     assert {k: v for k, v in noise[0].items() if base[k] != v} == {"name": "f-baseline-seed6", "seed": 6,
-                                                                   "out_dir": "runs/f/baseline-seed6",
-                                                                   "tensorboard_dir": "tb/baseline-seed6"}
-    assert (base.out_dir, opt.out_dir, base.tensorboard_dir, opt.tensorboard_dir) == (
-        "runs/f/baseline", "runs/f/optimized", "tb/baseline", "tb/optimized")
+                                                                   "out_dir": "runs/f/baseline-seed6"}
+    assert (base.out_dir, opt.out_dir) == ("runs/f/baseline", "runs/f/optimized")
+    # one TensorBoard folder given, each run's events under its own name there (tb/f-baseline, ...), not tb/<side>/..
+    assert base.tensorboard_dir == opt.tensorboard_dir == noise[0].tensorboard_dir == "tb"
+    assert len({str(dashboard.tensorboard_folder(c)) for c in (base, opt, *noise)}) == 4
     # the baseline is the plain execution whatever the config asks for ("auto" attention may be fa4)
     assert (base.attention_backend, opt.attention_backend, base.compile) == ("sdpa", "math", False)
 

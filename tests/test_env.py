@@ -97,6 +97,22 @@ def test_unknown_key_names_the_closest(arg, closest):
     assert arg[2:].split("=")[0] in str(info.value)
 
 
+@pytest.mark.parametrize("key, meant, not_meant", [("max_iters", ["epochs", "stop_after_updates"], "eval_interval"),
+                                                   ("block_size", ["seq_len"], "vocab_size"),
+                                                   ("batch_size", ["micro_batch_size", "tokens_per_update"],
+                                                    "eval_batch_size")])
+def test_a_nanogpt_key_names_what_does_its_job_here_not_its_closest_spelling(tmp_path, key, meant, not_meant):
+    """--max_iters suggested eval_interval, the closest spelling, to a nanoGPT user asking for the run's length."""
+    path = tmp_path / "c.py"
+    path.write_text(f"{key} = 100\n")
+    for argv in ([f"--{key}=100"], [str(path)]):
+        with pytest.raises(configurator.ConfigError) as info:
+            configurator.load_config(train.DEFAULTS, argv)
+        message = str(info.value)
+        assert f"'{key}' (nanoGPT's)" in message and all(k in message for k in meant), message
+        assert not_meant not in message, message
+
+
 def test_unknown_key_in_a_config_file(tmp_path):
     path = tmp_path / "c.py"
     path.write_text("learning_rat = 1e-3\n")

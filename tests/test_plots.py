@@ -43,6 +43,10 @@ def labels(ax):
     return [line.get_label() for line in ax.lines]
 
 
+def legend(ax):
+    return [text.get_text() for text in ax.get_legend().get_texts()]
+
+
 def test_every_run_by_default_one_line_per_run_per_panel(results, tmp_path, capsys):
     out = tmp_path / "plots" / "runs.png"
     code, fig = plot_runs.main([str(results), f"--out={out}"])
@@ -52,7 +56,7 @@ def test_every_run_by_default_one_line_per_run_per_panel(results, tmp_path, caps
     train_tokens, train_seconds, val_tokens, val_seconds = fig.axes
     assert labels(train_tokens) == labels(train_seconds) == ["a", "b"]
     assert labels(val_tokens) == labels(val_seconds) == ["a", "b", "old"]
-    assert any("old" in text.get_text() for text in train_tokens.texts)  # said, not silently dropped
+    assert legend(train_tokens) == ["a", "b", "old: no training curve"]  # said, not silently dropped
     assert list(train_tokens.lines[1].get_xdata()) == [250 * u for u in range(1, 9)]
     assert list(train_tokens.lines[1].get_ydata()) == pytest.approx([6 - u / 2 + 0.1 for u in range(1, 9)])
     assert list(train_seconds.lines[0].get_xdata()) == [0.5 * u for u in range(1, 9)]
@@ -128,9 +132,52 @@ def test_runs_without_a_finite_loss_are_named_and_the_others_drawn(results, tmp_
     assert err.count("\n") == 1 and err.startswith("note: no finite loss in diverged") and "wrote" in out
     train_tokens, _, val_tokens, _ = fig.axes
     assert labels(train_tokens) == labels(val_tokens) == ["a"]
-    assert any("no finite loss: diverged" in text.get_text() for text in train_tokens.texts)
+    assert legend(train_tokens) == legend(val_tokens) == ["a", "diverged: no finite loss"]
     # nothing but such runs: nothing to draw
     assert plot_runs.main([str(results), "diverged", f"--out={tmp_path / 'none.png'}"]) == (2, None)
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "no finite loss to draw in diverged" in err
     assert not (tmp_path / "none.png").exists()
+
+
+def colour_pixels_near(png, fig, ax, x, y, colour, radius=4):
+    """How many pixels of the written PNG within `radius` of data point (x, y) of panel ax are `colour`: what a
+    reader of the file sees there, not what the figure object holds."""
+    from matplotlib.colors import to_rgb
+    import matplotlib.image
+    import numpy as np
+    image = matplotlib.image.imread(png)[..., :3]
+    assert image.shape[0] == round(fig.get_figheight() * fig.dpi)  # written at the figure's own dpi
+    px, py = ax.transData.transform((x, y))  # display coordinates of the last draw (the save), from the bottom
+    row, col = image.shape[0] - round(py), round(px)
+    window = image[row - radius:row + radius + 1, col - radius:col + radius + 1]
+    return int((np.abs(window - np.array(to_rgb(colour))).max(axis=-1) < 0.1).sum())
+
+
+def test_a_curve_of_one_point_is_drawn_and_a_run_without_a_curve_is_named_in_the_legend(tmp_path):
+    """A one-point training curve was a line of no length, drawn as nothing: compare's PNG showed empty panels whose
+    legend listed both runs, and plot_runs.py lost every run that had logged once. The PNG is read back for the
+    run's colour at its point, away from the legend's own sample of that colour."""
+    one = run_entry(0.1)
+    one["training_curve"] = one["training_curve"][:1]
+    runs = [("many", run_entry(0.0)), ("one", one), ("old", run_entry(0.2, training=False))]
+    png = tmp_path / "runs.png"
+    fig = plots.save_plot(png, runs)
+    train_tokens, train_seconds, val_tokens, _ = fig.axes
+    assert legend(train_tokens) == legend(train_seconds) == ["many", "one", "old: no training curve"]
+    assert legend(val_tokens) == ["many", "one", "old"]
+    drawn = train_tokens.lines[1]
+    assert drawn.get_marker() == "o" and train_tokens.lines[0].get_marker() == "None"  # many points: a line
+    point = one["training_curve"][0]
+    for ax, x in ((train_tokens, point["tokens"]), (train_seconds, point["training_seconds"])):
+        legend_box = ax.get_legend().get_window_extent()
+        assert not legend_box.contains(*ax.transData.transform((x, point["loss"])))
+        assert colour_pixels_near(png, fig, ax, x, point["loss"], drawn.get_color()) >= 9
+    # compare's pair: both sides logged once, both are dots
+    pair = tmp_path / "pair.png"
+    fig = plots.save_plot(pair, [("t-baseline", one), ("t-optimized", run_entry(0.3) | {"training_curve": [
+        dict(point, loss=point["loss"] + 0.5)]})])
+    train_tokens = fig.axes[0]
+    for line in train_tokens.lines:
+        (x,), (y,) = line.get_xdata(), line.get_ydata()
+        assert colour_pixels_near(pair, fig, train_tokens, x, y, line.get_color()) >= 9

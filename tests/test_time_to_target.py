@@ -10,7 +10,7 @@ from scipy import stats
 import compare
 from results import lookup, read_results
 from tests.test_compare import PNG_MAGIC, TINY
-from time_to_target import (failed_outcome, median_seconds, run_outcome, speedup, speedup_line, table,
+from time_to_target import (failed_outcome, save_figure, median_seconds, run_outcome, speedup, speedup_line, table,
                             target_verdict, verdict_line, verdict_losses)
 
 TARGET = 3.28
@@ -22,6 +22,17 @@ def entry(curve_losses, seconds=60.0, reached=None, status="complete", seed=1, t
               "training_seconds": seconds * (i + 1) / len(curve_losses)} for i, loss in enumerate(curve_losses)]
     return {"status": status, "config": {"seed": seed}, "step": 10 * len(curve_losses), "training_seconds": seconds,
             "validation_curve": curve, "target": {"loss": target, "reached": reached, "stop_at_target": False}}
+
+
+def test_the_figure_names_every_seed_with_the_target_in_its_legend(tmp_path):
+    """The target line's legend was rebuilt from the drawn lines, dropping a seed stopped before its first
+    validation point; a seed with one point is a dot."""
+    fig = save_figure(tmp_path / "t.png", [("s1", entry([3.5, 3.2])), ("s2", entry([3.4])), ("s3", entry([]))],
+                      TARGET, "t")
+    ax, = fig.axes
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["s1", "s2", "s3: no validation curve",
+                                                                  f"target {TARGET:g}"]
+    assert ax.lines[1].get_marker() == "o" and (tmp_path / "t.png").read_bytes().startswith(PNG_MAGIC)
 
 
 # ---------------------------------------------------------------- the t-test verdict

@@ -156,7 +156,8 @@ def test_the_entry_holds_the_training_curve_and_the_dashboards_get_it(text_cache
     assert [p["lr"] for p in curve] == [pytest.approx(3e-3), pytest.approx(3e-3)]
     assert lookup(cfg.results_file, ["t", "training_curve"]) == curve
     # a point is the token-weighted mean loss of its interval: the same run logged at every update
-    every = train.train(small_config(text_cache, tmp_path, epochs=1, name="every", out_dir=str(tmp_path / "every")))
+    every = train.train(small_config(text_cache, tmp_path, epochs=1, name="every", out_dir=str(tmp_path / "every"),
+                                     tensorboard_dir=str(tmp_path / "tb")))
     fine = every["training_curve"]
     tokens = [b["tokens"] - a["tokens"] for a, b in zip([{"tokens": 0}] + fine, fine)]
     assert curve[0]["loss"] == pytest.approx((fine[0]["loss"] * tokens[0] + fine[1]["loss"] * tokens[1])
@@ -170,11 +171,17 @@ def test_the_entry_holds_the_training_curve_and_the_dashboards_get_it(text_cache
     assert logged[-1] == ("finish",)
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    events = EventAccumulator(str(tmp_path / "tb"))
-    events.Reload()
-    scalars = [(e.step, e.value) for e in events.Scalars("train/loss")]
-    assert scalars == [(p["update"], pytest.approx(p["loss"], rel=1e-6)) for p in curve]
-    assert [e.value for e in events.Scalars("val/subset_loss")] == [pytest.approx(entry["validation_curve"][0]["loss"])]
+    # two runs into one tensorboard_dir are two TensorBoard runs, each in the folder of its name (one merged run
+    # before: `tensorboard --logdir tb` drew both runs' points as one curve)
+    assert sorted(str(f.parent.relative_to(tmp_path / "tb")) for f in (tmp_path / "tb").rglob("events.out.*")) == [
+        "every", "t"]
+    for name, run in (("t", entry), ("every", every)):
+        events = EventAccumulator(str(tmp_path / "tb" / name))
+        events.Reload()
+        scalars = [(e.step, e.value) for e in events.Scalars("train/loss")]
+        assert scalars == [(p["update"], pytest.approx(p["loss"], rel=1e-6)) for p in run["training_curve"]]
+        assert [e.value for e in events.Scalars("val/subset_loss")] == [
+            pytest.approx(p["loss"]) for p in run["validation_curve"]]
 
 
 def test_dashboards_that_are_not_installed_are_one_line_before_training(text_cache, tmp_path, capsys, monkeypatch):

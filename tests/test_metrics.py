@@ -1,0 +1,77 @@
+"""metrics.py's log line: the ETA follows the mean rate of this process's training, not one interval's."""
+import re
+import types
+
+import torch
+
+import metrics
+import settings
+
+
+class Clock:
+    """time.time() for metrics.py, moved by hand."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def time(self):
+        return self.now
+
+
+def run_metrics(monkeypatch, total_updates=200, tokens_per_update=1000):
+    clock = Clock()
+    monkeypatch.setattr(metrics, "time", types.SimpleNamespace(time=clock.time))
+    cfg = settings.Config(compile=True, tokens_per_update=tokens_per_update, target_loss=0.0)
+    trainer = types.SimpleNamespace(step=0, lr_at=lambda step: 1e-3)
+    facts = {"main_process": True, "world_size": 1, "device": "cpu", "flops": 1.0, "gpu_name": None,
+             "total_updates": total_updates}
+    m = metrics.Metrics(cfg, trainer, facts)
+    m.dashboards = types.SimpleNamespace(log=lambda step, scalars: None)
+    m.start_clock()
+    return m, trainer, clock
+
+
+def train(m, trainer, clock, seconds_per_update, updates, log_interval=10):
+    for _ in range(updates):
+        clock.now += seconds_per_update
+        trainer.step += 1
+        m.count(torch.tensor(4.0 * 1000), 1000)
+        if trainer.step % log_interval == 0:
+            m.log(torch.tensor(1.0))
+
+
+def etas(out):
+    """The ETAs of the log lines printed, in seconds."""
+    return [int(m) * 60 + int(s) for m, s in re.findall(r"ETA (\d+)m(\d\d)s", out)]
+
+
+def test_the_eta_is_the_mean_rate_since_the_first_update_not_the_last_intervals(monkeypatch, capsys):
+    """One slow interval (the machine shared for a while) moved the ETA from 9m36 to 16m08 and back to 5m33."""
+    m, trainer, clock = run_metrics(monkeypatch)
+    clock.now += 30  # the first update compiles: 30 s, left out of the rate
+    trainer.step += 1
+    m.count(torch.tensor(4000.0), 1000)
+    train(m, trainer, clock, 1.0, 39)  # updates 2..40 at 1 s each
+    train(m, trainer, clock, 5.0, 10)  # updates 41..50 at 5 s each: a slow interval
+    train(m, trainer, clock, 1.0, 10)  # updates 51..60 at 1 s each
+    out = capsys.readouterr().out
+    # 1 s per update from update 2 on: ETA = what is left x 1 s, whatever the compile took
+    assert etas(out)[:4] == [190, 180, 170, 160]
+    # after the slow interval: (39 + 50) s for 49 updates, not 5 s per update (the last interval's 750 s)
+    assert etas(out)[4] == int(150 * 89 / 49)
+    assert etas(out)[5] == int(140 * 99 / 59)  # and no swing back to 140 s with the next fast interval
+    assert "| 0.2K tok/s |" in out  # the log line's rate is still the interval's (1,000 tokens per 5 s)
+
+
+def test_the_eta_leaves_out_pauses_and_starts_afresh_in_a_resumed_process(monkeypatch, capsys):
+    m, trainer, clock = run_metrics(monkeypatch)
+    train(m, trainer, clock, 2.0, 20)
+    with m.paused():  # a validation pass: not training time
+        clock.now += 600
+    train(m, trainer, clock, 2.0, 10)
+    assert etas(capsys.readouterr().out) == [380, 360, 340]  # 2 s an update, the pause aside
+    resumed, trainer, clock = run_metrics(monkeypatch)
+    resumed.restore(m.state_dict())
+    trainer.step = 30
+    train(resumed, trainer, clock, 1.0, 20)  # 1 s an update now: the earlier process's 2 s are not this one's
+    assert etas(capsys.readouterr().out) == [160, 150]
