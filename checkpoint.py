@@ -255,21 +255,21 @@ def tokenizer_mismatch(what, recorded_identity, recorded_dir, folder, fix):
             f"prepare {recorded_dir} {again}, or {fix}")
 
 
-def cache_mismatch(initial, cache):
+def cache_mismatch(initial, cache, use="train on"):
     """For train.py's setup with init_from: None when the initial weights (InitialWeights) know the token ids of
     `cache` (a data.loader.TokenCache), else one line to refuse the run with.
 
     A train.py checkpoint must have been trained on this cache (the same cache_identity), or on one still there
     as it was with the same tokenizer (tokenizer_mismatch says which cases pass). A transformers folder's
     tokenizer, when it holds one, must be the cache's; without one, or a cache without one, there is nothing to
-    compare (None)."""
+    compare (None). use: what the way out does with another cache ("train on"; evaluate.py's "evaluate on")."""
     if initial is None:
         return None
     if initial.source == "transformers":
         if same_tokenizer(initial.path, cache.path) is False:
             return (f"init_from {initial.path} holds a tokenizer that differs from the one of the token cache "
                     f"{cache.path}: its weights' token ids would mean other text; prepare a cache with its tokenizer "
-                    f"(data/prepare.py --tokenizer {initial.path} ...) and train on that")
+                    f"(data/prepare.py --tokenizer {initial.path} ...) and {use} that")
         return None
     return tokenizer_mismatch(f"init_from {initial.path}", initial.cache_identity, initial.data_dir, cache.path,
-                              "train on a cache prepared with its tokenizer (data/prepare.py --tokenizer FOLDER ...)")
+                              f"{use} a cache prepared with its tokenizer (data/prepare.py --tokenizer FOLDER ...)")

@@ -21,7 +21,7 @@ class ResultsFileError(RuntimeError):
 # therefore not be one of these).
 SECTIONS = frozenset({"environment", "benchmarks", "tuning", "profiles", "history", "matched-comparison",
                       "partial-probe", "trained-parity", "allocation-usage", "loss-microbench", "accumulation-check",
-                      "ceilings", "time-to-target", "mlp-microbench"})
+                      "ceilings", "time-to-target", "mlp-microbench", "evaluation"})
 
 
 _UMASK = os.umask(0o022)  # read once, at import (single-threaded): os.umask can only be read by setting it

@@ -21,6 +21,12 @@ def peak_memory_bytes(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # process peak RSS on the CPU
 
 
+def autocast(device, dtype, enabled=True):
+    """Autocast to dtype on device's type; none (the model's float32) when dtype is None."""
+    return torch.autocast(torch.device(device).type, dtype=dtype or torch.bfloat16,
+                          enabled=enabled and dtype is not None)
+
+
 # ---------------------------------------------------------------- the update step
 
 def uses_cudagraphs(cfg):
@@ -139,8 +145,7 @@ class Trainer:
                                        device_ids=[local_rank] if self.device.type == "cuda" else None)
 
     def autocast(self, enabled=True):
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16,
-                              enabled=enabled and self.autocast_dtype is not None)
+        return autocast(self.device, self.autocast_dtype, enabled)
 
     def lr_at(self, step):
         """The schedule's learning rate (the AdamW groups' peak is learning_rate) of update `step`."""
@@ -180,25 +185,35 @@ class Trainer:
         self.step += 1
         return loss_sum, grad_norm
 
-    @torch.no_grad()
     def evaluate(self, batches, stopped=None):
         """Mean token loss over batches, with the per-token standard deviation and the token count; None when
         stopped() turns true between batches (a signal: the pass is abandoned, not cut short and reported)."""
         self.eval_model.eval()
-        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
-        for x, y in batches:
-            if stopped and stopped():
-                self.eval_model.train()
-                return None
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            if self.cudagraphs:
-                torch.compiler.cudagraph_mark_step_begin()
-            with self.autocast():
-                losses = self.eval_model(x, y, reduction="none").double()
-            totals += torch.stack([losses.sum(), (losses * losses).sum(), (y != -100).sum().double()])
-        self.eval_model.train()
-        totals = all_reduce_sum(totals, self.world_size)
-        loss_sum, square_sum, count = totals.tolist()
-        mean = loss_sum / max(count, 1)
-        std = math.sqrt(max(square_sum / max(count, 1) - mean * mean, 0.0))
-        return {"loss": mean, "loss_std": std, "tokens": int(count)}
+        try:
+            return mean_token_loss(self.eval_model, batches, self.device, self.autocast_dtype, stopped,
+                                   self.cudagraphs, self.world_size)
+        finally:
+            self.eval_model.train()
+
+
+@torch.no_grad()
+def mean_token_loss(model, batches, device, autocast_dtype=None, stopped=None, cudagraphs=False, world_size=1):
+    """Trainer.evaluate's pass of a model in eval mode on device (evaluate.py calls it with its own model):
+    autocast to autocast_dtype (None: the model's float32), the sums over this process's batches added over
+    world_size processes. {"loss", "loss_std", "tokens"}, or None when stopped() turns true between batches."""
+    device = torch.device(device)
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    for x, y in batches:
+        if stopped and stopped():
+            return None
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        with autocast(device, autocast_dtype):
+            losses = model(x, y, reduction="none").double()
+        totals += torch.stack([losses.sum(), (losses * losses).sum(), (y != -100).sum().double()])
+    totals = all_reduce_sum(totals, world_size)
+    loss_sum, square_sum, count = totals.tolist()
+    mean = loss_sum / max(count, 1)
+    std = math.sqrt(max(square_sum / max(count, 1) - mean * mean, 0.0))
+    return {"loss": mean, "loss_std": std, "tokens": int(count)}

@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from results import ResultsFileError, lookup, read_results, record_many  # noqa: E402
 
-NESTED = {"benchmarks", "profiles"}
+NESTED = {"benchmarks", "profiles", "evaluation"}
 
 
 def canonical(path, value):
