@@ -3,12 +3,14 @@
 # on a GPU (CUDA graphs, compile modes and kernels exist only there). About 9 minutes on one H200 from empty
 # compiler caches. Exits non-zero, naming the command, at the first that fails. Needs the token cache
 # data/cache/gutenberg (python data/prepare.py --source ../shared/data/gutenberg --out data/cache/gutenberg).
-#     bash scripts/gpu_smoke.sh [RESULTS_FILE] [FIRST]   # default out/smoke/results.json; FIRST: the step to start at
-# (each step prints its number: after a failure or a time limit, go on from that step with the same results file)
+#     bash scripts/gpu_smoke.sh [RESULTS_FILE] [FIRST] [LAST]   # default out/smoke/results.json, every step
+# Each step prints its number: after a failure or a time limit, go on from that step with the same results file
+# (a step needs the runs of those before it: sample the first train's, train from the export).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 R=${1:-out/smoke/results.json}
 FIRST=${2:-1}
+LAST=${3:-999}
 mkdir -p "$(dirname "$R")"
 REF=config/20m_gh200.py
 SHORT_TRAIN="--epochs=1 --train_subset_tokens=655361 --val_subset_tokens=65536 --log_interval=5 --overwrite=True"
@@ -21,7 +23,7 @@ run() {  # run LABEL COMMAND...: the command's output, then one line saying it p
   local label=$1; shift
   local t=$SECONDS
   step=$((step + 1))
-  if [ "$step" -lt "$FIRST" ]; then echo "=== step $step skipped (starting at $FIRST): $label"; return; fi
+  if [ "$step" -lt "$FIRST" ] || [ "$step" -gt "$LAST" ]; then echo "=== step $step skipped: $label"; return; fi
   echo "=== $(date +%T) step $step, $label: $*"
   if "$@"; then
     passed=$((passed + 1))
@@ -60,7 +62,10 @@ else
 fi
 run "sample" python sample.py $REF --name=smoke-train --prompt="It was a dark and stormy night" --max_new_tokens=32
 run "export" python sample.py $REF --name=smoke-train --export_hf=out/smoke/hf
+run "evaluate the checkpoint" python evaluate.py --init_from=out/smoke-train --name=smoke-eval --results_file="$R"
+run "evaluate the export" python evaluate.py --init_from=out/smoke/hf --data_dir=data/cache/gutenberg \
+  --name=smoke-eval-export --results_file="$R"
 run "train from the export" python train.py $REF --init_from=out/smoke/hf --name=smoke-init --results_file="$R" \
   $SHORT_TRAIN
 run "plot runs" python scripts/plot_runs.py "$R" --out=out/smoke/runs.png
-echo "=== gpu smoke passed: $passed commands from step $FIRST in $((SECONDS - start)) s"
+echo "=== gpu smoke passed: $passed commands (steps $FIRST to $((LAST < step ? LAST : step))) in $((SECONDS - start)) s"
