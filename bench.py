@@ -128,7 +128,9 @@ def run_protocol(cfg):
         entry["protocol"]["cache_identity"] = plan.cache.identity if plan.cache else None
         total = cfg.warmup + cfg.windows * cfg.steps + (cfg.profile_updates if cfg.profile else 1)
         parameters = model_lib.parameter_count(plan.model)
-        say(cfg, f"building the {cfg.preset} model ({parameters / 1e6:.1f}M parameters) on {plan.device}")
+        shaped = any(cfg[k] for k in settings.MODEL_SHAPE_KEYS[:-1])
+        say(cfg, f"building a {parameters / 1e6:.1f}M-parameter model (the {cfg.preset} preset"
+                 f"{' with its shape overridden' if shaped else ''}) on {plan.device}")
         used_before = device_used_bytes(torch.device(plan.device))
         trainer = Trainer.from_plan(plan, total)
         entry["parameters"] = sum(p.numel() for p in trainer.raw_model.parameters())

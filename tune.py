@@ -257,7 +257,7 @@ class BenchRunner:
         except subprocess.TimeoutExpired:
             entry = {"status": "error", "error": f"timed out after {timeout / 60:.1f} minutes"}
         record = {k: v for k, v in entry.items() if k not in ("config", "traceback")}
-        # "rung": the name results files have always given the stage
+        # "rung": the results field that names the stage (screen or confirm)
         record.update(name=name, rung=stage, config_path=str(path), candidate_identity=identity,
                       source_hash=self.source, wall_seconds=time.time() - start, reused=False)
         return record

@@ -35,9 +35,13 @@ def test_window_arithmetic_and_median():
     assert bench.median_window(windows) == 2.0
 
 
-def test_protocol_entry_real_data(tmp_path, text_cache):
+def test_protocol_entry_real_data(tmp_path, text_cache, capsys):
     code, results = run_bench(tmp_path, text_cache, "--name=cpu-real", "--partial_probe=True")
     assert code == 0
+    # it said "building the 20m model" for a 1.4M-parameter one (the preset with its shape overridden)
+    parameters = results["benchmarks"]["cpu-real"]["parameters"]
+    assert (f"building a {parameters / 1e6:.1f}M-parameter model (the 20m preset with its shape overridden)"
+            in capsys.readouterr().out)
     entry = results["benchmarks"]["cpu-real"]
     assert entry["status"] == "ok"
     # the reference file's fields
@@ -260,3 +264,4 @@ def test_a_quiet_profile_passes_the_profiled_works_own_stderr_on(capfd):
     assert [str(w.message) for w in caught] == ["the work's own warning"]
     err = capfd.readouterr().err
     assert "the work's own line" in err and "profiler_start" not in err, err
+

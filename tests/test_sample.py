@@ -335,3 +335,12 @@ def test_a_prompt_that_is_not_utf8_is_one_line(trained, capsys):
     prompt = b"caf\xe9 au lait".decode("utf-8", "surrogateescape")
     assert sample.main([f"--out_dir={trained['out']}", "--device=cpu", f"--prompt={prompt}"]) == 2
     one_line(capsys, "--prompt is not valid UTF-8", "byte 0xe9 at character 3")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a machine without a GPU")
+def test_sampling_without_a_device_key_runs_where_the_user_is_and_says_which(trained, capsys):
+    """`python sample.py config/20m_gh200.py` on a laptop was refused ("pass --device=cpu"): sampling a small model on
+    a CPU is normal. Training a GPU recipe there is still refused."""
+    assert sample.main([f"--out_dir={trained['out']}", "--prompt=The", "--max_new_tokens=3"]) == 0
+    assert "parameters, cpu;" in capsys.readouterr().err
+    assert sample.DEFAULTS["device"] == "auto" and settings.defaults(settings.TrainSettings)["device"] == "cuda"
