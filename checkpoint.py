@@ -32,6 +32,16 @@ def save(path, model, optimizer, step, state):
                               f"({exc.strerror or exc}); {kept}: free space there, or give another --out_dir") from None
 
 
+def peek(path, key):
+    """One field of the checkpoint at path, the file mapped rather than read whole (the weights and the optimizer
+    state are not loaded); None when there is no such file, it does not read, or it holds no such field."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception:  # missing, truncated or foreign: nothing to peek at
+        return None
+    return ckpt.get(key) if isinstance(ckpt, dict) else None
+
+
 def read(path, device="cpu"):
     """The checkpoint dict at path; ValueError, in one sentence, when the file cannot be read as one."""
     try:

@@ -9,8 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
+import checkpoint
 import env
 import plan as plan_lib
 import plots
@@ -141,14 +140,8 @@ def recorded_run(c, args, recipe_identity):
 
 
 def checkpoint_run_id(path):
-    """The run_id a checkpoint continues (None when there is none, or it does not read); mapped, not read whole."""
-    if not path.is_file():
-        return None
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception:  # a truncated or foreign file is not one to resume
-        return None
-    return ckpt.get("run_id") if isinstance(ckpt, dict) else None
+    """The run_id a checkpoint continues (None when there is none, or it does not read)."""
+    return checkpoint.peek(path, "run_id") if path.is_file() else None
 
 
 def train_or_reuse(side, c, recipe_identity, rerun, signals):

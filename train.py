@@ -366,9 +366,8 @@ def resumed_settings(cfg, argv):
     path = run_dir(cfg) / "ckpt.pt"
     if not (cfg.resume and path.is_file()):
         return cfg
-    try:
-        stored = checkpoint.read(path).get("config") or {}
-    except (ValueError, AttributeError):
+    stored = checkpoint.peek(path, "config")  # mapped: resume_or_start reads the whole file once
+    if not isinstance(stored, dict):
         return cfg  # not a checkpoint train.py wrote: resume_or_start says so
     base = {k: stored.get(k, v) if k not in LAUNCH_KEYS else v for k, v in DEFAULTS.items()}
     given = settings.Config(load_config(base, argv))
