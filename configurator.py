@@ -8,6 +8,7 @@ import sys
 import types
 from pathlib import Path
 
+from env import REPO  # where config/ lies, named when a relative path is not found from here
 from results import atomic_write_text
 
 
@@ -15,7 +16,6 @@ class ConfigError(ValueError):
     """A user mistake in a config file or a --key=value override."""
 
 
-REPO = Path(__file__).resolve().parent  # where config/ lies, named when a relative path is not found from here
 
 # Keys that were renamed: the old name is refused with the new one, never silently ignored.
 RENAMED_KEYS = {"sdpa_backend": "attention_backend"}

@@ -143,7 +143,10 @@ def read_text(path):
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"text {str(path)!r} is not a file; give a UTF-8 text file to evaluate on")
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as exc:  # no permission, say
+        raise ConfigError(f"text {path} cannot be read ({exc.strerror}); give a readable UTF-8 text file") from None
     if not data:
         raise ConfigError(f"text {path} is empty: it holds no text to evaluate on")
     try:
@@ -183,9 +186,6 @@ def scored(cfg, cache, tokenizer, eot):
         text = read_text(cfg.text)
         data = {"text": str(cfg.text), "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
         return text_tokens(tokenizer, text, eot), len(text.encode("utf-8")), data
-    if len(cache.val) < 2:
-        raise ConfigError(f"the validation split of {cache.path} holds {len(cache.val)} token(s): no target to "
-                          f"score; prepare the cache with a larger --val_fraction")
     return cache.val, decoded_bytes(tokenizer, cache.val[1:], eot), {"split": "val"}
 
 
@@ -217,7 +217,7 @@ def bits_per_byte(loss, tokens, n_bytes):
 def evaluate(cfg):
     """Evaluate cfg's weights on its data; records and returns the entry."""
     settings.check(EvaluateSettings, cfg)
-    results.check_writable(cfg.results_file)
+    results.check_writable(cfg.results_file, sections=[SECTION])  # where the entry goes, before the pass
     device = plan_lib.resolve_device(cfg)
     initial = load_weights(cfg)
     cache, tokenizer, eot = open_data(cfg, initial)

@@ -266,7 +266,8 @@ def training_rate(entry):
 
 def interval_quartiles(entry):
     """[q1, q3] of a run's interval rates (tok/s of each log interval); None under MIN_INTERVALS of them."""
-    rates = [r for r in entry.get("interval_tokens_per_second") or [] if plots.finite_number(r) and r > 0]
+    listed = entry.get("interval_tokens_per_second")
+    rates = [r for r in listed if plots.finite_number(r) and r > 0] if isinstance(listed, list) else []
     if len(rates) < MIN_INTERVALS:
         return None
     q1, _, q3 = statistics.quantiles(rates, n=4, method="inclusive")

@@ -18,6 +18,8 @@ from kernels import registry
 from results import ResultsFileError, check_writable
 
 USER_ERRORS = (ConfigError, ResultsFileError, CacheError, checkpoint.CheckpointError)  # one line, never a traceback
+EXIT_INTERRUPTED = 3  # train.py's exit status for a run stopped by a signal or stop_after_updates, checkpointed
+EXIT_DIVERGED = 4     # train.py's exit status for a run whose loss is not a finite number
 SYNTHETIC_VOCAB = 32000  # bench.py's synthetic tokens without a cache: the Llama tokenizer's vocabulary
 
 

@@ -10,7 +10,7 @@ import sys
 import time
 
 GONE = (errno.EPIPE, errno.EIO)  # the reader closed its end of the pipe; the terminal hung up
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # a scheduler's time limit, Ctrl-C, a closed terminal
+STOP_SIGNALS = tuple(s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)) if s)  # a scheduler's time limit, Ctrl-C, a closed terminal
 SAME_STOP_SECONDS = 2.0  # a scheduler may signal the process and its parent passes the signal on too
 _stopped_at = [None]  # when the last stop was requested in this process (stop_requested)
 
@@ -19,7 +19,7 @@ def install(handler):
     """`handler` for each stop signal, but a SIGHUP that the process ignores (nohup's stays ignored; SIGTERM and
     SIGINT stop a run as they always did); returns the handlers it replaced."""
     return {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS
-            if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN}
+            if sig != getattr(signal, "SIGHUP", None) or signal.getsignal(sig) is not signal.SIG_IGN}
 
 
 def silence(fd):

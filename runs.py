@@ -15,11 +15,10 @@ import plan as plan_lib
 import plots
 import settings
 from configurator import ConfigError, load_config, write_config_file
-from plan import run_dir
+from plan import EXIT_INTERRUPTED, run_dir
 from results import lookup
 
 TRAIN_DEFAULTS = settings.defaults(settings.TrainSettings)
-EXIT_INTERRUPTED = 3  # train.py's exit status for a run stopped with its checkpoint
 
 LAUNCH_KEYS = ("resume", "overwrite")  # how a run was launched, not what it trains: ignored when reusing it
 

@@ -22,13 +22,11 @@ from configurator import ConfigError, load_config
 from data.loader import Prefetcher, eval_batch_count, eval_batches
 from distributed import all_reduce_sum, end_distributed
 from metrics import RESUME_FIELDS, Metrics, final_validation_result
-from plan import USER_ERRORS, run_dir, training_data
+from plan import EXIT_DIVERGED, EXIT_INTERRUPTED, USER_ERRORS, run_dir, training_data
 from trainer import Trainer
 
 TrainSettings = settings.TrainSettings
 DEFAULTS = settings.defaults(TrainSettings)
-EXIT_INTERRUPTED = 3  # exit status of a run stopped by a signal or stop_after_updates, checkpointed to resume
-EXIT_DIVERGED = 4     # exit status of a run whose loss is not a finite number
 INTERRUPTING = ("signal", "stop_after_updates")  # stop reasons that leave the run to resume; "target" and "end" finish
 
 

@@ -28,7 +28,7 @@ from configurator import ConfigError, write_config_file
 from data.loader import CacheError, TokenCache
 from kernels import attention
 from plan import USER_ERRORS
-from plots import fmt
+from plots import finite_number, fmt
 from settings import BENCH_GROUPS, BenchSettings, TrainSettings, setting
 from sweep import STAGES, Sweep, describe, rate, said
 from trainer import uses_cudagraphs
@@ -194,6 +194,16 @@ def tracked_files(folder):
     return {(env.REPO / p).resolve() for p in out.stdout.split("\0") if p} if out.returncode == 0 else set()
 
 
+def reusable(res):
+    """A recorded measurement the sweep can take as it is: a success whose rate, wall time and windows are the
+    numbers bench.py and the runner write (a hand-edited one is measured again, never a TypeError mid-sweep)."""
+    windows = res.get("measurements") if isinstance(res, dict) else None
+    return (isinstance(res, dict) and res.get("status") == "ok" and finite_number(res.get("tokens_per_second"))
+            and finite_number(res.get("wall_seconds")) and isinstance(windows, list)
+            and all(isinstance(m, dict) and finite_number(m.get("seconds")) and isinstance(m.get("updates"), int)
+                    for m in windows))
+
+
 class BenchRunner:
     """measure() for the Sweep: writes the candidate's config and runs bench.py on it in its own process, or
     returns an earlier sweep's measurement of the same thing (a rerun with a larger budget costs only what is new)."""
@@ -217,7 +227,7 @@ class BenchRunner:
         tuning = tuning if isinstance(tuning, dict) else {}  # none, or a section edited by hand: nothing to reuse
         records = tuning.get("candidates") if isinstance(tuning.get("candidates"), list) else []
         for res in [record.get(s) for record in records if isinstance(record, dict) for s in STAGES]:
-            if isinstance(res, dict) and res.get("status") == "ok" and res.get("source_hash") == self.source:
+            if reusable(res) and res.get("source_hash") == self.source:
                 self.previous[res.get("candidate_identity")] = with_environment(res, tuning.get("environment"))
 
     def config_path(self, candidate):

@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from env import REPO  # named when a relative data_dir is found there but not from here
+
 IGNORE = -100  # target of a padded position: the loss skips it
-REPO = Path(__file__).resolve().parents[1]  # named when a relative data_dir is found there but not from here
 
 
 class CacheError(ValueError):

@@ -329,11 +329,12 @@ def die_with_parent():
     if sys.platform.startswith("linux"):
         import ctypes
         import threading
+        prctl = ctypes.CDLL(None).prctl  # looked up here: a dlopen in a child forked beside running threads can hang
         forking = []  # before a fork: the parent's pid if its main thread forks (whose end the child's signal follows)
 
         def child():
             if forking[-1]:
-                ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+                prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
                 if os.getppid() != forking[-1]:  # the parent ended before that: no signal would come
                     os._exit(1)
         os.register_at_fork(before=lambda: forking.append(threading.current_thread() is threading.main_thread()

@@ -31,9 +31,11 @@ def benchmark_lines(name, e, width):
 
 
 def profile_lines(name, p):
-    n = p["profiled_updates"]
+    n = p.get("profiled_updates")
+    if not isinstance(n, int) or n < 1 or not isinstance(p.get("kernel_ms_by_category"), dict):
+        return [f"{name}: a partial profile (no profiled_updates or kernel_ms_by_category), left out"]
     categories = ", ".join(f"{c} {fmt(ms / n, '.2f')}" for c, ms in p["kernel_ms_by_category"].items() if ms)
-    lines = [f"{name}: {fmt(p['kernel_ms'] / n, '.2f')} ms of kernels per update ({categories})"]
+    lines = [f"{name}: {fmt(p.get('kernel_ms', 0) / n, '.2f')} ms of kernels per update ({categories})"]
     for k in p.get("top_kernels", [])[:12]:
         lines.append(f"  {fmt(k['ms'] / n, '7.3f')} ms  x{k['count'] // n:<4} {k['category']:<14}{k['name'][:100]}")
     return lines

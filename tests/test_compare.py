@@ -522,3 +522,11 @@ def test_the_two_sides_resolving_to_one_execution_is_said_before_training(tiny, 
         matched.check_before_training(cfg, matched.side_configs(cfg))
         out = capsys.readouterr().out
         assert ("resolve to the same execution" in out and "attention sdpa on cpu" in out) == said
+
+
+def test_hand_edited_interval_rates_give_no_band_from_them_not_a_traceback(tmp_path):
+    runs = {"base": dict(timed(4.600, [960, 1000, 1040, 1000]), interval_tokens_per_second=5),
+            "opt": timed(4.602, [1950, 2000, 2050, 2000], micro_batch_size=32, compile=True)}
+    code, c = speed_verdict_of(tmp_path, runs, "--noise_seed_runs=0")
+    assert code == 0 and c["speed_noise"]["interval_quartiles"]["baseline"] is None
+    assert c["speed_verdict"] == "noise not measured"

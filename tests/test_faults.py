@@ -183,6 +183,7 @@ def test_a_results_file_that_is_a_link_is_written_through_it(tmp_path):
     assert link.is_symlink() and link.resolve() == real
     assert read_results(real) == {"kept": 1, "benchmarks": {"new": {"tokens_per_second": 2.0}}, "notes": ["appended"]}
     assert (tmp_path / "results" / "h200.json.lock").exists()  # one lock for every writer of that file
+    assert not (tmp_path / "results.json.lock").exists()  # none beside the link, which another writer would miss
     results.atomic_write_text(link, "{}\n")  # and every other atomic write (a checkpoint, say) goes through too
     assert link.is_symlink() and real.read_text() == "{}\n"
 

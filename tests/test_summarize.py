@@ -47,3 +47,14 @@ def test_the_projects_results_file_prints_no_unformatted_float(capsys):
     summarize.main(str(Path(__file__).resolve().parent.parent / "results" / "h200.json"), [])
     out = capsys.readouterr().out
     assert "validation loss 4.6122" in out and not LONG_FLOAT.search(out)
+
+
+def test_prefixes_keep_only_their_entries_and_a_partial_profile_is_named_not_a_traceback(tmp_path, capsys):
+    path = tmp_path / "results.json"
+    record(path, ["benchmarks", "keep-a"], {"status": "ok", "tokens_per_second": 1.0})
+    record(path, ["benchmarks", "drop-b"], {"status": "ok", "tokens_per_second": 2.0})
+    record(path, ["profiles", "keep-a"], {"kernel_ms": 3.0})  # a hand-cut profile
+    summarize.main(str(path), ["keep"])
+    out = capsys.readouterr().out
+    assert "keep-a" in out and "drop-b" not in out
+    assert "keep-a: a partial profile (no profiled_updates or kernel_ms_by_category), left out" in out

@@ -100,6 +100,7 @@ def test_only_successes_are_reused(tmp_path, text_cache, monkeypatch):
     ok, failed = dict(cfg, micro_batch_size=4), dict(cfg, micro_batch_size=2)
     protocol = dict(sweep_lib.PROTOCOLS["screen"], data_mode="real")
     run = lambda c, status: {"status": status, "source_hash": runner.source, "tokens_per_second": 1.0,
+                             "wall_seconds": 9.0, "measurements": [{"seconds": 2.0, "updates": 20}],
                              "candidate_identity": runner.identity(c, protocol), "environment": {"gpu": None}}
     record(results, ["tuning"], {"environment": {"cpu": "x"},
                                  "candidates": [{"screen": run(ok, "ok"), "confirm": None},
@@ -110,6 +111,11 @@ def test_only_successes_are_reused(tmp_path, text_cache, monkeypatch):
     # a section edited by hand: what is not a record is left out, the rest still reused
     record(results, ["tuning"], {"environment": "x", "candidates": [5, {"screen": dict(run(ok, "ok"), environment=3)}]})
     assert tune.BenchRunner(cfg).previous[runner.identity(ok, protocol)]["environment"] == {}
+    # a success whose figures were edited by hand is measured again, not a TypeError when the sweep estimates
+    for broken in ({"wall_seconds": None}, {"measurements": [{"seconds": "2", "updates": 20}]}, {"measurements": 3},
+                   {"tokens_per_second": "fast"}):
+        record(results, ["tuning"], {"candidates": [{"screen": dict(run(ok, "ok"), **broken)}]})
+        assert tune.BenchRunner(cfg).previous == {}, broken
     record(results, ["tuning"], [1, 2])
     assert tune.BenchRunner(cfg).previous == {}
 
