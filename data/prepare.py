@@ -327,8 +327,7 @@ def die_with_parent():
     """From now on each process the main thread forks (datasets' workers, their manager) is killed when this one
     ends, however it ends (Linux's PR_SET_PDEATHSIG): killed with -9, its workers tokenized on for many seconds."""
     if sys.platform.startswith("linux"):
-        import ctypes
-        import threading
+        import ctypes, threading  # noqa: E401
         prctl = ctypes.CDLL(None).prctl  # looked up here: a dlopen in a child forked beside running threads can hang
         forking = []  # before a fork: the parent's pid if its main thread forks (whose end the child's signal follows)
 
