@@ -59,10 +59,11 @@ def _run(cmd, cwd=None):
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-def _package_versions():
+def package_versions(names=("torch", "triton", "numpy", "datasets", "transformers", "tokenizers")):
+    """{distribution name: its installed version, or None}."""
     from importlib import metadata
     versions = {}
-    for name in ("torch", "triton", "numpy", "datasets", "transformers", "tokenizers"):
+    for name in names:
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -126,7 +127,7 @@ def fingerprint(cache_identity=None):
         "python": sys.version,
         "platform": platform.platform(),
         "hostname": socket.gethostname(),
-        "versions": _package_versions(),
+        "versions": package_versions(),
         "cuda": torch.version.cuda if cuda else None,
         "git_revision": _run(["git", "rev-parse", "HEAD"], cwd=REPO),
         "git_status": _run(["git", "status", "--porcelain"], cwd=REPO),

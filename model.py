@@ -160,6 +160,10 @@ class Block(nn.Module):
         x = x + self.attention(self.attention_norm(x), cos, sin, backends)
         return x + self.feed_forward(self.ffn_norm(x))
 
+    # The same forward as a nested compile region: inside a compiled model, torch.compile traces and compiles it
+    # once and calls that code for every block (their weights are its inputs); outside compile it is forward.
+    forward_compiled_once = torch.compiler.nested_compile_region(forward)
+
 
 class Transformer(nn.Module):
     def __init__(self, config, attention_backend="auto", loss_impl="full", loss_chunk_tokens=8192,
@@ -180,6 +184,7 @@ class Transformer(nn.Module):
         # shapes that can run a choice are kernels/registry.py's to say, and settings.py's to check
         self._train_loss, self._losses_only = (loss.fp8 if lm_head_fp8 else loss.train), loss.losses_only
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.blocks_compiled_once = False  # compile_scope "shared" (trainer.py) sets it: see Block
         self.layers = nn.ModuleList(Block(config, mlp_impl) for _ in range(config.n_layers))
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
@@ -241,8 +246,9 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(idx)
         if self.residual_dtype is not None and torch.is_autocast_enabled(device_type):
             x = x.to(self.residual_dtype)  # the declared bf16 stream: every add and norm then reads half the bytes
+        block = Block.forward_compiled_once if self.blocks_compiled_once else Block.__call__
         for layer in self.layers:
-            x = layer(x, cos, sin, self._sdpa_backends)
+            x = block(layer, x, cos, sin, self._sdpa_backends)
         return self.norm(x)
 
     def forward(self, idx, targets=None, reduction="mean"):

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 import checkpoint
+import compile_cache
 import env
 import model as model_lib
 import settings
@@ -57,6 +58,7 @@ def resolve(cfg, cls=settings.TrainSettings, world=None, synthetic=False):
     attention, reason = check_device(cfg, torch.device(device))
     if "results_file" in cfg:
         check_writable(cfg.results_file)
+    check_compile_cache(cfg)
     cache = None if synthetic else open_cache(cfg)
     initial = load_initial_weights(cfg)
     mcfg = model_of(cfg, cache, initial)
@@ -92,6 +94,15 @@ def check_device(cfg, device):
         raise ConfigError("profile records GPU kernel time, and this runs on the CPU (where it would record CPU "
                           "operator time as kernel_ms); profile on a GPU, or drop profile")
     return resolve_backend(cfg.attention_backend, device)
+
+
+def check_compile_cache(cfg):
+    """A compile_cache path that holds another kind of file is refused before any work (it is never written over)."""
+    if cfg.get("compile_cache"):
+        try:
+            compile_cache.read(cfg.compile_cache)
+        except compile_cache.CompileCacheError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 # ---------------------------------------------------------------- the data, the weights and the model

@@ -28,7 +28,7 @@ from results import SECTIONS
 RECIPE, MODEL, WEIGHTS, EXECUTION, RUN = "recipe", "model", "weights", "execution", "run"
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-COMPILE_SCOPES = ("model", "blocks")
+COMPILE_SCOPES = ("model", "shared", "blocks")
 DEVICES = ("cuda", "cpu", "auto")
 MODEL_SHAPE_KEYS = ("dim", "n_layers", "n_heads", "hidden_dim", "vocab_size")  # 0: the preset's (the data's)
 # The recipe keys the identity hashes at any value. Every other recipe key enters it only off its default, so that
@@ -136,9 +136,13 @@ class Execution:
     micro_batch_size: int = setting(8, "sequences per forward pass; an update accumulates the rest", bounds=">= 1")
     compile: bool = setting(False, "torch.compile the model")
     compile_mode: str = setting("default", "torch.compile's mode", choices=COMPILE_MODES)
-    compile_scope: str = setting("model", "model: one graph; blocks: each block and the loss head apart (compiles "
-                                          "once for all the identical blocks, so a much shorter cold start)",
-                                 choices=COMPILE_SCOPES)
+    compile_scope: str = setting("model", "model: one graph, each block compiled in it; shared: one graph in which "
+                                          "the identical blocks are traced and compiled once (a nested compile "
+                                          "region); blocks: each block and the loss head a graph of its own, "
+                                          "compiled once for all blocks", choices=COMPILE_SCOPES)
+    compile_cache: str = setting("", "compiled only: a file of the run's compiled code (compile_cache.py), loaded at "
+                                     "start when the same code, torch and GPU made it, else written after the first "
+                                     "update, so another machine starts warm")
     attention_backend: str = setting("auto", registry.ATTENTION.help, choices=registry.ATTENTION)
     loss_impl: str = setting("full", registry.LOSS.help, choices=registry.LOSS)
     loss_chunk_tokens: int = setting(8192, "tokens per slice of the fused and quack_chunked losses", bounds="> 0")
@@ -367,6 +371,12 @@ def _update_graph(cfg):
     if cfg.update_graph and not cfg.compile:
         return "update_graph compiles the clip and the optimizer step with the model; set compile=True (or leave " \
                "update_graph off)"
+
+
+@combination("compile_cache", "compile")
+def _compile_cache(cfg):
+    if cfg.compile_cache and not cfg.compile:
+        return "compile_cache holds compiled code and this run compiles nothing; set compile=True (or drop compile_cache)"
 
 
 @combination("stop_at_target", "target_loss")

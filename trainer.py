@@ -3,11 +3,13 @@ evaluation pass."""
 import contextlib
 import inspect
 import math
+import os
 import resource
 
 import torch
 import torch._functorch.config  # activation_memory_budget
 
+import compile_cache
 import model as model_lib
 import optim
 from distributed import all_reduce_sum
@@ -59,6 +61,7 @@ class Trainer:
                                                lm_head_fp8=cfg.lm_head_fp8, mlp_impl=cfg.mlp_impl).to(self.device)
         if initial_state is not None:  # init_from: the weights a run starts from, in place of the seed's
             self.raw_model.load_state_dict(initial_state)
+        self.compile_cache = self.load_compile_cache(cfg.get("compile_cache") if cfg.compile else None)
         self.cudagraphs = uses_cudagraphs(cfg)
         self.stable_grads = self.cudagraphs and micro_steps(cfg, world_size) > 1
         if self.stable_grads:
@@ -82,6 +85,23 @@ class Trainer:
                    initial_state=plan.initial.state if plan.initial else None,
                    attention=(plan.attention, plan.attention_reason))
 
+    def load_compile_cache(self, path):
+        """compile_cache's file put into the compiler's caches when it matches; returns the path to save it to
+        after the first update (None: nothing to save, or another process of the run saves it)."""
+        if not path:
+            return None
+        loaded, line = compile_cache.load(path, self.device)
+        main = int(os.environ.get("RANK", "0")) == 0
+        if main:
+            print(line, flush=True)
+        return None if loaded or not main else path
+
+    def save_compile_cache(self):
+        line = compile_cache.save(self.compile_cache, self.device)
+        if line:
+            print(line, flush=True)
+        self.compile_cache = None
+
     def allocate_gradients(self):
         """Give every parameter a zeroed .grad that the optimizer step keeps (zero_grad without set_to_none).
 
@@ -93,12 +113,14 @@ class Trainer:
             p.grad = torch.zeros_like(p)
 
     def compiled(self, model):
-        """The model under torch.compile: whole, or (compile_scope=blocks) each block and the loss head apart."""
+        """The model under torch.compile: one graph (compile_scope model; shared: with the blocks' code traced and
+        compiled once), or (blocks) each block and the loss head apart."""
         cfg = self.cfg
         # Read by the partitioner when the first call compiles; process-wide, as torch.compile's settings are.
         torch._functorch.config.activation_memory_budget = cfg.activation_memory_budget
         mode = compile_mode(cfg)
-        if cfg.compile_scope == "model":
+        if cfg.compile_scope in ("model", "shared"):
+            model.blocks_compiled_once = cfg.compile_scope == "shared"
             return torch.compile(model, dynamic=False, mode=mode)
         # Compiled in place, so the module (and its state_dict names) stay as they are.
         for layer in model.layers:
@@ -183,6 +205,8 @@ class Trainer:
             grad_norm = grad_norm.clone()  # a CUDA graph's output is overwritten by its next replay
         self.optimizer.zero_grad(set_to_none=not self.stable_grads)
         self.step += 1
+        if self.compile_cache:  # this process's first update: what the run compiles, it compiled in it
+            self.save_compile_cache()
         return loss_sum, grad_norm
 
     def evaluate(self, batches, stopped=None):

@@ -1,53 +1,100 @@
-"""Where a cold first update's seconds go: the compiler's own phase timings for a config, from empty caches.
+"""Where a first update's seconds go, phase by phase, cold (--cold=True: empty compiler caches) or warm.
 
-    python scripts/cold_start_profile.py config/20m_gh200.py --compile_scope=blocks --compile_mode=reduce-overhead
+    python scripts/cold_start_profile.py config/20m_gh200.py --cold=True --name=cold-start-20m
+    python scripts/cold_start_profile.py config/20m_gh200.py --name=warm-start-20m
 
-First compiles the fused loss's Triton kernel alone (it is built on first use), then runs the first update and
-prints its seconds with torch._dynamo's per-phase compile times.
+Times the imports (torch, the attention backend's package, the project), the model and optimizer, the attention
+kernel's and the loss kernel's first calls (flash-attn-4 and the fused loss compile on first use), then three
+updates of synthetic tokens: the first compiles (its seconds split into torch.compile's phases: Dynamo's tracing,
+AOTAutograd, Inductor's code generation, the wait for the Triton compiles, the backward's compile), the second
+records the CUDA graphs, the third replays them. Records the phases under --name in the results file.
 """
 import sys
 import time
-from pathlib import Path
 
-import torch
+start = time.perf_counter()
+import torch  # noqa: E402
+
+IMPORT_TORCH = time.perf_counter() - start
+from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+start = time.perf_counter()
 import env  # noqa: E402
 import plan as plan_lib  # noqa: E402
-from kernels import cross_entropy  # noqa: E402
 import settings  # noqa: E402
 from data.loader import batch_stream, synthetic_batches  # noqa: E402
+from kernels import cross_entropy  # noqa: E402
+from kernels.attention import causal_attention  # noqa: E402
+from kernels.registry import ATTENTION  # noqa: E402
 from plan import USER_ERRORS  # noqa: E402
+from results import record  # noqa: E402
 from trainer import Trainer  # noqa: E402
+
+IMPORT_PROJECT = time.perf_counter() - start
+
+
+def timed(fn, device):
+    """fn()'s seconds, the device synchronised on both sides."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    begin = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - begin
+
+
+def compile_phases():
+    """The first update's compile split into torch.compile's phases (torch._dynamo's own timers, in seconds)."""
+    spent = torch._dynamo.utils.calculate_time_spent()
+    frame, backend = spent.get("entire_frame_compile", 0.0), spent.get("backend_compile", 0.0)
+    inductor, wait = spent.get("inductor_compile", 0.0), spent.get("async_compile.wait", 0.0)
+    backward = spent.get("entire_backward_compile", 0.0)
+    # Inductor's timer covers the forward's and (compiled at the first backward) the backward's graphs
+    return {"dynamo_tracing": frame - backend, "aot_autograd": backend + backward - inductor,
+            "inductor_codegen": inductor - wait, "triton_compile_wait": wait, "compile_total": frame + backward}
+
+
+def first_kernels(cfg, trainer, device):
+    """The attention kernel's forward and backward and the fused loss's kernel at the run's shapes, called once:
+    what compiles on first use outside torch.compile (flash-attn-4's CuTe kernels, the loss's Triton kernel)."""
+    mcfg = trainer.raw_model.config
+    shape = (cfg.micro_batch_size, cfg.seq_len, mcfg.n_heads, mcfg.head_dim)
+    q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    backends = trainer.raw_model._sdpa_backends
+    attention = timed(lambda: causal_attention(q, k, v, backends).sum().backward(), device)
+    loss = 0.0
+    if cfg.loss_impl == "fused" and device.type == "cuda":
+        logits = torch.randn(4, mcfg.vocab_size, device=device, dtype=torch.bfloat16)
+        targets = torch.zeros(4, dtype=torch.long, device=device)
+        loss = timed(lambda: cross_entropy._cross_entropy_rows(device)(logits, targets), device)
+    return attention, loss
 
 
 def main(argv):
     cfg = settings.resolve(settings.BenchSettings, argv)
     plan = plan_lib.resolve(settings.Config(cfg, data_mode="synthetic"), settings.BenchSettings, world=(0, 0, 1),
                             synthetic=True)  # synthetic tokens, as bench's; every check before any folder is made
-    device, mcfg, sequences_per_update = plan.device, plan.model, plan.sequences_per_update
-    folders, was_cold = env.compiler_cache_state(fresh=True)
-    print(f"compiler caches {folders}, cold: {was_cold}")
-    _, make = synthetic_batches(cfg, mcfg.vocab_size, sequences_per_update, 0, 1)
-    batches = batch_stream(make, device, 3)
-    start = time.perf_counter()
-    trainer = Trainer(cfg, mcfg, device, total_updates=3)
-    print(f"model and optimizer: {time.perf_counter() - start:.2f} s")
-    if cfg.loss_impl == "fused" and trainer.device.type == "cuda":
-        start = time.perf_counter()
-        logits = torch.randn(4, mcfg.vocab_size, device=device, dtype=torch.bfloat16)
-        cross_entropy._cross_entropy_rows(trainer.device)(logits, torch.zeros(4, dtype=torch.long, device=device))
-        torch.cuda.synchronize()
-        print(f"the loss kernel's Triton compile: {time.perf_counter() - start:.2f} s")
-    start = time.perf_counter()
-    trainer.update(*next(batches))
-    torch.cuda.synchronize() if trainer.device.type == "cuda" else None
-    print(f"first update: {time.perf_counter() - start:.2f} s")
-    start = time.perf_counter()
-    trainer.update(*next(batches))
-    torch.cuda.synchronize() if trainer.device.type == "cuda" else None
-    print(f"second update: {time.perf_counter() - start:.2f} s")
-    print(torch._dynamo.utils.compile_times(repr="str"))
+    device, mcfg = torch.device(plan.device), plan.model
+    folders, was_cold = env.compiler_cache_state(fresh=cfg.cold)
+    phases = {"import_torch": IMPORT_TORCH, "import_project": IMPORT_PROJECT}
+    phases["import_attention_package"] = timed(lambda: ATTENTION[plan.attention].load and
+                                               ATTENTION[plan.attention].load(), device)
+    _, make = synthetic_batches(cfg, mcfg.vocab_size, plan.sequences_per_update, 0, 1)
+    batches = batch_stream(make, device, 4)
+    begin = time.perf_counter()
+    trainer = Trainer.from_plan(plan, total_updates=4)
+    phases["model_and_optimizer"] = time.perf_counter() - begin
+    phases["attention_first_call"], phases["loss_kernel_first_call"] = first_kernels(cfg, trainer, device)
+    for name in ("first_update", "second_update", "third_update"):
+        phases[name] = timed(lambda: trainer.update(*next(batches)), device)
+    phases.update(compile_phases())
+    record(cfg.results_file, [cfg.name], {"run_id": env.new_run_id(), "config": dict(cfg), "attention": plan.attention,
+                                          "compiler_cache": folders, "cache_was_cold": was_cold, "seconds": phases,
+                                          "environment": env.fingerprint(None)})
+    print(f"{cfg.name}: {'cold' if was_cold else 'warm'} compiler caches, attention {plan.attention}")
+    for phase, seconds in phases.items():
+        print(f"  {phase:<26}{seconds:8.2f} s")
 
 
 if __name__ == "__main__":

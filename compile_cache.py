@@ -1,0 +1,89 @@
+"""A run's compiled code in one file, to start warm on another machine: PyTorch's portable compile cache.
+
+    python train.py config/20m_muon_wsd.py --compile_cache=out/20m.compile   # compiles, then saves the file
+    python train.py config/20m_muon_wsd.py --compile_cache=out/20m.compile   # here or on a fresh node: loads it
+
+torch.compiler.save_cache_artifacts() gathers what this process compiled (Inductor's graphs, AOTAutograd's
+entries, the Triton kernels and their autotuning picks) and load_cache_artifacts() puts them into the local
+caches, so the next compile of the same graphs finds them instead of generating code. Each of those entries is
+keyed by torch on its graph and options, so a cache of other settings is only missed, never used. The file adds a
+key of its own around them, the things torch's keys do not promise to cover: the torch, Triton and CUDA versions,
+the GPU, the kernel packages and this repository's code. A file whose key differs is ignored with a line saying
+what differs, and rewritten when this run has compiled; a file that is not a compile cache is never written over.
+"""
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+import env
+from results import atomic_write
+
+MAGIC = b"tiny-llm compile cache\n"
+FORMAT = 1
+
+
+class CompileCacheError(ValueError):
+    """A compile_cache path that holds something other than a compile cache."""
+
+
+def key(device):
+    """What a cache's code depends on beyond torch's own keys: versions, the device and the repository's code."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        name = f"{torch.cuda.get_device_name(index)} sm_{''.join(map(str, torch.cuda.get_device_capability(index)))}"
+    else:
+        name = f"cpu {platform.machine()}"
+    versions = env.package_versions(("torch", "triton", "flash-attn-4", "nvidia-cutlass-dsl", "quack-kernels"))
+    return {"format": FORMAT, "device": name, "cuda": torch.version.cuda, **versions, "code": env.source_hash()}
+
+
+def read(path):
+    """(key, artefacts) of a cache file; None when there is no file. CompileCacheError for another kind of file."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    data = path.read_bytes() if path.is_file() else b""
+    if not data.startswith(MAGIC):
+        raise CompileCacheError(f"compile_cache {path} exists and is not a compile cache this project wrote; give "
+                                f"a new path (the file is made after the first update) or one made before")
+    header, _, artefacts = data[len(MAGIC):].partition(b"\n")
+    try:
+        return json.loads(header), artefacts
+    except ValueError:
+        raise CompileCacheError(f"compile_cache {path} has a damaged header; delete it and it is made again") from None
+
+
+def differences(stored, expected):
+    """The key's fields that differ, as 'field: stored (here expected)'."""
+    return [f"{k}: {stored.get(k)} (here {v})" for k, v in expected.items() if stored.get(k) != v]
+
+
+def load(path, device):
+    """Put a saved cache into this process's compiler caches when its key matches; returns (loaded, the line to
+    print)."""
+    found = read(path)
+    if found is None:
+        return False, f"compile cache {path}: none yet; compiling, then saving it there after the first update"
+    stored, artefacts = found
+    changed = differences(stored, key(device))
+    if changed:
+        return False, f"compile cache {path} ignored, made for other code or machine ({'; '.join(changed)}); compiling"
+    info = torch.compiler.load_cache_artifacts(artefacts)
+    count = sum(len(v) for v in vars(info).values() if isinstance(v, list)) if info is not None else 0
+    return True, f"compile cache {path}: loaded {count} entries ({len(artefacts) / 2**20:.1f} MiB)"
+
+
+def save(path, device):
+    """Write what this process compiled to path (atomically); returns the line to print, or None with nothing to
+    save."""
+    read(path)  # refuses to replace a file that is not a compile cache
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None:
+        return None
+    artefacts, _ = saved
+    header = json.dumps(key(device), sort_keys=True).encode()
+    atomic_write(path, lambda f: f.write(MAGIC + header + b"\n" + artefacts))
+    return f"compile cache {path}: saved {len(artefacts) / 2**20:.1f} MiB"

@@ -1,0 +1,91 @@
+"""How a run compiles (#39): the blocks' code traced once in one graph, and the saved compile cache's key."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import compile_cache
+import model as model_lib
+from tests.conftest import REPO
+
+
+def traced(n_layers, once):
+    """(graphs, ops traced, loss, embedding gradient) of a tiny model compiled whole with aot_eager (autograd's
+    graphs as Inductor would get them, without its slow CPU code generation)."""
+    torch.manual_seed(0)
+    config = model_lib.ModelConfig(vocab_size=64, dim=32, n_layers=n_layers, n_heads=2, hidden_dim=64, max_seq_len=16)
+    model = model_lib.Transformer(config, attention_backend="math")
+    model.blocks_compiled_once = once
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    x = torch.randint(0, 64, (2, 16))
+    loss = torch.compile(model, backend=counter, dynamic=False)(x, x)
+    loss.backward()
+    return counter.frame_count, counter.op_count, loss.item(), model.tok_embeddings.weight.grad.clone()
+
+
+def test_shared_scope_traces_the_blocks_code_once_with_the_same_math():
+    """compile_scope=shared: one graph whose every block calls one traced region, so what is traced (and what
+    Inductor compiles) does not grow with the layers but by one call each; the loss and gradients are the inlined
+    graph's."""
+    graphs, ops_2, loss_2, grad_2 = traced(2, once=True)
+    _, ops_4, _, _ = traced(4, once=True)
+    _, inlined_2, loss_inlined, grad_inlined = traced(2, once=False)
+    _, inlined_4, _, _ = traced(4, once=False)
+    assert graphs == 1
+    per_block, per_block_inlined = (ops_4 - ops_2) / 2, (inlined_4 - inlined_2) / 2
+    assert per_block <= 2  # a region call (and its outputs' unpacking) per extra block
+    assert per_block_inlined > 10 * per_block  # each block's ops again
+    assert loss_2 == pytest.approx(loss_inlined, rel=1e-6)
+    assert torch.allclose(grad_2, grad_inlined, rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------- the saved compile cache
+
+COMPILE_ONCE = """
+import sys, torch
+sys.path.insert(0, {repo!r})
+import compile_cache
+from torch._dynamo.utils import counters
+print(compile_cache.load(sys.argv[1], "cpu")[1])
+torch.compile(lambda x: (x.sin() * 3 + 1).relu().sum(), dynamic=False)(torch.randn(8, 8))
+print("hits", counters["inductor"]["fxgraph_cache_hit"])
+"""
+
+
+def test_a_saved_cache_makes_a_fresh_process_start_warm_and_another_key_is_ignored(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "here"))
+    torch._dynamo.reset()
+    torch.compile(lambda x: (x.sin() * 3 + 1).relu().sum(), dynamic=False)(torch.randn(8, 8))
+    path = tmp_path / "run.compile"
+    assert "saved" in compile_cache.save(path, "cpu")
+    # a process with its own empty Inductor and Triton caches, as on a fresh machine
+    environ = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "fresh"), TRITON_CACHE_DIR=str(tmp_path / "t"))
+    out = subprocess.run([sys.executable, "-c", COMPILE_ONCE.format(repo=str(REPO)), str(path)], env=environ,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "loaded" in out.stdout and "hits 1" in out.stdout  # Inductor's graph came from the file
+    # the same file as if another torch made it: ignored with a line naming what differs, nothing loaded
+    header, _, artefacts = path.read_bytes()[len(compile_cache.MAGIC):].partition(b"\n")
+    path.write_bytes(compile_cache.MAGIC + json.dumps(dict(json.loads(header), torch="0.0.0")).encode() + b"\n"
+                     + artefacts)
+    loaded, line = compile_cache.load(path, "cpu")
+    assert not loaded and "ignored" in line and f"torch: 0.0.0 (here {torch.__version__})" in line
+
+
+def test_the_key_follows_the_code(tmp_path, monkeypatch):
+    before = compile_cache.key("cpu")
+    monkeypatch.setattr(compile_cache.env, "source_hash", lambda: "edited")
+    assert compile_cache.differences(before, compile_cache.key("cpu")) == [f"code: {before['code']} (here edited)"]
+
+
+def test_a_path_that_is_not_a_compile_cache_is_refused_and_kept(tmp_path):
+    mine = tmp_path / "model.pt"
+    mine.write_bytes(b"a user's file")
+    with pytest.raises(compile_cache.CompileCacheError, match="is not a compile cache"):
+        compile_cache.save(mine, "cpu")
+    assert mine.read_bytes() == b"a user's file"
