@@ -82,7 +82,8 @@ def compiler_cache():
             from torch._inductor.runtime.cache_dir_utils import cache_dir
             inductor = cache_dir()
     triton = os.environ.get("TRITON_CACHE_DIR") or str(Path.home() / ".triton" / "cache")
-    return {"TORCHINDUCTOR_CACHE_DIR": inductor, "TRITON_CACHE_DIR": triton}
+    return {"TORCHINDUCTOR_CACHE_DIR": inductor, "TRITON_CACHE_DIR": triton,
+            "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR")}
 
 
 def compiler_cache_state(fresh=False):
@@ -92,6 +93,9 @@ def compiler_cache_state(fresh=False):
         root = tempfile.mkdtemp(prefix="tiny-llm-cold-")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
         os.environ["TRITON_CACHE_DIR"] = os.path.join(root, "triton")
+        # flash-attn-4's own cache of its CuTe kernels (when FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1), read when
+        # flash_attn.cute is imported: this runs before anything imports it
+        os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] = os.path.join(root, "flash_attention_cute_dsl")
     folders = compiler_cache()
     inductor = folders["TORCHINDUCTOR_CACHE_DIR"]
     was_cold = not (inductor and Path(inductor).is_dir() and any(Path(inductor).iterdir()))

@@ -73,10 +73,10 @@ def first_kernels(cfg, trainer, device):
 
 def main(argv):
     cfg = settings.resolve(settings.BenchSettings, argv)
+    folders, was_cold = env.compiler_cache_state(fresh=cfg.cold)  # before anything imports flash-attn-4
     plan = plan_lib.resolve(settings.Config(cfg, data_mode="synthetic"), settings.BenchSettings, world=(0, 0, 1),
                             synthetic=True)  # synthetic tokens, as bench's; every check before any folder is made
     device, mcfg = torch.device(plan.device), plan.model
-    folders, was_cold = env.compiler_cache_state(fresh=cfg.cold)
     phases = {"import_torch": IMPORT_TORCH, "import_project": IMPORT_PROJECT}
     phases["import_attention_package"] = timed(lambda: ATTENTION[plan.attention].load and
                                                ATTENTION[plan.attention].load(), device)

@@ -64,7 +64,8 @@ def test_protocol_entry_real_data(tmp_path, text_cache, capsys):
     assert any("scaled_dot_product" in k or "attention" in k for k in entry["attention_kernels"])
     assert entry["config_identity"] == env.config_identity(entry["config"])
     assert entry["peak_memory_bytes"] > 0 and entry["source_hash"] == env.source_hash()
-    assert set(entry["compiler_cache"]) == {"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"}
+    assert set(entry["compiler_cache"]) == {"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
+                                            "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"}
     # the loss falls over the windows: these are real training updates, not a replay of one
     assert windows[-1]["loss"] < windows[0]["loss"]
     assert "profile" not in entry and "profiles" not in results  # a GPU measurement (test_profile_is_refused_on_a_cpu)
