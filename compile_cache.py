@@ -5,14 +5,19 @@
 
 torch.compiler.save_cache_artifacts() gathers what this process compiled (Inductor's graphs, AOTAutograd's
 entries, the Triton kernels and their autotuning picks) and load_cache_artifacts() puts them into the local
-caches, so the next compile of the same graphs finds them instead of generating code. Each of those entries is
+caches, so the next compile of the same graphs finds them instead of generating code. flash-attn-4 keeps its
+compiled CuTe kernels in a folder of its own, outside torch's caches: the file carries that folder too. Each of those entries is
 keyed by torch on its graph and options, so a cache of other settings is only missed, never used. The file adds a
 key of its own around them, the things torch's keys do not promise to cover: the torch, Triton and CUDA versions,
 the GPU, the kernel packages and this repository's code. A file whose key differs is ignored with a line saying
 what differs, and rewritten when this run has compiled; a file that is not a compile cache is never written over.
 """
+import io
 import json
+import os
 import platform
+import tarfile
+import tempfile
 from pathlib import Path
 
 import torch
@@ -56,8 +61,41 @@ def read(path):
         raise CompileCacheError(f"compile_cache {path} has a damaged header; delete it and it is made again") from None
 
 
+def kernel_folder():
+    """flash-attn-4's folder of compiled CuTe kernels (flash_attn.cute.cache_utils.get_cache_path's), or None when
+    its on-disk cache is off (kernels/attention.py turns it on)."""
+    if os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0") != "1":
+        return None
+    folder = os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR")
+    if folder:
+        return Path(folder)
+    import getpass
+    return Path(tempfile.gettempdir()) / getpass.getuser() / "flash_attention_cute_dsl_cache"
+
+
+def kernel_files():
+    """The kernel folder as an uncompressed tar (b"" when there is none)."""
+    folder = kernel_folder()
+    if folder is None or not folder.is_dir():
+        return b""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        tar.add(folder, arcname=".")
+    return buffer.getvalue()
+
+
+def unpack_kernel_files(data):
+    """Put a saved kernel folder's files where flash-attn-4 looks (files already there are kept)."""
+    folder = kernel_folder()
+    if not data or folder is None:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(folder, filter="data")
+
+
 def differences(stored, expected):
-    """The key's fields that differ, as 'field: stored (here expected)'."""
+    """The key's fields that differ, as 'field: stored (here expected)' (torch_bytes is the file's layout)."""
     return [f"{k}: {stored.get(k)} (here {v})" for k, v in expected.items() if stored.get(k) != v]
 
 
@@ -71,7 +109,9 @@ def load(path, device):
     changed = differences(stored, key(device))
     if changed:
         return False, f"compile cache {path} ignored, made for other code or machine ({'; '.join(changed)}); compiling"
-    info = torch.compiler.load_cache_artifacts(artefacts)
+    torch_bytes = stored.get("torch_bytes", len(artefacts))
+    info = torch.compiler.load_cache_artifacts(artefacts[:torch_bytes])
+    unpack_kernel_files(artefacts[torch_bytes:])
     count = sum(len(v) for v in vars(info).values() if isinstance(v, list)) if info is not None else 0
     return True, f"compile cache {path}: loaded {count} entries ({len(artefacts) / 2**20:.1f} MiB)"
 
@@ -84,6 +124,6 @@ def save(path, device):
     if saved is None:
         return None
     artefacts, _ = saved
-    header = json.dumps(key(device), sort_keys=True).encode()
-    atomic_write(path, lambda f: f.write(MAGIC + header + b"\n" + artefacts))
+    header = json.dumps(dict(key(device), torch_bytes=len(artefacts)), sort_keys=True).encode()
+    atomic_write(path, lambda f: f.write(MAGIC + header + b"\n" + artefacts + kernel_files()))
     return f"compile cache {path}: saved {len(artefacts) / 2**20:.1f} MiB"

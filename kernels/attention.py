@@ -4,6 +4,7 @@ backends; "auto", the default, is fa4 wherever it can run and SDPA's own pick el
 import contextlib
 import functools
 import importlib
+import os
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +37,12 @@ def resolve_backend(name, device):
 
 
 def flash_attn_4_problem():
-    """Why flash-attn-4 cannot serve fa4 (the words after its name), or None: the package is installed apart."""
+    """Why flash-attn-4 cannot serve fa4 (the words after its name), or None: the package is installed apart.
+
+    Before the first import, turns on flash-attn-4's on-disk cache of its compiled CuTe kernels (off in the package
+    unless FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1; a setting of 0 is kept): without it every process compiles its
+    backward again, about 4 s on the H200 (docs/PERFORMANCE.md, "Cold start"), as Inductor's cache spares its own."""
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
     try:
         interface = importlib.import_module("flash_attn.cute.interface")
     except ImportError as error:

@@ -54,21 +54,29 @@ from torch._dynamo.utils import counters
 print(compile_cache.load(sys.argv[1], "cpu")[1])
 torch.compile(lambda x: (x.sin() * 3 + 1).relu().sum(), dynamic=False)(torch.randn(8, 8))
 print("hits", counters["inductor"]["fxgraph_cache_hit"])
+print("kernel", (compile_cache.kernel_folder() / "fwd" / "k.o").read_text())
 """
 
 
 def test_a_saved_cache_makes_a_fresh_process_start_warm_and_another_key_is_ignored(tmp_path, monkeypatch):
+    """Inductor's code and flash-attn-4's kernel folder (a stand-in file here) travel in the file."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "here"))
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(tmp_path / "kernels"))
+    (tmp_path / "kernels" / "fwd").mkdir(parents=True)
+    (tmp_path / "kernels" / "fwd" / "k.o").write_text("compiled")
     torch._dynamo.reset()
     torch.compile(lambda x: (x.sin() * 3 + 1).relu().sum(), dynamic=False)(torch.randn(8, 8))
     path = tmp_path / "run.compile"
     assert "saved" in compile_cache.save(path, "cpu")
     # a process with its own empty Inductor and Triton caches, as on a fresh machine
-    environ = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "fresh"), TRITON_CACHE_DIR=str(tmp_path / "t"))
+    environ = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "fresh"), TRITON_CACHE_DIR=str(tmp_path / "t"),
+                   FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=str(tmp_path / "fresh-kernels"))
     out = subprocess.run([sys.executable, "-c", COMPILE_ONCE.format(repo=str(REPO)), str(path)], env=environ,
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "loaded" in out.stdout and "hits 1" in out.stdout  # Inductor's graph came from the file
+    assert "kernel compiled" in out.stdout
     # the same file as if another torch made it: ignored with a line naming what differs, nothing loaded
     header, _, artefacts = path.read_bytes()[len(compile_cache.MAGIC):].partition(b"\n")
     path.write_bytes(compile_cache.MAGIC + json.dumps(dict(json.loads(header), torch="0.0.0")).encode() + b"\n"
