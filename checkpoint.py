@@ -11,6 +11,7 @@ import torch
 
 import env
 from model import ModelConfig, Transformer
+from optim import averaged_weights
 from results import atomic_write
 
 
@@ -76,7 +77,10 @@ def to_resume(path, device, recipe, fields):
 def load_model(path):
     """(Transformer with the weights of a train.py checkpoint, the checkpoint dict), on the CPU.
 
-    ValueError, in one sentence, when the file is missing or is not such a checkpoint."""
+    The weights are the run's result: with ema, the weights' average its validations and final evaluation scored
+    (what sampling, export, evaluation and init_from then take), else the trained weights themselves; the trained
+    ones stay ckpt["model"], which a resume continues. ValueError, in one sentence, when the file is missing or is
+    not such a checkpoint."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"no checkpoint at {path}; train.py saves one at out/NAME/ckpt.pt")
@@ -84,6 +88,10 @@ def load_model(path):
     try:
         model = Transformer(ModelConfig(**ckpt["model_config"]))
         model.load_state_dict(ckpt["model"])
+        if ckpt.get("ema"):  # its names are the model's parameters (the tied head is the embedding's)
+            unknown = model.load_state_dict(averaged_weights(ckpt["ema"], ckpt["step"]), strict=False).unexpected_keys
+            if unknown:
+                raise KeyError(f"its weights' average holds {unknown[0]}, which the model lacks")
         ckpt["config"]["data_dir"]  # what sampling and parity read the run's tokens and tokenizer from
     except Exception as exc:
         raise ValueError(f"checkpoint {path} could not be loaded ({type(exc).__name__}: {exc}); "

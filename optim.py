@@ -1,10 +1,13 @@
 """The optimizers and learning-rate schedules that trainer.py uses.
 
     lr_at(step, ...)                      the learning rate of one update: cosine (the default) or wsd
-    Muon                                  torch.optim.Muon's update, batched over matrices of one shape
+    Muon                                  torch.optim.Muon's update, batched over matrices of one shape (and its
+                                          levers: Polar Express, NorMuon, cautious weight decay)
+    WeightAverage                         an exponential moving average of the weights (the ema key)
     build_optimizer(model, settings, dev) AdamW alone (the default), or Muon on the blocks' matrices + AdamW
     set_lr(optimizer, lr, learning_rate)  every group's learning rate for one update
 """
+import contextlib
 import math
 from collections.abc import Mapping
 
@@ -17,6 +20,25 @@ MUON_ADJUST = ("original", "match_rms_adamw")
 # torch.optim.Muon's defaults (Keller Jordan's quintic Newton-Schulz coefficients and its epsilon)
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
+
+ORTHOGONALIZERS = ("newton_schulz", "polar_express")
+# Polar Express (Amsel, Persson, Musco and Gower 2025, "The Polar Express: Optimal Matrix Sign Methods and Their
+# Application to the Muon Algorithm", arXiv:2505.16932, Algorithm 1): the degree-5 polynomial (a, b, c) of each
+# iteration, from the eighth on the last one again; each but the last divided by the safety factor 1.01 as
+# (a / 1.01, b / 1.01^3, c / 1.01^5), and the input scaled by 1.01 x its Frobenius norm, for bf16's rounding.
+POLAR_SAFETY = 1.01
+POLAR_EXPRESS = tuple((a / POLAR_SAFETY, b / POLAR_SAFETY ** 3, c / POLAR_SAFETY ** 5) for a, b, c in (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248))) + ((1.875, -1.25, 0.375),)
+# NorMuon (Li et al. 2025, "NorMuon: Making Muon more efficient and scalable", arXiv:2510.05491): its reference
+# code's beta2 for the per-neuron second moment, and the epsilon beside its root and the norm it restores
+NORMUON_BETA2 = 0.95
+NORMUON_EPS = 1e-10
 
 
 # ---------------------------------------------------------------- schedules
@@ -52,28 +74,58 @@ def lr_at(step, total_updates, learning_rate, min_lr, warmup_updates, schedule="
 
 # ---------------------------------------------------------------- Muon
 
-def orthogonalize(grads, buffers, momentum, nesterov, coefficients, ns_steps, eps):
-    """Momentum and Newton-Schulz for matrices of one shape: the float32 updates, stacked (n, rows, cols).
+def iteration_coefficients(orthogonalizer, ns_coefficients, steps):
+    """The (a, b, c) of each of `steps` iterations: Newton-Schulz's one triple every time, or Polar Express's own
+    for each (its last repeated past the eighth, as Algorithm 1 repeats it)."""
+    if orthogonalizer == "newton_schulz":
+        return (tuple(ns_coefficients),) * steps
+    if orthogonalizer == "polar_express":
+        return POLAR_EXPRESS[:steps] + POLAR_EXPRESS[-1:] * max(0, steps - len(POLAR_EXPRESS))
+    raise ValueError(f"unknown orthogonalizer {orthogonalizer!r}; valid: {', '.join(ORTHOGONALIZERS)}")
+
+
+def orthogonalize(grads, buffers, momentum, nesterov, coefficients, ns_steps, eps, orthogonalizer="newton_schulz",
+                  second_moments=None, dtype=torch.bfloat16):
+    """Momentum and the orthogonalization for matrices of one shape: the float32 updates, stacked (n, rows, cols).
 
     torch.optim.Muon's math (_single_tensor_muon and _zeropower_via_newtonschulz) with each matrix product
-    batched over the stack. Updates the momentum buffers in place; uses no learning rate, so that compiled it
-    is one graph per shape whatever the schedule does."""
+    batched over the stack; polar_express runs Polar Express's Algorithm 1 in the same products (its own
+    polynomial each iteration, its normalization with the safety factor), and second_moments (each parameter's
+    (rows, 1) tensor) adds NorMuon's normalization. Updates the momentum buffers (and second moments) in place;
+    uses no learning rate, so that compiled it is one graph per shape whatever the schedule does. dtype: the
+    products' (bf16, torch's; a test runs float64 to check the polynomials without bf16's rounding)."""
     torch._foreach_lerp_(buffers, grads, 1 - momentum)
     updates = torch._foreach_lerp(grads, buffers, momentum) if nesterov else buffers
-    x = torch.stack(updates).bfloat16()
+    x = torch.stack(updates).to(dtype)
     tall = x.size(-2) > x.size(-1)
     if tall:  # the Gram matrix of the short side: fewer FLOPs
         x = x.mT
-    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # spectral norm at most 1, per matrix
-    a, b, c = coefficients
-    for _ in range(ns_steps):
+    # spectral norm at most 1, per matrix (Polar Express's a little below, by its safety factor)
+    if orthogonalizer == "polar_express":
+        x = x / (x.norm(dim=(-2, -1), keepdim=True) * POLAR_SAFETY + eps)
+    else:
+        x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for a, b, c in iteration_coefficients(orthogonalizer, coefficients, ns_steps):  # x <- a x + b x^3 + c x^5
         gram = x @ x.mT
         gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.baddbmm(x, gram_update, x, beta=a)
     if tall:
         x = x.mT
     # float32 and contiguous: the parameters' dtype and layout, so the foreach add below takes its fast path
-    return x.to(torch.float32, memory_format=torch.contiguous_format)
+    x = x.to(torch.float32, memory_format=torch.contiguous_format)
+    return x if second_moments is None else normalize_neurons(x, second_moments)
+
+
+def normalize_neurons(updates, second_moments, beta2=NORMUON_BETA2, eps=NORMUON_EPS):
+    """NorMuon's step on the stacked float32 orthogonalized updates (n, rows, cols), as its reference code takes
+    it: each row's mean square (a row is an output neuron of the (out, in) weight) enters that row's second
+    moment, an average over updates (second_moments, each (rows, 1), lerped in place by 1 - beta2); each row is
+    divided by the moment's root; each matrix is then scaled back to the Frobenius norm it had, so that muon_lr
+    and muon_adjust_lr keep their meaning and only the rows' shares change."""
+    norm = updates.norm(dim=(-2, -1), keepdim=True)
+    torch._foreach_lerp_(second_moments, updates.square().mean(dim=-1, keepdim=True).unbind(0), 1 - beta2)
+    normalized = updates / (torch.stack(second_moments).sqrt() + eps)
+    return normalized * (norm / (normalized.norm(dim=(-2, -1), keepdim=True) + eps))
 
 
 _compiled_orthogonalize = None
@@ -97,13 +149,20 @@ def adjusted_ratio(adjust_lr_fn, shape):
     return 1.0
 
 
-def apply_updates(params, updates, lr, weight_decay, ratio):
+def apply_updates(params, updates, lr, weight_decay, ratio, cautious=False):
     """Decoupled weight decay, then params -= lr x ratio x updates, with foreach ops over the shape group.
 
+    cautious: Cautious Weight Decay (Chen et al. 2025, arXiv:2510.12402), x <- x - lr (u + wd 1[u x >= 0] x): a
+    weight decays only where the update u (updates x ratio, the same sign: ratio > 0) and the weight share a
+    sign (or either is 0), i.e. where the update already moves it toward 0; elsewhere it keeps its value.
     lr may be a float or a 0-dim tensor: both take the same ops (the update scaled, then added), so they give
     the same bits when the tensor holds the float (a float64 tensor does exactly), and a tensor is never read
     on the host."""
-    if weight_decay != 0:
+    if weight_decay != 0 and cautious:
+        agree = updates * torch.stack(params) >= 0
+        shrink = torch.where(agree, 1 - lr * weight_decay, 1.0).to(updates.dtype)
+        torch._foreach_mul_(params, shrink.unbind(0))
+    elif weight_decay != 0:
         torch._foreach_mul_(params, 1 - lr * weight_decay)
     updates.mul_(-(lr * ratio))
     torch._foreach_add_(params, updates.unbind(0))
@@ -138,12 +197,18 @@ class Muon(torch.optim.Optimizer):
     param *= 1 - lr x weight_decay, param -= lr x adjust(shape) x update. A batched bf16 matmul may round a
     product differently from torch's single one, so the two agree closely, not always bit for bit
     (tests/test_optim.py holds eager and compiled to their tolerances). The state is per parameter
-    (state[p]["momentum_buffer"]), so state_dict() and load_state_dict() are torch's, and a resumed run
-    continues bit for bit.
+    (state[p]["momentum_buffer"], and NorMuon's state[p]["second_moment"]), so state_dict() and load_state_dict()
+    are torch's, and a resumed run continues bit for bit.
+
+    The levers, each a group option off by default (off, the math above): orthogonalizer="polar_express",
+    normuon=True and cautious_weight_decay=True (orthogonalize, normalize_neurons and apply_updates say what each
+    computes).
     """
+    LEVERS = dict(orthogonalizer="newton_schulz", normuon=False, cautious_weight_decay=False)  # off
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
-                 ns_coefficients=NS_COEFFICIENTS, eps=NS_EPS, ns_steps=5, adjust_lr_fn=None, compile=False):
+                 ns_coefficients=NS_COEFFICIENTS, eps=NS_EPS, ns_steps=5, adjust_lr_fn=None, compile=False,
+                 orthogonalizer="newton_schulz", normuon=False, cautious_weight_decay=False):
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError("Muon: a tensor lr must have one element")
         if not (lr >= 0 and momentum >= 0 and weight_decay >= 0):
@@ -154,9 +219,12 @@ class Muon(torch.optim.Optimizer):
         if not 1 <= ns_steps < 100 or len(ns_coefficients) != 3:
             raise ValueError(f"Muon: ns_steps must be in [1, 100) and ns_coefficients three numbers, got "
                              f"{ns_steps} and {ns_coefficients!r}")
+        if orthogonalizer not in ORTHOGONALIZERS:
+            raise ValueError(f"Muon: unknown orthogonalizer {orthogonalizer!r}; valid: {', '.join(ORTHOGONALIZERS)}")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
-                        adjust_lr_fn=adjust_lr_fn)
+                        adjust_lr_fn=adjust_lr_fn, orthogonalizer=orthogonalizer, normuon=bool(normuon),
+                        cautious_weight_decay=bool(cautious_weight_decay))
         super().__init__(params, defaults)
         self.compile = compile  # not a group option: how the math runs, not what it is
         for group in self.param_groups:
@@ -174,21 +242,32 @@ class Muon(torch.optim.Optimizer):
                 by_shape.setdefault((p.shape, p.dtype, p.device), []).append(p)
         return list(by_shape.values())
 
-    def momentum_buffers(self, params):
-        buffers = []
+    def __setstate__(self, state):
+        """A group saved before the levers existed holds none of their options: it ran with them off."""
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, off in self.LEVERS.items():
+                group.setdefault(key, off)
+
+    def state_of(self, params, key):
+        """state[p][key] of each parameter, made as zeros where it has none yet: the momentum buffer (p's shape)
+        or NorMuon's second moment (one per row)."""
+        tensors = []
         for p in params:
             state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-            buffers.append(state["momentum_buffer"])
-        return buffers
+            if key not in state:
+                state[key] = (torch.zeros_like(p, memory_format=torch.preserve_format) if key == "momentum_buffer"
+                              else p.new_zeros(p.shape[0], 1))
+            tensors.append(state[key])
+        return tensors
 
     def init_state(self):
-        """Every momentum buffer, zeros, now rather than at the first step (which makes the same zeros), so that a
-        compiled step finds its state in place and is traced once."""
+        """Every momentum buffer (and second moment), zeros, now rather than at the first step (which makes the
+        same zeros), so that a compiled step finds its state in place and is traced once."""
         for group in self.param_groups:
-            for p in group["params"]:
-                self.state[p].setdefault("momentum_buffer", torch.zeros_like(p, memory_format=torch.preserve_format))
+            self.state_of(group["params"], "momentum_buffer")
+            if group["normuon"]:
+                self.state_of(group["params"], "second_moment")
 
     def orthogonalize_fn(self, device):
         return compiled_orthogonalize() if self.compile and device.type == "cuda" else orthogonalize
@@ -198,11 +277,13 @@ class Muon(torch.optim.Optimizer):
         loss = closure_loss(closure)
         for group in self.param_groups:
             for params in self.shape_groups(group):
+                moments = self.state_of(params, "second_moment") if group["normuon"] else None
                 updates = self.orthogonalize_fn(params[0].device)(
-                    [p.grad for p in params], self.momentum_buffers(params), group["momentum"],
-                    group["nesterov"], group["ns_coefficients"], group["ns_steps"], group["eps"])
+                    [p.grad for p in params], self.state_of(params, "momentum_buffer"), group["momentum"],
+                    group["nesterov"], group["ns_coefficients"], group["ns_steps"], group["eps"],
+                    group["orthogonalizer"], moments)
                 apply_updates(params, updates, group["lr"], group["weight_decay"],
-                              adjusted_ratio(group["adjust_lr_fn"], params[0].shape))
+                              adjusted_ratio(group["adjust_lr_fn"], params[0].shape), group["cautious_weight_decay"])
         return loss
 
 
@@ -273,7 +354,8 @@ def build_optimizer(model, settings, device):
         base_lr: set_lr needs none): the layout of an adamw checkpoint's optimizer state, which must keep loading.
     muon: MuonWithAdamW: Muon (lr muon_lr, Nesterov) on the 2-D weights of model.layers, AdamW (lr learning_rate,
         the same betas, eps and fused rule) on the rest: the tied embedding and LM head with weight decay, the
-        norms without. Muon's per-shape math is compiled when settings' compile is (on CUDA).
+        norms without. Muon's per-shape math is compiled when settings' compile is (on CUDA). Its levers
+        (muon_orthogonalizer, normuon, cautious_weight_decay) are Muon's alone: AdamW's decay stays plain.
     """
     get = lambda key: setting(settings, key)
     name = get("optimizer")
@@ -293,6 +375,9 @@ def build_optimizer(model, settings, device):
     muon = Muon([{"params": matrices, "base_lr": get("muon_lr")}], lr=group_lr(get("muon_lr"), graph, device),
                 weight_decay=get("weight_decay"), momentum=get("muon_momentum"), nesterov=True,
                 ns_steps=get("muon_ns_steps"), adjust_lr_fn=get("muon_adjust_lr"),
+                orthogonalizer=setting(settings, "muon_orthogonalizer", "newton_schulz"),
+                normuon=setting(settings, "normuon", False),
+                cautious_weight_decay=setting(settings, "cautious_weight_decay", False),
                 # compiled with the model: under CUDA graphs the host has time; inside the update's graph, the
                 # trainer's compile traces it whole
                 compile=bool(get("compile")) and not graph)
@@ -341,3 +426,69 @@ def set_lr(optimizer, lr, learning_rate):
                 group["lr"].fill_(value)  # update_graph: the tensor the compiled step reads
             else:
                 group["lr"] = value
+
+
+# ---------------------------------------------------------------- the weights' average
+
+class WeightAverage:
+    """An exponential moving average of a model's weights (the ema key: its decay), for evaluation and export.
+
+    After update t the accumulator holds a_t = decay x a_(t-1) + (1 - decay) x w_t from a_0 = 0, one
+    torch._foreach_lerp_ on the weights' device after each optimizer step (nothing read on the host; under
+    update_graph inside the compiled step), and the average is a_t / (1 - decay^t): the weights after each update
+    weighted decay^(t - i) and normalized, as Adam corrects its moments' bias. So the initial weights carry no
+    weight, and a run shorter than 1 / (1 - decay) updates is not pulled back toward its start. Under DDP every
+    rank holds the same average, as it holds the same weights. state_dict() keys the accumulator by parameter
+    name (the tied embedding once), which checkpoint.load_model reads through averaged_weights."""
+
+    def __init__(self, model, decay):
+        if not 0 < decay < 1:
+            raise ValueError(f"WeightAverage: decay must lie in (0, 1), got {decay}")
+        named = list(model.named_parameters())
+        self.names, self.params = [n for n, _ in named], [p for _, p in named]
+        self.decay = decay
+        self.accumulator = [torch.zeros_like(p) for p in self.params]
+
+    @torch.no_grad()
+    def update(self):
+        torch._foreach_lerp_(self.accumulator, self.params, 1 - self.decay)
+
+    @contextlib.contextmanager
+    def swapped_in(self, updates):
+        """Inside, the model's weights are the average after `updates` updates (with none yet, the weights as
+        they are); after, the live weights again, bit for bit."""
+        if updates == 0:
+            yield
+            return
+        with torch.no_grad():
+            live = [p.detach().clone() for p in self.params]
+            torch._foreach_copy_(self.params, debiased(self.accumulator, self.decay, updates))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, live)
+
+    def state_dict(self):
+        return {"decay": self.decay, "accumulator": dict(zip(self.names, self.accumulator))}
+
+    def load_state_dict(self, state):
+        if state["decay"] != self.decay or list(state["accumulator"]) != self.names:
+            raise ValueError(f"this weight average (decay {state['decay']}, {len(state['accumulator'])} weights) is "
+                             f"not this run's (decay {self.decay}, {len(self.names)} weights)")
+        with torch.no_grad():  # in place: a compiled step holds these tensors
+            torch._foreach_copy_(self.accumulator, list(state["accumulator"].values()))
+
+
+def debiased(accumulator, decay, updates):
+    """The average of the weights from WeightAverage's accumulator after `updates` (>= 1) updates: new tensors."""
+    return torch._foreach_div(accumulator, 1 - decay ** updates)
+
+
+def averaged_weights(state, updates):
+    """{name: weight} of the average a WeightAverage.state_dict() holds after `updates` updates (a checkpoint's
+    "ema" and "step"): the bits the run evaluated with; {} before any update (the weights are their own)."""
+    if updates == 0:
+        return {}
+    names = list(state["accumulator"])
+    return dict(zip(names, debiased(list(state["accumulator"].values()), state["decay"], updates)))

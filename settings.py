@@ -22,7 +22,7 @@ import os
 import model as model_lib
 from configurator import ConfigError
 from kernels import registry
-from optim import MUON_ADJUST, OPTIMIZERS, SCHEDULES
+from optim import MUON_ADJUST, OPTIMIZERS, ORTHOGONALIZERS, SCHEDULES
 from results import SECTIONS
 
 RECIPE, MODEL, WEIGHTS, EXECUTION, RUN = "recipe", "model", "weights", "execution", "run"
@@ -126,6 +126,18 @@ class Recipe:
                                          "a linear cooldown to min_lr", RECIPE, choices=SCHEDULES)
     cooldown_fraction: float = setting(0.2, "wsd: the share of the updates that decay to min_lr", RECIPE,
                                        bounds="[0, 1]")
+    # the optimizer levers (#38), each off by default: Muon's refinements and the weights' average
+    muon_orthogonalizer: str = setting("newton_schulz", "newton_schulz: torch.optim.Muon's quintic, the same "
+                                                        "polynomial each iteration; polar_express: Polar Express's "
+                                                        "own polynomial per iteration (muon_ns_steps of either)",
+                                       RECIPE, choices=ORTHOGONALIZERS)
+    normuon: bool = setting(False, "NorMuon: each output neuron's row of Muon's update divided by the root of its "
+                                   "second moment, the update's norm kept", RECIPE)
+    cautious_weight_decay: bool = setting(False, "Muon's weight decay only where the update and the weight share a "
+                                                 "sign (Cautious Weight Decay); AdamW's decay stays plain", RECIPE)
+    ema: float = setting(0.0, "the weights' exponential moving average with this decay (0: none), debiased: "
+                              "validated, evaluated, sampled and exported in place of the trained weights", RECIPE,
+                         bounds="[0, 1)")
 
 
 @dataclasses.dataclass
@@ -364,6 +376,25 @@ def _cooldown(cfg):
     if cfg.lr_schedule != "wsd" and cfg.cooldown_fraction != field_of(Recipe, "cooldown_fraction").default:
         return (f"cooldown_fraction {cfg.cooldown_fraction} is wsd's and lr_schedule is {cfg.lr_schedule!r}, which "
                 f"would ignore it; set lr_schedule=wsd or leave cooldown_fraction at its default")
+
+
+@combination("optimizer", "muon_orthogonalizer", "normuon", "cautious_weight_decay", "weight_decay")
+def _muon_levers(cfg):
+    """The optimizer levers of #38 that refine Muon: Muon's alone, and cautious decay needs a decay."""
+    levers = [k for k in ("muon_orthogonalizer", "normuon", "cautious_weight_decay")
+              if cfg[k] != field_of(Recipe, k).default]
+    if levers and cfg.optimizer != "muon":
+        return (f"{', '.join(levers)} refine Muon's update and optimizer is {cfg.optimizer!r}; set optimizer=muon "
+                f"or leave them at their defaults")
+    if cfg.cautious_weight_decay and not cfg.weight_decay:
+        return "cautious_weight_decay decides where the weight decay applies and weight_decay is 0; give a " \
+               "weight_decay above 0, or leave cautious_weight_decay off"
+
+
+@combination("ema", "epochs")
+def _ema(cfg):
+    if cfg.ema and not cfg.epochs:
+        return f"ema {cfg.ema} averages the weights of the updates and epochs 0 makes none; train, or leave ema at 0"
 
 
 @combination("update_graph", "compile")

@@ -143,6 +143,7 @@ class Run:
     def load(self, ckpt):
         self.trainer.raw_model.load_state_dict(ckpt["model"])
         optim.load_state(self.trainer.optimizer, ckpt["optimizer"])
+        self.trainer.load_checkpoint_state(ckpt)  # the weights' average, with ema
         self.trainer.step = ckpt["step"]
         checkpoint.set_rng_state(ckpt["rng"])
         self.metrics.restore(ckpt)
@@ -276,7 +277,7 @@ class Run:
             trainer = self.trainer
             checkpoint.save(self.ckpt_path, trainer.raw_model, trainer.optimizer, trainer.step,
                             dict(self.metrics.state_dict(), recipe=self.plan.recipe, config=dict(self.cfg),
-                                 model_config=self.plan.model.to_dict()))
+                                 model_config=self.plan.model.to_dict(), **trainer.checkpoint_state()))
 
     # -- the end
 

@@ -71,6 +71,8 @@ class Trainer:
         if world_size > 1:
             self.model = self.data_parallel(self.model, local_rank)
         self.optimizer = optim.build_optimizer(self.raw_model, cfg, self.device)
+        # ema: the weights' average, updated after each optimizer step; validation and the final evaluation use it
+        self.ema = optim.WeightAverage(self.raw_model, cfg.ema) if cfg.get("ema") else None
         # plain values for the step, which torch.compile traces under update_graph (it cannot read cfg's keys)
         self.params, self.max_norm = list(self.raw_model.parameters()), cfg.grad_clip or math.inf
         self.optimizer_step = self.compile_step if cfg.update_graph else self.clip_and_step
@@ -129,9 +131,12 @@ class Trainer:
         return model
 
     def clip_and_step(self):
-        """The gradient clip, then the optimizer step; returns the gradient norm before clipping (a tensor)."""
+        """The gradient clip, then the optimizer step (and the weights' average, with ema); returns the gradient
+        norm before clipping (a tensor)."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
         self.optimizer.step()
+        if self.ema is not None:
+            self.ema.update()
         return grad_norm
 
     def compile_step(self):
@@ -150,6 +155,7 @@ class Trainer:
         static = [p.grad for p in self.params if p.grad is not None] if held else []
         static += [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
         static += [g["lr"] for g in self.optimizer.param_groups if torch.is_tensor(g["lr"])]
+        static += self.ema.accumulator if self.ema is not None else []
         for tensor in static:
             torch._dynamo.mark_static_address(tensor)
         self.optimizer_step = torch.compile(self.clip_and_step, dynamic=False, mode=compile_mode(self.cfg))
@@ -211,13 +217,25 @@ class Trainer:
 
     def evaluate(self, batches, stopped=None):
         """Mean token loss over batches, with the per-token standard deviation and the token count; None when
-        stopped() turns true between batches (a signal: the pass is abandoned, not cut short and reported)."""
+        stopped() turns true between batches (a signal: the pass is abandoned, not cut short and reported). With
+        ema, of the weights' average (swapped into the model for the pass, the live weights back after it)."""
         self.eval_model.eval()
+        averaged = self.ema.swapped_in(self.step) if self.ema is not None else contextlib.nullcontext()
         try:
-            return mean_token_loss(self.eval_model, batches, self.device, self.autocast_dtype, stopped,
-                                   self.cudagraphs, self.world_size)
+            with averaged:
+                return mean_token_loss(self.eval_model, batches, self.device, self.autocast_dtype, stopped,
+                                       self.cudagraphs, self.world_size)
         finally:
             self.eval_model.train()
+
+    def checkpoint_state(self):
+        """What a checkpoint holds of the trainer beyond the model, the optimizer and the update count: the
+        weights' average, with ema (checkpoint.load_model samples and exports it)."""
+        return {"ema": self.ema.state_dict()} if self.ema is not None else {}
+
+    def load_checkpoint_state(self, ckpt):
+        if self.ema is not None:
+            self.ema.load_state_dict(ckpt["ema"])
 
 
 @torch.no_grad()

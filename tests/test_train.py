@@ -477,7 +477,9 @@ RECIPE_KEYS = {"preset", "vocab_size", "dim", "n_layers", "n_heads", "hidden_dim
                "residual_dtype", "lm_head_fp8",  # only off their defaults, float32 and False
                # the time-to-quality recipe keys, also only off their defaults
                "optimizer", "muon_lr", "muon_momentum", "muon_ns_steps", "muon_adjust_lr", "lr_schedule",
-               "cooldown_fraction"}
+               "cooldown_fraction",
+               # the optimizer levers (#38), also only off their defaults
+               "muon_orthogonalizer", "normuon", "cautious_weight_decay", "ema"}
 
 
 def test_every_default_is_classified():

@@ -1,0 +1,306 @@
+"""The optimizer levers of #38: Polar Express, NorMuon and cautious weight decay in Muon, and the weights' average
+(ema), each against a hand computation or a plain reference written here; then all of them on at once in a run
+that trains, resumes bit for bit, compiles its step once under update_graph, and trains under DDP as one
+process does."""
+import functools
+import multiprocessing
+import socket
+
+import pytest
+import torch
+
+import checkpoint
+import optim
+import settings
+import trainer as trainer_lib
+from configurator import ConfigError
+from data.loader import TokenCache, eval_batches
+from tests.test_optim import MUON, clones, matrices, set_grads, update_steps_apart
+from tests.test_train import make_trainer, small_config, train_data
+from tests.test_train import test_stop_and_resume_is_bitwise_identical as resumes_bitwise  # not collected here
+from tests.test_update_graph import fresh_compiler
+
+LEVERS = dict(optimizer="muon", muon_lr=0.01, muon_orthogonalizer="polar_express", normuon=True,
+              cautious_weight_decay=True, ema=0.9)
+
+
+# ---------------------------------------------------------------- Polar Express
+
+# The paper's Algorithm 1 (Amsel et al. 2025, arXiv:2505.16932), as printed: its coefficients, its safety factor
+PAPER_COEFFICIENTS = [
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+]
+PAPER_COEFFICIENTS = [(a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in PAPER_COEFFICIENTS[:-1]] + \
+    PAPER_COEFFICIENTS[-1:]
+
+
+def polar_express_by_the_paper(g, steps):
+    """Algorithm 1, one matrix, in float64 (the paper runs it in bf16, which rounds it)."""
+    x = g.double()
+    if g.size(-2) > g.size(-1):
+        x = x.mT
+    x = x / (x.norm() * 1.01 + 1e-7)
+    for a, b, c in PAPER_COEFFICIENTS[:steps] + PAPER_COEFFICIENTS[-1:] * max(0, steps - 8):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.mT if g.size(-2) > g.size(-1) else x
+
+
+def orthogonalized(mats, orthogonalizer, steps=5, dtype=torch.bfloat16):
+    """optim.orthogonalize of the matrices themselves (momentum 0, no Nesterov: the update is the gradient)."""
+    return optim.orthogonalize([m.to(dtype) for m in mats], [torch.zeros_like(m, dtype=dtype) for m in mats], 0.0,
+                               False, optim.NS_COEFFICIENTS, steps, optim.NS_EPS, orthogonalizer, dtype=dtype)
+
+
+def test_polar_express_runs_the_papers_coefficients_and_repeats_the_last():
+    assert optim.iteration_coefficients("polar_express", optim.NS_COEFFICIENTS, 10) == \
+        tuple(PAPER_COEFFICIENTS) + tuple(PAPER_COEFFICIENTS[-1:]) * 2
+    assert optim.iteration_coefficients("newton_schulz", optim.NS_COEFFICIENTS, 3) == (optim.NS_COEFFICIENTS,) * 3
+
+
+@pytest.mark.parametrize("steps", [5, 10])
+def test_polar_express_matches_the_papers_algorithm(steps):
+    """Batched, against Algorithm 1 one matrix at a time: in float64 the same numbers to float64's rounding; in
+    bf16 (as it trains) apart by bf16's rounding, which PE's large first coefficients amplify (measured: 1.7 to
+    5.8% of the matrix's norm; the paper's own bf16 code is 4 to 6% from float64)."""
+    for shape in ((32, 16), (16, 48), (24, 24)):  # tall, wide, square; three of each shape batched
+        mats = [m.detach() for m in matrices(seed=sum(shape) + steps, shapes=[shape] * 3)]
+        exact, rounded = (orthogonalized(mats, "polar_express", steps, dtype) for dtype in (torch.float64,
+                                                                                             torch.bfloat16))
+        for m, ours, in_bf16 in zip(mats, exact, rounded):
+            reference = polar_express_by_the_paper(m, steps)
+            apart = lambda x: ((x.double() - reference).norm() / reference.norm()).item()
+            assert apart(ours) < 1e-6 and apart(in_bf16) < 0.08, (shape, apart(ours), apart(in_bf16))
+
+
+def test_polar_express_orthogonalizes_an_ill_conditioned_matrix_better_than_newton_schulz():
+    """Singular values from 1 down to 0.01 (a condition number of 100): after 5 iterations each, Polar Express's
+    are within 0.13 of 1 (0.87 to 1.12), Newton-Schulz's quintic only within 0.32 (it plateaus near 0.7)."""
+    g = torch.Generator().manual_seed(0)
+    u, _ = torch.linalg.qr(torch.randn(48, 32, generator=g))
+    v, _ = torch.linalg.qr(torch.randn(32, 32, generator=g))
+    m = u @ torch.diag(torch.logspace(0, -2, 32)) @ v.T
+    worst = {name: (torch.linalg.svdvals(orthogonalized([m], name)[0]) - 1).abs().max().item()
+             for name in optim.ORTHOGONALIZERS}
+    assert worst["polar_express"] < 0.15 < 0.3 < worst["newton_schulz"], worst
+
+
+# ---------------------------------------------------------------- NorMuon
+
+def normuon_reference(params, grads_per_step, lr, weight_decay, momentum, beta2=0.95):
+    """NorMuon's reference update (Li et al. 2025, their normuon.py) on torch's own Newton-Schulz, one matrix at a
+    time, with torch.optim.Muon's Nesterov momentum, decay and original lr adjustment."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+    buffers = [torch.zeros_like(p) for p in params]
+    moments = [torch.zeros(p.shape[0], 1) for p in params]
+    for grads in grads_per_step:
+        for p, g, buf, v in zip(params, grads, buffers, moments):
+            buf.lerp_(g, 1 - momentum)
+            o = _zeropower_via_newtonschulz(g.lerp(buf, momentum), optim.NS_COEFFICIENTS, 5, optim.NS_EPS).float()
+            norm = o.norm()
+            v.lerp_((o * o).mean(dim=-1, keepdim=True), 1 - beta2)
+            o = o * (1 / (v.sqrt() + 1e-10))
+            o = o * (norm / (o.norm() + 1e-10))  # the norm kept
+            p.mul_(1 - lr * weight_decay)
+            p.add_(o * max(1, p.size(-2) / p.size(-1)) ** 0.5, alpha=-lr)
+    return moments
+
+
+def test_normuon_matches_its_reference_over_several_steps():
+    """To the batched-bf16 tolerance of tests/test_optim.py (the Newton-Schulz products round apart), and moving
+    the weights far from plain Muon's (the normalization does something)."""
+    g = torch.Generator().manual_seed(1)
+    start = matrices()
+    grads = [[torch.randn(p.shape, generator=g) for p in start] for _ in range(3)]
+    ours, plain, reference = clones(start), clones(start), [p.detach().clone() for p in start]
+    normuon, muon = optim.Muon(ours, **MUON, normuon=True), optim.Muon(plain, **MUON)
+    for step_grads in grads:
+        for p, q, grad in zip(ours, plain, step_grads):
+            p.grad, q.grad = grad.clone(), grad.clone()
+        normuon.step()
+        muon.step()
+    moments = normuon_reference(reference, grads, **MUON)
+    assert update_steps_apart(reference, ours, None) < 2.0
+    assert update_steps_apart(plain, ours, None) > 20
+    for p, v in zip(ours, moments):
+        assert torch.allclose(normuon.state[p]["second_moment"], v, rtol=0.02, atol=1e-6)
+
+
+# ---------------------------------------------------------------- cautious weight decay
+
+@pytest.mark.parametrize("lr", [0.1, torch.tensor(0.1, dtype=torch.float64)], ids=["float", "tensor"])
+def test_cautious_weight_decay_by_hand(lr):
+    """x <- x - lr (ratio u + wd 1[u x >= 0] x), with lr 0.1, wd 0.5, ratio 2: where the update u and the weight x
+    share a sign (or u is 0), x decays by lr x wd = 5%; elsewhere only the update moves it."""
+    x = torch.tensor([[1.0, -2.0, 3.0], [-4.0, 5.0, -6.0]])
+    u = torch.tensor([[0.5, -0.5, -0.5], [0.5, 0.0, -0.25]])  # agree, agree, differ; differ, zero, agree
+    expected = torch.tensor([[1.0 * 0.95 - 0.1, -2.0 * 0.95 + 0.1, 3.0 + 0.1],
+                             [-4.0 - 0.1, 5.0 * 0.95, -6.0 * 0.95 + 0.05]])
+    params = [x.clone()]
+    optim.apply_updates(params, u.unsqueeze(0).clone(), lr, 0.5, 2.0, cautious=True)
+    assert torch.allclose(params[0], expected, rtol=0, atol=1e-6)
+    plain = [x.clone()]
+    optim.apply_updates(plain, u.unsqueeze(0).clone(), lr, 0.5, 2.0)
+    assert torch.allclose(plain[0], x * 0.95 - 0.2 * u, rtol=0, atol=1e-6)  # plain decay: everywhere
+
+
+def test_the_levers_reach_muon_only_and_an_old_muon_state_loads_with_them_off():
+    model_settings = dict(optimizer="muon", learning_rate=2e-3, weight_decay=0.1, beta1=0.9, beta2=0.95,
+                          adam_eps=1e-8, muon_lr=0.02, muon_momentum=0.95, muon_ns_steps=5,
+                          muon_adjust_lr="original", compile=False)
+    from tests.test_optim import tiny_model
+    built = optim.build_optimizer(tiny_model(), dict(model_settings, muon_orthogonalizer="polar_express",
+                                                     normuon=True, cautious_weight_decay=True), "cpu")
+    [group] = built.muon.param_groups
+    assert (group["orthogonalizer"], group["normuon"], group["cautious_weight_decay"]) == ("polar_express", True,
+                                                                                          True)
+    assert all("normuon" not in g for g in built.adamw.param_groups)  # AdamW's decay stays plain
+    params = matrices()
+    saved = optim.Muon(params, **MUON).state_dict()
+    for key in optim.Muon.LEVERS:  # a state saved before the levers existed
+        del saved["param_groups"][0][key]
+    loaded = optim.Muon(clones(params), **MUON)
+    loaded.load_state_dict(saved)
+    assert {k: loaded.param_groups[0][k] for k in optim.Muon.LEVERS} == optim.Muon.LEVERS
+    set_grads([loaded.param_groups[0]["params"]], torch.Generator().manual_seed(0))
+    loaded.step()
+
+
+# ---------------------------------------------------------------- the weights' average
+
+def test_the_average_is_the_hand_computed_one_and_validation_scores_it(text_cache, tmp_path):
+    """ema 0.9 over 3 updates: sum of 0.1 x 0.9^(3 - i) x w_i over 1 - 0.9^3, by hand in float64 from the weights
+    after each update; the validation pass scores exactly the model holding those weights, then leaves the
+    trained weights as they were, bit for bit."""
+    cfg = small_config(text_cache, tmp_path, ema=0.9)
+    trainer, data = make_trainer(cfg), train_data(cfg)
+    history = []
+    for u in range(3):
+        trainer.update(*data.micro_batches(0, u, cfg.micro_batch_size))
+        history.append([p.detach().double().clone() for p in trainer.params])
+    weight = [0.1 * 0.9 ** (3 - i) / (1 - 0.9 ** 3) for i in (1, 2, 3)]
+    by_hand = [sum(w * h[k] for w, h in zip(weight, history)) for k in range(len(trainer.params))]
+    averaged = optim.averaged_weights(trainer.ema.state_dict(), trainer.step)
+    assert list(averaged) == [n for n, _ in trainer.raw_model.named_parameters()]
+    for ours, theirs in zip(averaged.values(), by_hand):
+        assert torch.allclose(ours.double(), theirs, rtol=1e-5, atol=1e-7)
+
+    val = TokenCache(cfg.data_dir).val
+    batches = lambda: eval_batches(val, cfg.seq_len, 8, cfg.val_subset_tokens)
+    live = [p.detach().clone() for p in trainer.params]
+    scored = trainer.evaluate(batches())
+    assert all(torch.equal(p, q) for p, q in zip(trainer.params, live))
+    holding_average = make_trainer(cfg).raw_model
+    holding_average.load_state_dict(averaged, strict=False)
+    assert scored == trainer_lib.mean_token_loss(holding_average, batches(), "cpu")
+    assert scored["loss"] != trainer_lib.mean_token_loss(trainer.raw_model, batches(), "cpu")["loss"]
+
+
+def test_all_levers_train_and_resume_bitwise_and_the_checkpoint_exports_the_average(text_cache, tmp_path):
+    """tests/test_train.py's resume test (three sessions against one) with every lever on, the final validation
+    scoring the average; the checkpoint then gives sampling and export (checkpoint.load_model) the average."""
+    resumes_bitwise(text_cache, tmp_path, LEVERS)
+    ckpts = [torch.load(tmp_path / run / "ckpt.pt", weights_only=False) for run in ("straight", "resumed")]
+    for a, b in zip(*(c["ema"]["accumulator"].values() for c in ckpts)):
+        assert torch.equal(a, b)
+    moments = [[s["second_moment"] for s in c["optimizer"]["muon"]["state"].values()] for c in ckpts]
+    assert len(moments[0]) == 8 and all(torch.equal(a, b) for a, b in zip(*moments))
+    model, ckpt = checkpoint.load_model(tmp_path / "resumed" / "ckpt.pt")
+    average = optim.averaged_weights(ckpt["ema"], ckpt["step"])
+    for name, p in model.named_parameters():
+        assert torch.equal(p, average[name]) and not torch.equal(p, ckpt["model"][name]), name
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(optimizer="adamw", normuon=True), "set optimizer=muon"),
+    (dict(optimizer="adamw", muon_orthogonalizer="polar_express"), "muon_orthogonalizer refine"),
+    (dict(optimizer="muon", cautious_weight_decay=True, weight_decay=0.0), "weight_decay above 0"),
+    (dict(ema=0.99, epochs=0, init_from="out/x"), "epochs 0 makes none"),
+    (dict(ema=1.0), "ema must lie in [0, 1)"),
+    (dict(muon_orthogonalizer="svd"), "newton_schulz, polar_express")])
+def test_lever_settings_that_cannot_work_are_refused(text_cache, tmp_path, change, words):
+    cfg = settings.Config(small_config(text_cache, tmp_path), **change)
+    with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace(")", r"\)")):
+        settings.check(settings.TrainSettings, cfg)
+
+
+# ---------------------------------------------------------------- under DDP, and compiled (update_graph)
+
+def trained(cfg, updates, world_size=1, rank=0):
+    """A trainer of cfg after these updates (on this rank's share of each), with its weights' and average's moves
+    from the initial weights, and the count of graphs compiled after each update."""
+    trainer, data = make_trainer(cfg, world_size=world_size), train_data(cfg)
+    start = [p.detach().clone() for p in trainer.params]
+    graphs = []
+    for u in updates:
+        trainer.update(*data.micro_batches(0, u, cfg.micro_batch_size, rank, world_size))
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    average = optim.averaged_weights(trainer.ema.state_dict(), trainer.step).values()
+    moves = [p.detach() - p0 for p, p0 in zip([*trainer.params, *average], start * 2)]
+    return trainer, moves, graphs
+
+
+def assert_moves_close(ours, theirs, tolerance):
+    for a, b in zip(ours, theirs):
+        assert (a - b).norm() <= tolerance * b.norm(), ((a - b).norm() / b.norm()).item()
+
+
+def ddp_rank(rank, port, cfg, out):
+    """One of two gloo ranks (a forked child): a full update and the padded last one with every lever; its moves
+    and its average's accumulator saved."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    trainer, moves, _ = trained(cfg, (0, 2), world_size=2, rank=rank)  # 8, then the last 5, padded
+    torch.save({"moves": moves, "accumulator": trainer.ema.accumulator}, out)
+    del trainer  # the DDP wrapper before the process group, as train.main frees them
+    torch.distributed.destroy_process_group()
+
+
+def test_all_levers_under_ddp_equal_one_process_and_every_rank_holds_the_same_average(text_cache, tmp_path):
+    """Two gloo ranks (forked: no second interpreter to start) against one process of the same micro-batches,
+    over a full update and the padded last one: each rank's weights and average the same bits; against one
+    process the same moves (of the weights and of their average) to Muon's bf16 tolerance. Two ranks sum the
+    gradients in another order, and Muon's bf16 orthogonalization carries a last-bit difference far (measured:
+    1.0% of a move at most; plain Muon is as sensitive, 5% over 3 updates between micro-batches of 2 and 8)."""
+    cfg = small_config(text_cache, tmp_path, micro_batch_size=2, **LEVERS)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fork = multiprocessing.get_context("fork")
+    ranks = [fork.Process(target=ddp_rank, args=(r, port, cfg, tmp_path / f"rank{r}.pt")) for r in range(2)]
+    for r in ranks:
+        r.start()
+    for r in ranks:
+        r.join(timeout=120)
+        if r.exitcode is None:
+            r.kill()
+    assert [r.exitcode for r in ranks] == [0, 0]
+    first, second = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert all(torch.equal(a, b) for a, b in zip(first["moves"] + first["accumulator"],
+                                                 second["moves"] + second["accumulator"]))
+    _, moves, _ = trained(cfg, (0, 2))
+    assert_moves_close(first["moves"], moves, 0.03)
+
+
+def test_all_levers_compile_the_step_once_and_update_as_eager(text_cache, tmp_path, monkeypatch):
+    """update_graph's compiled clip, step and average against the eager step over 3 updates: the same losses and
+    moves to the bf16 tolerance of tests/test_update_graph.py, the step compiled at the first update only (one
+    graph more than Muon's three: the average's), the average's tensors marked static. Only the step compiles (the
+    model stays eager: the levers change only the step), with the aot_eager backend: dynamo's capture and AOT's
+    functional graphs of the step, which inductor would take; inductor itself takes 15 to 30 s more on a cold
+    cache here (the levers-off step's inductor run: tests/test_update_graph.py; the GPU's: scripts/gpu_smoke.sh)."""
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    _, eager, _ = trained(small_config(text_cache, tmp_path, **LEVERS), range(3))
+    fresh_compiler()
+    trainer, moves, graphs = trained(small_config(text_cache, tmp_path, update_graph=True, **LEVERS), range(3))
+    assert graphs == [4] * 3, graphs
+    assert hasattr(trainer.optimizer_step, "_torchdynamo_orig_callable")
+    assert all(getattr(t, "_dynamo_static_input_type", None) is not None for t in trainer.ema.accumulator)
+    assert_moves_close(moves, eager, 0.1)
