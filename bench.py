@@ -79,6 +79,7 @@ def timed_windows(cfg, trainer, batches, entry, world_size):
     trainer.update(*next(batches))
     sync()
     entry["first_update_seconds"] = time.perf_counter() - start
+    entry["first_update_graphs"] = env.inductor_graph_counts() if cfg.compile else None
     say(cfg, f"first update {entry['first_update_seconds']:.1f} s; {cfg.warmup - 1} more warmup updates")
     for _ in range(cfg.warmup - 1):
         trainer.update(*next(batches))

@@ -102,6 +102,13 @@ def compiler_cache_state(fresh=False):
     return folders, was_cold
 
 
+def inductor_graph_counts():
+    """{"compiled", "from_cache"}: the graphs Inductor has made in this process so far, and those of them its FX
+    graph cache held (a warm start compiles none; a cold one takes none from the cache)."""
+    from torch._dynamo.utils import counters
+    return {"compiled": counters["inductor"]["fxgraph_cache_miss"], "from_cache": counters["inductor"]["fxgraph_cache_hit"]}
+
+
 def cpu_model():
     """The processor's name from /proc/cpuinfo (Linux), else platform.processor(); None when unknown."""
     try:

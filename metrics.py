@@ -32,6 +32,8 @@ class RunState:
     run_id: str = dataclasses.field(default_factory=env.new_run_id)
     sessions: int = 0  # how many processes have trained this run (1 + the resumes)
     first_update_seconds: float = None
+    # Inductor's graphs of the first update: how many it compiled and how many its cache held (warm or cold start)
+    first_update_graphs: dict = None
     final_validation: dict = None
     # the logged training loss, learning rate and gradient norm, one point per log interval
     training_curve: list = dataclasses.field(default_factory=list)
@@ -41,7 +43,7 @@ class RunState:
 # A checkpoint must hold these to be resumed; the others start at their defaults when it has none of them (a final
 # validation exists only once the run is complete).
 RESUME_FIELDS = [f.name for f in dataclasses.fields(RunState)
-                 if f.name not in ("final_validation", "training_curve", "target_reached")]
+                 if f.name not in ("final_validation", "training_curve", "target_reached", "first_update_graphs")]
 
 
 def format_seconds(seconds):
@@ -128,6 +130,7 @@ class Metrics:
             self.synchronize()
         if state.first_update_seconds is None:
             state.first_update_seconds = time.time() - self.segment_start
+            state.first_update_graphs = env.inductor_graph_counts() if self.cfg.compile else None
             if self.main:
                 print(f"first update: {state.first_update_seconds:.1f} s"
                       + (" (compile included)" if self.cfg.compile else ""), flush=True)
@@ -220,7 +223,7 @@ class Metrics:
             "training_tokens_per_second": tokens_per_second,
             "elapsed_tokens_per_second": s.tokens / elapsed if elapsed else None,
             "median_training_tokens_per_second": rates[len(rates) // 2] if rates else None,
-            "first_update_seconds": s.first_update_seconds,
+            "first_update_seconds": s.first_update_seconds, "first_update_graphs": s.first_update_graphs,
             "mfu": env.mfu(facts["flops"], tokens_per_second / self.world_size if seconds else None, facts["gpu_name"]),
             "flops_per_token": facts["flops"], "peak_memory_bytes": peak_memory_bytes(facts["device"]),
             "world_size": self.world_size, "sessions": s.sessions, "attention": self.trainer.attention,

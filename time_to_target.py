@@ -52,7 +52,31 @@ def run_outcome(entry):
     return {"status": entry.get("status"), "seed": (entry.get("config") or {}).get("seed"),
             "final_loss": last if plots.finite_number(last) else None, "training_seconds": entry.get("training_seconds"),
             "updates": entry.get("step"), "reached": reached,
-            "seconds_to_target": reached.get("training_seconds") if reached else None}
+            "seconds_to_target": reached.get("training_seconds") if reached else None,
+            "first_update_seconds": entry.get("first_update_seconds"), "start": start_regime(entry)}
+
+
+def start_regime(entry):
+    """How the run's first update compiled: "cold" (Inductor made every graph), "warm" (its cache held every one),
+    "part-warm", "eager" (nothing compiled), or None for an entry that does not say."""
+    graphs = entry.get("first_update_graphs")
+    if not (entry.get("config") or {}).get("compile"):
+        return "eager"
+    if not isinstance(graphs, dict):
+        return None
+    compiled, cached = graphs.get("compiled", 0), graphs.get("from_cache", 0)
+    return "cold" if compiled and not cached else "warm" if cached and not compiled else "part-warm"
+
+
+def regime_note(section):
+    """A sentence when the candidate's and the baseline's runs started differently (a warm run against a cold one
+    counts compile seconds on one side only), else ""."""
+    sides = {side: {o.get("start") for o in (section.get(f"{side}_runs") or {}).values()} - {None}
+             for side in ("candidate", "baseline")}
+    if not sides["baseline"] or sides["candidate"] == sides["baseline"]:
+        return ""
+    return (f"; the runs started differently: candidate {', '.join(sorted(sides['candidate'])) or 'unknown'}, "
+            f"baseline {', '.join(sorted(sides['baseline']))} (compile seconds are in the training time)")
 
 
 def failed_outcome(seed, error):
@@ -148,14 +172,16 @@ def verdict_line(section):
     text = (f"reaches the target {target:g}: every seed ends below it, mean {section['mean_loss']:.4f} at "
             f"p = {section['p_value']:.2g} < {section['alpha']:g} over {section['n_runs']} seeds")
     up = (section.get("speedup") or {}).get("speedup")
-    return text + (f"; {up:.2f}x faster than the baseline to it" if up else "")
+    return text + (f"; {up:.2f}x faster than the baseline to it" if up else "") + regime_note(section)
 
 
 def run_rows(section):
-    """(name, status, final loss, training s, first reached at training s) of every run, candidate first."""
+    """(name, status, final loss, training s, first reached at training s, start) of every run, candidate first."""
     runs = {**section["candidate_runs"], **(section.get("baseline_runs") or {})}
     return [(name, str(o["status"]), plots.fmt(o["final_loss"], ".4f"), plots.fmt(o["training_seconds"], ".1f"),
-             plots.fmt(o["seconds_to_target"], ".1f")) for name, o in runs.items()]
+             plots.fmt(o["seconds_to_target"], ".1f"),
+             f"{o.get('start') or '?'} {plots.fmt(o.get('first_update_seconds'), '.1f')} s")
+            for name, o in runs.items()]
 
 
 def speedup_line(up):
@@ -173,7 +199,7 @@ def speedup_line(up):
 
 def table(section):
     """The runs, then the mean and its test, the median time, the speed-up and the verdict, as printed lines."""
-    head = ("run", "status", "final loss", "training s", "reached at s")
+    head = ("run", "status", "final loss", "training s", "reached at s", "first update")
     rows = [head, *run_rows(section)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]

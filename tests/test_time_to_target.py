@@ -10,8 +10,8 @@ from scipy import stats
 import compare
 from results import lookup, read_results
 from tests.test_compare import PNG_MAGIC, TINY
-from time_to_target import (failed_outcome, save_figure, median_seconds, run_outcome, speedup, speedup_line, table,
-                            target_verdict, verdict_line, verdict_losses)
+from time_to_target import (failed_outcome, regime_note, save_figure, median_seconds, run_outcome, speedup,
+                            speedup_line, start_regime, table, target_verdict, verdict_line, verdict_losses)
 
 TARGET = 3.28
 
@@ -120,11 +120,22 @@ def test_the_run_summary_reads_the_final_loss_the_training_seconds_and_the_targe
     reached = {"update": 20, "tokens": 2000, "training_seconds": 31.5, "loss": 3.27, "epoch": 1}
     o = run_outcome(entry([3.6, 3.27, 3.21], seconds=61.0, reached=reached, seed=7))
     assert o == {"status": "complete", "seed": 7, "final_loss": 3.21, "training_seconds": 61.0, "updates": 30,
-                 "reached": reached, "seconds_to_target": 31.5}
+                 "reached": reached, "seconds_to_target": 31.5, "first_update_seconds": None, "start": "eager"}
     diverged = run_outcome(dict(entry([3.6, None]), target=None))  # results.py writes a NaN loss as null
     assert diverged["final_loss"] is None and diverged["reached"] is None
     assert run_outcome({})["final_loss"] is None
     assert median_seconds({"a": o, "b": dict(o, training_seconds=40.0), "f": failed_outcome(9, "x")}) == 50.5
+
+
+def test_each_run_says_how_it_started_and_a_warm_side_against_a_cold_one_is_named():
+    compiled = lambda made, cached: {"config": {"compile": True}, "first_update_graphs": {"compiled": made,
+                                                                                          "from_cache": cached}}
+    assert [start_regime(compiled(*c)) for c in ((2, 0), (0, 2), (1, 1))] == ["cold", "warm", "part-warm"]
+    assert start_regime({"config": {"compile": True}}) is None  # an entry recorded before it was kept
+    warm, cold = run_outcome(dict(entry([3.2]), **compiled(0, 2))), run_outcome(dict(entry([3.2]), **compiled(2, 0)))
+    assert regime_note({"candidate_runs": {"a": warm}, "baseline_runs": {"b": warm}}) == ""
+    note = regime_note({"candidate_runs": {"a": warm}, "baseline_runs": {"b": cold, "c": warm}})
+    assert "candidate warm, baseline cold, warm" in note
 
 
 # ---------------------------------------------------------------- the mode
@@ -210,7 +221,8 @@ def test_the_mode_end_to_end_misses_an_unreachable_target_and_reaches_a_reachabl
     assert any(h["path"] == ["time-to-target", "tt"] for h in runs["history"])  # the miss, kept
     # the printed table: a row per run, then the test, the time, the speed-up and the verdict
     lines = table(s)
-    assert lines[0].split() == ["run", "status", "final", "loss", "training", "s", "reached", "at", "s"]
+    assert lines[0].split() == ["run", "status", "final", "loss", "training", "s", "reached", "at", "s", "first", "update"]
+    assert all(line.split()[5] == "eager" for line in lines[1:4])  # tiny_cpu compiles nothing
     assert [line.split()[0] for line in lines[1:4]] == ["tt-seed1337", "tt-seed1338", "tt-target-baseline-seed1337"]
     assert "\n".join(lines) in out
     # the same command again reuses every finished run (they have no full validation, which this mode never asks)
