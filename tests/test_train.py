@@ -478,6 +478,7 @@ RECIPE_KEYS = {"preset", "vocab_size", "dim", "n_layers", "n_heads", "hidden_dim
                # the time-to-quality recipe keys, also only off their defaults
                "optimizer", "muon_lr", "muon_momentum", "muon_ns_steps", "muon_adjust_lr", "lr_schedule",
                "cooldown_fraction"}
+RECIPE_KEYS |= {"batch_schedule", "seq_len_schedule"}  # the data schedules (#38), also only off their defaults
 
 
 def test_every_default_is_classified():
