@@ -232,13 +232,13 @@ def test_a_run_with_the_schedules_compiles_each_shape_once(text_cache, tmp_path,
         return gm.forward
     monkeypatch.setattr(torch, "compile", lambda model, dynamic, mode: compile_(model, backend=counting_backend,
                                                                                 dynamic=dynamic))
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     torch._dynamo.reset()
     try:
-        entry = train.train(config(text_cache, tmp_path, compile=True, epochs=1, seq_len_schedule=CONTEXT))
+        with torch._dynamo.config.patch(recompile_limit=2):  # restored afterwards, as the config's own API does
+            entry = train.train(config(text_cache, tmp_path, compile=True, epochs=1, seq_len_schedule=CONTEXT))
+            assert torch._dynamo.config.recompile_limit == 3 + train.EVALUATION_SHAPES
     finally:
         torch._dynamo.reset()
     assert entry["status"] == "complete" and entry["step"] == 6
     window = lambda c: (2 * T // c, c)
     assert sorted(shapes) == sorted([(window(c),) * 2 for c in (8, 16, 32)] + [((4, T),) * 2])  # each once
-    assert torch._dynamo.config.recompile_limit == 3 + train.EVALUATION_SHAPES
