@@ -166,7 +166,7 @@ class Metrics:
                                                "train/tokens_per_second": rate})
             mfu = env.mfu(self.facts["flops"], rate / self.world_size, self.facts["gpu_name"])
             mfu = f"{100 * mfu:.1f}%" if mfu else "n/a"
-            eta = (self.facts["total_updates"] - trainer.step) * self.cfg.tokens_per_update / self.mean_rate(rate)
+            eta = (self.facts["total_tokens"] - state.tokens) / self.mean_rate(rate)  # the updates' sizes may vary
             print(f"update {trainer.step}/{self.facts['total_updates']} | epoch {state.epoch + 1} | loss {loss:.4f} | "
                   f"grad norm {norm:.3f} | lr {lr:.2e} | {rate / 1e3:,.1f}K tok/s | MFU {mfu} | "
                   f"ETA {format_seconds(eta)}", flush=True)

@@ -39,8 +39,11 @@ class Plan:
     initial: checkpoint.InitialWeights | None
     recipe: dict                    # everything that changes the math (settings.recipe)
     recipe_id: str
-    sequences_per_update: int
-    micro_steps: int
+    sequences_per_update: int       # of a full update (tokens_per_update's)
+    micro_steps: int                # of a full update, on each process
+    # the data schedules in sequences: ((sequences per update, until), ...) and ((context, until), ...)
+    batch_steps: tuple = ()
+    context_steps: tuple = ()
 
     @property
     def main_process(self):
@@ -66,7 +69,13 @@ def resolve(cfg, cls=settings.TrainSettings, world=None, synthetic=False):
         check_validation(cfg, cache)
     rec = settings.recipe(cfg, mcfg, cache.identity if cache else None, initial.sha256 if initial else None)
     return Plan(cfg, rank, local_rank, world_size, device, attention, reason, cache, mcfg, initial, rec,
-                env.hash_json(rec), sequences, settings.micro_steps(cfg, world_size))
+                env.hash_json(rec), sequences, settings.micro_steps(cfg, world_size), **data_schedules(cfg))
+
+
+def data_schedules(cfg):
+    """batch_schedule and seq_len_schedule as the loader takes them: update sizes in sequences, not tokens."""
+    batch = tuple((tokens // cfg.seq_len, until) for tokens, until in settings.schedule_steps(cfg.batch_schedule))
+    return {"batch_steps": batch, "context_steps": settings.schedule_steps(cfg.seq_len_schedule)}
 
 
 # ---------------------------------------------------------------- the device
@@ -191,9 +200,11 @@ def check_validation(cfg, cache):
 # ---------------------------------------------------------------- what a run reads and writes
 
 def training_data(plan):
-    """The fixed training subset of the cache, cut into the run's updates (train.py trains it, bench.py times it)."""
+    """The fixed training subset of the cache, cut into the run's updates over its epochs, with its data schedules
+    (train.py trains it, bench.py times it)."""
     cfg = plan.cfg
-    return TrainData(plan.cache.train, cfg.seq_len, plan.sequences_per_update, cfg.seed, cfg.train_subset_tokens)
+    return TrainData(plan.cache.train, cfg.seq_len, plan.sequences_per_update, cfg.seed, cfg.train_subset_tokens,
+                     cfg.epochs, plan.batch_steps, plan.context_steps)
 
 
 def run_dir(cfg):

@@ -58,6 +58,45 @@ def one_val_token(v):
             if v == 1 else None)
 
 
+# The sequence-length schedule's most steps: each context is another shape, which compiles once (a recompile under
+# torch.compile's dynamic=False); a few keep the run's shapes few and within torch._dynamo's recompile limit.
+MAX_CONTEXT_STEPS = 4
+
+
+def schedule_steps(text):
+    """A data schedule's steps, ((value, until), ...): the value holds while the run's tokens before an update are
+    below `until` of all its tokens. "" is no schedule; a malformed one is a ValueError saying why."""
+    steps = []
+    for part in filter(None, (p.strip() for p in text.split(","))) if text.strip() else ():
+        value, colon, until = part.partition(":")
+        try:
+            steps.append((int(value), float(until)))
+        except ValueError:
+            raise ValueError(f"step {part!r} is not VALUE:UNTIL (a whole number, a colon, a fraction)") from None
+    for (value, until), (last_value, last_until) in zip(steps, [(0, 0.0)] + steps):
+        if not last_until < until < 1:
+            raise ValueError(f"the UNTIL fractions of the run's tokens must grow within (0, 1), got {until:g}"
+                             + (f" after {last_until:g}" if last_until else ""))
+        if value <= last_value:
+            raise ValueError(f"the values must be positive and grow, got {value}"
+                             + (f" after {last_value}" if last_value else ""))
+    return tuple(steps)
+
+
+def schedule_rule(key, form, max_steps=None):
+    """The rule of a schedule key's own value (its form, growing, and its number of steps)."""
+    def rule(text):
+        try:
+            steps = schedule_steps(text)
+        except ValueError as exc:
+            return f"{key} {text!r}: {exc} (its steps are {form}, comma-separated)"
+        if max_steps and len(steps) > max_steps:
+            return (f"{key} {text!r} has {len(steps)} steps; at most {max_steps} (each step's shape compiles "
+                    f"apart)")
+        return None
+    return rule
+
+
 # ---------------------------------------------------------------- the groups
 
 @dataclasses.dataclass
@@ -138,6 +177,17 @@ class Recipe:
     ema: float = setting(0.0, "the weights' exponential moving average with this decay (0: none), debiased: "
                               "validated, evaluated, sampled and exported in place of the trained weights", RECIPE,
                          bounds="[0, 1)")
+    # the data schedules (#38): what an update holds grows during the run; off ("") by default
+    batch_schedule: str = setting("", 'smaller updates first, as TOKENS:UNTIL steps: "8192:0.1,16384:0.3" gives '
+                                      'updates of 8,192 tokens until 10% of the run\'s tokens, 16,384 until 30%, then '
+                                      'tokens_per_update (sizes multiples of seq_len, growing; the learning rate '
+                                      'schedule counts these updates)', RECIPE,
+                                  rule=schedule_rule("batch_schedule", "TOKENS:UNTIL"))
+    seq_len_schedule: str = setting("", 'shorter contexts first, as CONTEXT:UNTIL steps: "256:0.3,512:0.6" splits '
+                                        'each sequence into windows of 256 until 30% of the run\'s tokens, 512 until '
+                                        '60%, then seq_len: the same targets, a shorter attention context (contexts '
+                                        'divide seq_len; validation keeps seq_len)', RECIPE,
+                                    rule=schedule_rule("seq_len_schedule", "CONTEXT:UNTIL", MAX_CONTEXT_STEPS))
 
 
 @dataclasses.dataclass
@@ -355,6 +405,33 @@ def _whole_sequences(cfg):
                 f"a whole number of sequences")
 
 
+@combination("batch_schedule", "tokens_per_update", "seq_len")
+def _batch_schedule(cfg):
+    for tokens, _ in schedule_steps(cfg.batch_schedule):
+        if tokens % cfg.seq_len or tokens >= cfg.tokens_per_update:
+            return (f"batch_schedule's {tokens}-token updates must be a whole number of sequences of seq_len "
+                    f"{cfg.seq_len} below tokens_per_update {cfg.tokens_per_update}, which the last step grows to")
+
+
+@combination("seq_len_schedule", "seq_len")
+def _seq_len_schedule(cfg):
+    for context, _ in schedule_steps(cfg.seq_len_schedule):
+        if cfg.seq_len % context or context >= cfg.seq_len:
+            return (f"seq_len_schedule's context {context} must divide seq_len {cfg.seq_len} and be shorter (each "
+                    f"sequence is split into windows of that many targets); valid: "
+                    f"{[c for c in range(1, cfg.seq_len) if cfg.seq_len % c == 0]}")
+
+
+@combination("batch_schedule", "seq_len_schedule", "windows")
+def _schedules_in_bench(cfg):
+    """bench.py (and tune.py, which runs it) times updates of tokens_per_update at seq_len, one shape."""
+    scheduled = [k for k in ("batch_schedule", "seq_len_schedule") if cfg[k]]
+    if scheduled:
+        return (f"{' and '.join(scheduled)} make updates of other sizes or shapes than the one bench.py times; bench "
+                f"each step alone without them (a batch step: --tokens_per_update=TOKENS; a context C: --seq_len=C "
+                f"--micro_batch_size=micro_batch_size x seq_len / C)")
+
+
 @combination("epochs", "init_from")
 def _epochs(cfg):
     if cfg.epochs == 0 and not cfg.init_from:
@@ -477,19 +554,23 @@ def check(cls, cfg):
 
 
 def sequences_per_update(cfg, world_size=1):
-    """The sequences of one update; a micro-batch that does not divide them on world_size processes is a
-    ConfigError listing the sizes that do."""
+    """The sequences of a full update; a micro-batch that does not divide them (nor those of each batch_schedule
+    step) on world_size processes is a ConfigError listing the sizes that do."""
     sequences = cfg.tokens_per_update // cfg.seq_len
-    if sequences % (cfg.micro_batch_size * world_size):
-        valid = [m for m in range(1, sequences + 1) if sequences % (m * world_size) == 0]
-        raise ConfigError(
-            f"micro_batch_size {cfg.micro_batch_size} on {world_size} process(es) does not divide the "
-            f"{sequences} sequences of an update (tokens_per_update / seq_len); valid sizes: {valid}")
+    sizes = [tokens // cfg.seq_len for tokens, _ in schedule_steps(cfg.batch_schedule)] + [sequences]
+    for size in sizes:
+        if size % (cfg.micro_batch_size * world_size):
+            valid = [m for m in range(1, sizes[0] + 1) if all(n % (m * world_size) == 0 for n in sizes)]
+            what = ("an update (tokens_per_update / seq_len)" if size == sequences
+                    else f"batch_schedule's {size * cfg.seq_len}-token updates")
+            raise ConfigError(f"micro_batch_size {cfg.micro_batch_size} on {world_size} process(es) does not divide "
+                              f"the {size} sequences of {what}; valid sizes: {valid}")
     return sequences
 
 
 def micro_steps(cfg, world_size=1):
-    """Micro-batches per update on each process: the gradient accumulation count."""
+    """Micro-batches per full update on each process: the gradient accumulation count (the most of the run's: a
+    batch_schedule's smaller updates take fewer)."""
     return max(1, cfg.tokens_per_update // cfg.seq_len // (cfg.micro_batch_size * world_size))
 
 

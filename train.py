@@ -87,6 +87,17 @@ def prepare_out_dir(cfg, main_process=True):
 
 # ---------------------------------------------------------------- the training run
 
+EVALUATION_SHAPES = 2  # the validation subset's batch and the full validation's, beside the training shapes
+
+
+def allow_recompiles(training_shapes):
+    """torch.compile (dynamic=False) compiles each input shape once, and past torch._dynamo.config.recompile_limit
+    runs further shapes uncompiled: room for the run's training shapes (one per seq_len_schedule context) and
+    evaluation's."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, training_shapes + EVALUATION_SHAPES)
+
+
 class Run:
     """One training run of a plan: its data, trainer and accounting, and the steps train() takes."""
 
@@ -95,12 +106,14 @@ class Run:
         self.main_process, self.world_size = plan.main_process, plan.world_size
         self.stop = None  # the StopRequest, from the loop's start
         self.data = training_data(plan)
-        self.total_updates = self.data.updates_per_epoch * self.cfg.epochs
+        self.total_updates = self.data.total_updates()  # a batch schedule's smaller updates are more of them
         for line in settings.doubtful_values(self.cfg, self.total_updates) if self.main_process else ():
             print(f"warning: {line}")
         # after every check, so that a refused run leaves no folder
         self.ckpt_path, self.lock = prepare_out_dir(self.cfg, self.main_process)
         try:
+            if self.cfg.compile:
+                allow_recompiles(len(self.data.contexts()))
             self.trainer = Trainer.from_plan(plan, self.total_updates)
             if plan.initial and self.main_process:
                 print(f"initial weights from {self.cfg.init_from} ({plan.initial.source}, "
@@ -118,7 +131,8 @@ class Run:
         return {"main_process": self.main_process, "world_size": self.world_size, "device": plan.device,
                 "flops": model_lib.flops_per_token(plan.model, self.cfg.seq_len), "gpu_name": gpu,
                 "parameters": sum(p.numel() for p in self.trainer.raw_model.parameters()),
-                "total_updates": self.total_updates, "recipe": plan.recipe, "recipe_id": plan.recipe_id,
+                "total_updates": self.total_updates, "total_tokens": self.data.tokens_per_epoch * self.cfg.epochs,
+                "recipe": plan.recipe, "recipe_id": plan.recipe_id,
                 "fingerprint": env.fingerprint(plan.cache.identity) if self.main_process else None}
 
     @property
@@ -148,19 +162,26 @@ class Run:
         checkpoint.set_rng_state(ckpt["rng"])
         self.metrics.restore(ckpt)
         print(f"resumed {self.ckpt_path} at update {self.trainer.step} (epoch {self.state.epoch + 1}, "
-              f"update {self.state.update_in_epoch} of {self.data.updates_per_epoch})")
+              f"update {self.state.update_in_epoch} of {self.data.updates_in(self.state.epoch)})")
 
     def announce(self):
         if not self.main_process:
             return
         cfg, data, facts, plan = self.cfg, self.data, self.metrics.facts, self.plan
         compiles = cfg.compile and self.state.first_update_seconds is None
+        if plan.batch_steps:  # the early epochs hold more, smaller updates, with fewer micro-steps
+            updates = f"{self.total_updates} updates over {cfg.epochs} epochs (batch_schedule {cfg.batch_schedule})"
+            accumulation = f"up to {plan.micro_steps}"
+        else:
+            updates = f"{data.updates_per_epoch} updates per epoch x {cfg.epochs} epochs"
+            accumulation = plan.micro_steps
+        contexts = (f", contexts {data.contexts()} (seq_len_schedule {cfg.seq_len_schedule})" if plan.context_steps
+                    else "")
         print(f"{cfg.name}: {facts['parameters']:,} parameters, {data.n_sequences:,} sequences of {cfg.seq_len} per "
-              f"epoch, {data.updates_per_epoch} updates per epoch x {cfg.epochs} epochs, micro-batch "
-              f"{cfg.micro_batch_size} x {plan.micro_steps} accumulation x {self.world_size} process(es), "
-              f"{plan.device}, attention {plan.attention} ({plan.attention_reason}), optimizer {cfg.optimizer}, "
-              f"recipe {plan.recipe_id[:12]}" + ("; the first update compiles the model" if compiles else ""),
-              flush=True)
+              f"epoch, {updates}, micro-batch {cfg.micro_batch_size} x {accumulation} accumulation x "
+              f"{self.world_size} process(es), {plan.device}, attention {plan.attention} ({plan.attention_reason}), "
+              f"optimizer {cfg.optimizer}, recipe {plan.recipe_id[:12]}{contexts}"
+              + ("; the first update compiles the model" if compiles else ""), flush=True)
 
     # -- the updates
 
@@ -171,7 +192,7 @@ class Run:
         while self.state.epoch < cfg.epochs:
             epoch, start = self.state.epoch, self.state.update_in_epoch
             make = lambda u: self.data.micro_batches(epoch, u, cfg.micro_batch_size, self.plan.rank, self.world_size)
-            for _, micro_batches, n_tokens in Prefetcher(make, range(start, self.data.updates_per_epoch),
+            for _, micro_batches, n_tokens in Prefetcher(make, range(start, self.data.updates_in(epoch)),
                                                          self.plan.device):
                 yield micro_batches, n_tokens
             if self.state.epoch == epoch:  # the epoch's validation did not end (a stop): nothing follows
@@ -187,7 +208,7 @@ class Run:
 
     def epoch_done(self):
         """The epoch's updates are done and its validation has not yet counted it."""
-        return self.state.update_in_epoch == self.data.updates_per_epoch
+        return self.state.update_in_epoch == self.data.updates_in(self.state.epoch)
 
     # -- what is due
 

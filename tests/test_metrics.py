@@ -24,7 +24,7 @@ def run_metrics(monkeypatch, total_updates=200, tokens_per_update=1000):
     cfg = settings.Config(compile=True, tokens_per_update=tokens_per_update, target_loss=0.0)
     trainer = types.SimpleNamespace(step=0, lr_at=lambda step: 1e-3)
     facts = {"main_process": True, "world_size": 1, "device": "cpu", "flops": 1.0, "gpu_name": None,
-             "total_updates": total_updates}
+             "total_updates": total_updates, "total_tokens": total_updates * tokens_per_update}
     m = metrics.Metrics(cfg, trainer, facts)
     m.dashboards = types.SimpleNamespace(log=lambda step, scalars: None)
     m.start_clock()

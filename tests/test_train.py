@@ -479,7 +479,9 @@ RECIPE_KEYS = {"preset", "vocab_size", "dim", "n_layers", "n_heads", "hidden_dim
                "optimizer", "muon_lr", "muon_momentum", "muon_ns_steps", "muon_adjust_lr", "lr_schedule",
                "cooldown_fraction",
                # the optimizer levers (#38), also only off their defaults
-               "muon_orthogonalizer", "normuon", "cautious_weight_decay", "ema"}
+               "muon_orthogonalizer", "normuon", "cautious_weight_decay", "ema",
+               # the data schedules (#38), also only off their defaults
+               "batch_schedule", "seq_len_schedule"}
 
 
 def test_every_default_is_classified():

@@ -1,0 +1,244 @@
+"""The data schedules (#38): a batch size and a context that grow during the run. Every target stays scored once
+per epoch, an update takes the next sequences of its epoch's order, the same seed gives the same updates on any
+micro-batch or number of processes, a stopped run resumes bitwise, two processes train as one, and each shape
+compiles once."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import configurator
+import plan
+import settings
+import train
+from data.loader import IGNORE, TokenCache, TrainData, epoch_order
+from tests.test_train import (assert_close_parameters, checkpoint_parameters, free_port, make_trainer,
+                              parameters, recipe_id, small_config)
+from tests.test_train import restore_threads  # noqa: F401 (autouse: the trainer's cpu_threads=1 is undone)
+
+T = 32
+N = 45          # sequences of the training subset
+BATCH = "64:0.2,128:0.5"    # 2 sequences an update until 20% of the run's tokens, 4 until 50%, then 8
+CONTEXT = "8:0.3,16:0.6"    # windows of 8 targets until 30%, 16 until 60%, then 32
+# the batch ramp over 2 epochs of 45 sequences (90 in all), by hand: 2s until 18 sequences, 4s until 45 (the last
+# takes the 3 left), then all 8s (the last takes 5)
+RAMP_SIZES = [[2] * 9 + [4] * 6 + [3], [8] * 5 + [5]]
+
+
+def config(cache, tmp_path, **overrides):
+    """A tiny run: width 32, 2 layers, 45 sequences of 32 (and 7 tokens that are never targets), 2 epochs."""
+    return small_config(cache, tmp_path, **{**dict(dim=32, hidden_dim=64, seq_len=T, train_subset_tokens=N * T + 8,
+                                                   val_subset_tokens=4 * T, tokens_per_update=8 * T,
+                                                   micro_batch_size=2, eval_batch_size=4, full_validation=False,
+                                                   warmup_updates=2), **overrides})
+
+
+def positions_data(batch="", context="", seed=0):
+    """TrainData over tokens whose values are their positions, with the schedules in sequences as plan.py gives."""
+    cfg = settings.Config(seq_len=T, batch_schedule=batch, seq_len_schedule=context)
+    tokens = np.arange(N * T + 8, dtype=np.int64)
+    return TrainData(tokens, T, 8, seed, epochs=2, **plan.data_schedules(cfg))
+
+
+def sequences_of(batches):
+    """The sequence index of each real row of micro-batches, read back through the context split."""
+    found = []
+    for x, y in batches:
+        for row_x, row_y in zip(x.reshape(-1, T), y.reshape(-1, T)):  # a row's windows are consecutive rows
+            if not (row_y == IGNORE).all():
+                assert not (row_y == IGNORE).any() and int(row_x[0]) % T == 0
+                found.append(int(row_x[0]) // T)
+    return found
+
+
+@pytest.mark.parametrize("batch, context", [(BATCH, ""), ("", CONTEXT), (BATCH, CONTEXT)],
+                         ids=["batch", "seq_len", "both"])
+def test_every_token_after_the_first_is_a_target_once_per_epoch_under_each_schedule(batch, context):
+    data = positions_data(batch, context)
+    for epoch in range(2):
+        for micro in (1, 2):
+            targets, shapes = [], set()
+            for u in range(data.updates_in(epoch)):
+                batches, n_tokens = data.micro_batches(epoch, u, micro)
+                got = [int(t) for _, y in batches for t in y.flatten() if t != IGNORE]
+                assert n_tokens == len(got)
+                targets += got
+                shapes |= {tuple(x.shape) for x, _ in batches} | {tuple(y.shape) for _, y in batches}
+            assert sorted(targets) == list(range(1, N * T + 1))  # the last 7 positions are never targets
+            assert shapes <= {(micro * T // c, c) for c in data.contexts()}  # one shape per context
+    assert data.contexts() == ([8, 16, 32] if context else [32])
+
+
+def test_the_context_split_leaves_each_update_s_tokens_and_targets_as_without_it():
+    plain, split = positions_data(BATCH), positions_data(BATCH, CONTEXT)
+    # each update's context is the step at the run's sequences before it: below 27 of 90 windows of 8, below 54 of 16
+    assert [c for e in range(2) for _, _, c in split.epoch_updates(e)] == [8] * 12 + [16] * 6 + [32] * 4
+    for epoch in range(2):
+        assert plain.epoch_updates(epoch) == [u[:2] + (T,) for u in split.epoch_updates(epoch)]
+        for u in range(plain.updates_in(epoch)):
+            (a, n_a), (b, n_b) = plain.micro_batches(epoch, u, 2), split.micro_batches(epoch, u, 2)
+            assert n_a == n_b and len(a) == len(b)
+            for (xa, ya), (xb, yb) in zip(a, b):  # the same targets in the same order, and the same inputs
+                assert torch.equal(xa.flatten(), xb.flatten()) and torch.equal(ya.flatten(), yb.flatten())
+                per_row = T // xb.shape[1]
+                for i in range(len(xb)):
+                    if (yb[i] == IGNORE).all():  # padding
+                        continue
+                    assert torch.equal(xb[i, 1:], yb[i, :-1])  # a window of c + 1 tokens: inputs, then targets
+                    if (i + 1) % per_row:  # the next window of the sequence starts at this one's last token
+                        assert xb[i + 1, 0] == yb[i, -1]
+
+
+def test_the_batch_ramp_takes_sequences_cumulatively_the_same_on_any_micro_batch_or_world_size():
+    data = positions_data(BATCH)
+    assert [[n for _, n, _ in data.epoch_updates(e)] for e in range(2)] == RAMP_SIZES
+    assert data.total_updates() == sum(map(len, RAMP_SIZES)) == 22
+    for epoch in range(2):
+        taken = np.concatenate([data.update_sequences(epoch, u) for u in range(data.updates_in(epoch))])
+        assert taken.tolist() == epoch_order(N, 0, epoch).tolist()  # in order: none skipped, none repeated
+        for u in range(data.updates_in(epoch)):
+            reference = list(data.update_sequences(epoch, u))
+            for micro, world_size in ((1, 1), (2, 1), (1, 2)):
+                fresh = positions_data(BATCH)  # another process with the same seed
+                shares = [fresh.micro_batches(epoch, u, micro, rank, world_size) for rank in range(world_size)]
+                assert len({len(b) for b, _ in shares}) == 1 and {n for _, n in shares} == {len(reference) * T}
+                assert sorted(sum((sequences_of(b) for b, _ in shares), [])) == sorted(reference)
+    assert positions_data(BATCH, seed=1).update_sequences(0, 0).tolist() != data.update_sequences(0, 0).tolist()
+    with pytest.raises(ValueError, match="updates_in"):
+        data.updates_per_epoch
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(batch_schedule="64-0.2"), "is not VALUE:UNTIL"),
+    (dict(batch_schedule="128:0.2,64:0.5"), "must be positive and grow, got 64 after 128"),
+    (dict(batch_schedule="64:0.5,128:0.2"), "must grow within (0, 1), got 0.2 after 0.5"),
+    (dict(seq_len_schedule="8:1.0"), "must grow within (0, 1), got 1"),
+    (dict(batch_schedule="48:0.2"), "48-token updates must be a whole number of sequences of seq_len 32"),
+    (dict(batch_schedule="256:0.2"), "below tokens_per_update 256"),
+    (dict(seq_len_schedule="12:0.2"), "context 12 must divide seq_len 32"),
+    (dict(seq_len_schedule="1:0.1,2:0.2,4:0.3,8:0.4,16:0.5"), "has 5 steps; at most 4"),
+    (dict(batch_schedule="64:0.2", micro_batch_size=4), "does not divide the 2 sequences of batch_schedule's "
+                                                         "64-token updates; valid sizes: [1, 2]")])
+def test_a_schedule_that_cannot_be_right_is_one_line_before_any_work(text_cache, tmp_path, capsys, change, words):
+    cfg = config(text_cache, tmp_path, **change)
+    with pytest.raises(configurator.ConfigError) as info:
+        plan.resolve(cfg, world=(0, 0, 1))
+    assert words in str(info.value) and "\n" not in str(info.value)
+    assert train.main([f"--{k}={v}" for k, v in cfg.items()]) == 2 and words in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_schedules_are_recipe_keys_that_leave_an_unscheduled_run_s_identity_as_it_was(text_cache, tmp_path):
+    cfg = config(text_cache, tmp_path)
+    changes = ({}, dict(batch_schedule=BATCH), dict(seq_len_schedule=CONTEXT), dict(seq_len_schedule="8:0.3"))
+    assert len({recipe_id(settings.Config(cfg, **change)) for change in changes}) == len(changes)
+    mcfg = plan.model_config(cfg, 256)
+    assert not {"batch_schedule", "seq_len_schedule"} & set(settings.recipe(cfg, mcfg, "cache"))
+
+
+def test_bench_refuses_the_schedules_it_would_not_time():
+    cfg = settings.Config(settings.defaults(settings.BenchSettings), seq_len_schedule="256:0.5")
+    with pytest.raises(configurator.ConfigError, match="seq_len_schedule make updates of other sizes or shapes"):
+        settings.check(settings.BenchSettings, cfg)
+
+
+def test_stop_and_resume_mid_ramp_is_bitwise_identical(text_cache, tmp_path):
+    """Stopped in the ramp's first step, resumed across both schedules' step changes, finished: the uninterrupted
+    run's curve and weights, bit for bit; the learning rate's schedule spans the 22 updates the ramp makes."""
+    recipe = dict(batch_schedule=BATCH, seq_len_schedule=CONTEXT, lr_schedule="wsd", cooldown_fraction=0.5)
+    full = train.train(config(text_cache, tmp_path, name="straight", out_dir=str(tmp_path / "straight"), **recipe))
+    assert full["step"] == full["total_updates"] == 22 and full["tokens"] == 2 * N * T
+    curve = lambda entry: [(p["update"], p["tokens"], p["loss"], p["lr"], p["grad_norm"])
+                           for p in entry["training_curve"]]
+    assert curve(full)[-1][3] == full["config"]["min_lr"]  # wsd reaches its floor at the ramp's last update
+    assert [p[1] for p in curve(full)][:10] == [2 * T * (u + 1) for u in range(9)] + [(18 + 4) * T]
+
+    cfg = config(text_cache, tmp_path, name="resumed", out_dir=str(tmp_path / "resumed"), **recipe)
+    first = train.train(settings.Config(cfg, stop_after_updates=5))
+    assert first["status"] == "interrupted" and first["tokens"] == 5 * 2 * T
+    second = train.train(settings.Config(cfg, resume=True, stop_after_updates=8))
+    assert second["status"] == "interrupted" and second["step"] == 13
+    last = train.train(settings.Config(cfg, resume=True))
+    assert last["status"] == "complete" and last["sessions"] == 3
+    assert curve(last) == curve(full)
+    assert [p["loss"] for p in last["validation_curve"]] == [p["loss"] for p in full["validation_curve"]]
+    a, b = checkpoint_parameters(tmp_path / "straight"), checkpoint_parameters(tmp_path / "resumed")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# a 2-sequence update in windows of 8, a 4-sequence one in windows of 16, the 3-sequence last of epoch 0 (padded on
+# one rank), and the 5-sequence last of the run in windows of 32
+UPDATES = ((0, 0), (0, 12), (0, 15), (1, 5))
+
+
+def run_data(cfg):
+    cache = TokenCache(cfg.data_dir)
+    return TrainData(cache.train, cfg.seq_len, cfg.tokens_per_update // cfg.seq_len, cfg.seed,
+                     cfg.train_subset_tokens, cfg.epochs, **plan.data_schedules(cfg))
+
+
+def ddp_worker(rank, cfg, port, out):
+    """One of two gloo processes, forked from the test's (its modules already imported): UPDATES, then rank 0
+    saves the losses and the weights."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import distributed
+    _, _, world_size = distributed.distributed()
+    data, trainer, losses = run_data(cfg), make_trainer(cfg, world_size=2), []
+    for epoch, u in UPDATES:
+        batches, n_tokens = data.micro_batches(epoch, u, cfg.micro_batch_size, rank, world_size)
+        loss_sum, _ = trainer.update(batches, n_tokens)
+        losses.append(distributed.all_reduce_sum(loss_sum, world_size).item() / n_tokens)
+    if rank == 0:
+        torch.save({"losses": losses, "params": parameters(trainer.raw_model)}, out)
+    del trainer  # the DDP wrapper before the process group, as train.main does
+    import gc
+    gc.collect()
+    torch.distributed.destroy_process_group()
+
+
+def test_ddp_with_the_schedules_equals_one_process(text_cache, tmp_path):
+    import multiprocessing
+    cfg = config(text_cache, tmp_path, micro_batch_size=1, batch_schedule=BATCH, seq_len_schedule=CONTEXT)
+    port, out, fork = free_port(), tmp_path / "ddp.pt", multiprocessing.get_context("fork")
+    procs = [fork.Process(target=ddp_worker, args=(r, cfg, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
+    ddp = torch.load(out, weights_only=False)
+
+    data, trainer, losses = run_data(cfg), make_trainer(cfg), []
+    assert [data.epoch_updates(e)[u][1:] for e, u in UPDATES] == [(2, 8), (4, 16), (3, 16), (5, 32)]
+    for epoch, u in UPDATES:
+        batches, n_tokens = data.micro_batches(epoch, u, 4)
+        losses.append(trainer.update(batches, n_tokens)[0].item() / n_tokens)
+    assert ddp["losses"] == pytest.approx(losses, rel=1e-6)
+    assert_close_parameters(ddp["params"], parameters(trainer.raw_model), 1e-5)
+
+
+def test_a_run_with_the_schedules_compiles_each_shape_once(text_cache, tmp_path, monkeypatch):
+    """Under torch.compile (dynamic=False) each new shape is a compile: the run's three contexts and the validation
+    batch compile once each, with the recompile limit raised to what the run needs (set below it here)."""
+    shapes, compile_ = [], torch.compile
+
+    def counting_backend(gm, example_inputs):  # the token ids' and targets' shapes of each graph compiled
+        shapes.append(tuple(tuple(t.shape) for t in example_inputs if t.dtype == torch.int64))
+        return gm.forward
+    monkeypatch.setattr(torch, "compile", lambda model, dynamic, mode: compile_(model, backend=counting_backend,
+                                                                                dynamic=dynamic))
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(recompile_limit=2):  # restored afterwards, as the config's own API does
+            entry = train.train(config(text_cache, tmp_path, compile=True, epochs=1, seq_len_schedule=CONTEXT))
+            assert torch._dynamo.config.recompile_limit == 3 + train.EVALUATION_SHAPES
+    finally:
+        torch._dynamo.reset()
+    assert entry["status"] == "complete" and entry["step"] == 6
+    window = lambda c: (2 * T // c, c)
+    assert sorted(shapes) == sorted([(window(c),) * 2 for c in (8, 16, 32)] + [((4, T),) * 2])  # each once
