@@ -158,14 +158,14 @@ def initial_weights(path):
 
 def _from_transformers(folder):
     import hf
-    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers import AutoConfig
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
     except Exception as exc:
         raise ValueError(f"init_from {str(folder)!r}: its config.json could not be read ({exc})") from None
-    if getattr(config, "model_type", None) != "llama":
+    if getattr(config, "model_type", None) not in hf.MODEL_TYPES:
         raise ValueError(f"init_from {str(folder)!r} holds a {config.model_type!r} model; the tiny-llm family is "
-                         f"transformers' Llama (model_type 'llama')")
+                         f"transformers' Llama (model_type 'llama'), or Qwen3 for its qk_norm")
     try:  # outside the family: refused before the weights are read
         hf.config_from_hf(config)
     except ValueError as exc:
@@ -176,16 +176,19 @@ def _from_transformers(folder):
         raise ValueError(f"init_from {str(folder)!r}: {problem}")
     # A copy of the embedding saved as lm_head.weight is loaded untied, so that it can be compared: tying would
     # silently drop it, and a head that differs is a model outside the family.
-    untied = dict(tie_word_embeddings=False) if shapes and "lm_head.weight" in shapes else {}
+    untied = dict(tie_word_embeddings=False) if config.tie_word_embeddings and shapes and "lm_head.weight" in shapes \
+        else {}
     try:
-        weights = LlamaForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32, **untied)
+        weights = hf.causal_lm_class(config).from_pretrained(folder, local_files_only=True, dtype=torch.float32,
+                                                             **untied)
     except Exception as exc:  # missing or truncated weight files beside a good config.json
         raise ValueError(f"init_from {str(folder)!r}: its weights could not be loaded "
                          f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
     if untied:
         if not torch.equal(weights.lm_head.weight, weights.model.embed_tokens.weight):
             raise ValueError(f"init_from {str(folder)!r}: its lm_head.weight differs from model.embed_tokens.weight "
-                             f"although config.json ties them; the tiny-llm family ties its embeddings")
+                             f"although config.json ties them; set tie_word_embeddings false there if the head is "
+                             f"its own")
         weights.config.tie_word_embeddings = True
     return hf.from_hf(weights)
 

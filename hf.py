@@ -1,7 +1,16 @@
-"""transformers interop: our model as a LlamaForCausalLM and back, weight for weight.
+"""transformers interop: our model as a LlamaForCausalLM (or, with qk_norm, a Qwen3ForCausalLM) and back, weight for
+weight.
 
 The tiny-llm family is Llama with heads that are all query heads (no grouped-query attention), tied
-embeddings, no biases, SwiGLU and default rotary positions; a Llama outside it is refused in one sentence.
+embeddings, no biases, SwiGLU and default rotary positions, but for the levers below; a Llama outside it is
+refused in one sentence.
+
+Of the architecture levers (model.py), those that transformers' Llama computes export to it: zero_init_proj (only
+the initialisation), mlp_activation relu2 (hidden_act "relu2", ACT2FN's relu(x)^2) and tie_embeddings False
+(tie_word_embeddings, lm_head.weight its own). qk_norm exports to Qwen3ForCausalLM, whose attention is Llama's with
+q_norm and k_norm, RMSNorms of head_dim (gain per head dimension, eps rms_norm_eps) before the rotary embedding, as
+ours. logit_softcap, value_embeddings and unet_skips have no transformers class of this family that computes them:
+export refuses them (export_problem).
 """
 import json
 import re
@@ -9,30 +18,60 @@ from pathlib import Path
 
 import torch
 
-from model import ModelConfig, Transformer
+from model import LEVERS, ModelConfig, Transformer
+
+MODEL_TYPES = ("llama", "qwen3")  # what an export's config.json is, and what from_hf reads back
+NOT_EXPORTED = ("logit_softcap", "value_embeddings", "unet_skips")
+
+
+def export_problem(config):
+    """Why our ModelConfig has no transformers class that computes its function (a lever in NOT_EXPORTED is on),
+    as one line, or None."""
+    on = [f"{k}={getattr(config, k)}" for k in NOT_EXPORTED if getattr(config, k) != LEVERS[k]]
+    if on:
+        return (f"--export_hf cannot export {', '.join(on)}: neither transformers' LlamaForCausalLM nor "
+                f"Qwen3ForCausalLM computes it; export a model trained without it")
+    return None
 
 
 def hf_config(config, bos_token_id=None, eos_token_id=None, pad_token_id=None):
-    """transformers' LlamaConfig of our ModelConfig; the special token ids come from the token cache the model
-    was trained on (None where the caller has none)."""
-    from transformers import LlamaConfig
-    return LlamaConfig(
+    """transformers' LlamaConfig (Qwen3Config with qk_norm) of our ModelConfig; the special token ids come from the
+    token cache the model was trained on (None where the caller has none). ValueError (export_problem) for a
+    model no such config describes."""
+    problem = export_problem(config)
+    if problem:
+        raise ValueError(problem)
+    fields = dict(
         vocab_size=config.vocab_size, hidden_size=config.dim, intermediate_size=config.hidden_dim,
         num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads,
-        num_key_value_heads=config.n_heads, head_dim=config.head_dim, hidden_act="silu",
+        num_key_value_heads=config.n_heads, head_dim=config.head_dim, hidden_act=config.mlp_activation,
         max_position_embeddings=config.max_seq_len, rms_norm_eps=config.norm_eps,
         rope_theta=config.rope_theta, rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
-        tie_word_embeddings=True, attention_bias=False, mlp_bias=False,
+        tie_word_embeddings=config.tie_embeddings, attention_bias=False,
         bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    if config.qk_norm:
+        from transformers import Qwen3Config
+        return Qwen3Config(**fields, use_sliding_window=False)
+    from transformers import LlamaConfig
+    return LlamaConfig(**fields, mlp_bias=False)
+
+
+def causal_lm_class(hf_cfg):
+    """LlamaForCausalLM or Qwen3ForCausalLM, by the config's model_type."""
+    from transformers import LlamaForCausalLM, Qwen3ForCausalLM
+    return Qwen3ForCausalLM if hf_cfg.model_type == "qwen3" else LlamaForCausalLM
 
 
 def hf_named_tensors(model, of=lambda p: p):
-    """Our weights (or, with of=lambda p: p.grad, their gradients) under transformers' Llama names.
+    """Our weights (or, with of=lambda p: p.grad, their gradients) under transformers' Llama names (and Qwen3's
+    q_norm and k_norm; lm_head.weight only when untied).
 
     Fused matrices are split into views, so copying into a returned tensor writes into our weights.
     """
     out = {"model.embed_tokens.weight": of(model.tok_embeddings.weight),
            "model.norm.weight": of(model.norm.weight)}
+    if not model.config.tie_embeddings:
+        out["lm_head.weight"] = of(model.output.weight)
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         q, k, v = of(layer.attention.wqkv.weight).chunk(3, dim=0)
@@ -45,46 +84,57 @@ def hf_named_tensors(model, of=lambda p: p):
             p + "input_layernorm.weight": of(layer.attention_norm.weight),
             p + "post_attention_layernorm.weight": of(layer.ffn_norm.weight),
         })
+        if model.config.qk_norm:
+            out.update({p + "self_attn.q_norm.weight": of(layer.attention.q_norm.weight),
+                        p + "self_attn.k_norm.weight": of(layer.attention.k_norm.weight)})
     return out
 
 
 def to_hf(model, bos_token_id=None, eos_token_id=None, pad_token_id=None):
-    """A transformers LlamaForCausalLM with this model's weights (float32, on the CPU); the token ids go into its
-    config and generation config (eos_token_id is where generate() stops)."""
-    from transformers import LlamaForCausalLM
-    hf = LlamaForCausalLM(hf_config(model.config, bos_token_id, eos_token_id, pad_token_id))
+    """A transformers LlamaForCausalLM (Qwen3ForCausalLM with qk_norm) with this model's weights (float32, on the
+    CPU); the token ids go into its config and generation config (eos_token_id is where generate() stops)."""
+    config = hf_config(model.config, bos_token_id, eos_token_id, pad_token_id)
+    hf = causal_lm_class(config)(config)
     state = {k: v.detach().float().cpu().clone() for k, v in hf_named_tensors(model).items()}
     missing, unexpected = hf.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k != "lm_head.weight"]  # tied to embed_tokens
+    tied = model.config.tie_embeddings
+    missing = [k for k in missing if not (tied and k == "lm_head.weight")]  # tied to embed_tokens
     if missing or unexpected:
-        raise RuntimeError(f"weights do not map onto LlamaForCausalLM: missing {missing}, unexpected {unexpected}")
-    hf.tie_weights()
+        raise RuntimeError(f"weights do not map onto {type(hf).__name__}: missing {missing}, unexpected {unexpected}")
+    if tied:
+        hf.tie_weights()
     return hf
 
 
 def config_from_hf(hf_cfg):
+    """Our ModelConfig of a transformers Llama (or Qwen3: qk_norm) config of the tiny-llm family and its levers;
+    ValueError naming what is outside it."""
     head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
     rope = getattr(hf_cfg, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(hf_cfg, "rope_theta", 10000.0))
+    activation = {"swish": "silu"}.get(getattr(hf_cfg, "hidden_act", "silu"), getattr(hf_cfg, "hidden_act", "silu"))
     problems = []
+    if getattr(hf_cfg, "model_type", "llama") not in MODEL_TYPES:
+        problems.append(f"model_type {hf_cfg.model_type!r} (the family is {' or '.join(MODEL_TYPES)})")
     if hf_cfg.num_key_value_heads != hf_cfg.num_attention_heads:
         problems.append("grouped-query attention (num_key_value_heads != num_attention_heads)")
     if head_dim * hf_cfg.num_attention_heads != hf_cfg.hidden_size:
         problems.append("head_dim x heads != hidden_size")
     if getattr(hf_cfg, "attention_bias", False) or getattr(hf_cfg, "mlp_bias", False):
         problems.append("biases")
-    if not getattr(hf_cfg, "tie_word_embeddings", False):
-        problems.append("untied input and output embeddings")
     if rope.get("rope_type", "default") != "default":
         problems.append(f"rope scaling {rope.get('rope_type')!r}")
-    if getattr(hf_cfg, "hidden_act", "silu") not in ("silu", "swish"):  # SwiGLU's gate; the same function
-        problems.append(f"activation {hf_cfg.hidden_act!r} (SwiGLU needs silu)")
+    if getattr(hf_cfg, "use_sliding_window", False):
+        problems.append("sliding-window attention")
+    if activation not in ("silu", "relu2"):  # SwiGLU's gate (swish is the same function), or ReLU^2's
+        problems.append(f"activation {hf_cfg.hidden_act!r} (the gated MLP takes silu or relu2)")
     if problems:
         raise ValueError("this Llama checkpoint is outside the tiny-llm family: " + ", ".join(problems))
     return ModelConfig(vocab_size=hf_cfg.vocab_size, dim=hf_cfg.hidden_size, n_layers=hf_cfg.num_hidden_layers,
                        n_heads=hf_cfg.num_attention_heads, hidden_dim=hf_cfg.intermediate_size,
                        max_seq_len=hf_cfg.max_position_embeddings, norm_eps=hf_cfg.rms_norm_eps,
-                       rope_theta=float(theta))
+                       rope_theta=float(theta), qk_norm=hf_cfg.model_type == "qwen3", mlp_activation=activation,
+                       tie_embeddings=bool(getattr(hf_cfg, "tie_word_embeddings", False)))
 
 
 def from_hf(hf_model):
@@ -162,7 +212,8 @@ def weights_mismatch(hf_cfg, shapes):
     # weights; a tied LM head saved beside the embedding is checked against it by value (checkpoint.py) when its
     # shape is the embedding's
     held = {n: s for n, s in shapes.items() if not n.endswith("rotary_emb.inv_freq")
-            and not (n == "lm_head.weight" and s == expected["model.embed_tokens.weight"])}
+            and not ("lm_head.weight" not in expected and n == "lm_head.weight"
+                     and s == expected["model.embed_tokens.weight"])}
     if held == expected:
         return None
     said = {"num_hidden_layers": hf_cfg.num_hidden_layers, "vocab_size": hf_cfg.vocab_size,

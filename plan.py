@@ -136,23 +136,29 @@ def load_initial_weights(cfg):
 
 
 def model_config(cfg, vocab):
-    """The model's shape: the preset with the config's overrides; a bad one is a ConfigError."""
+    """The model's shape: the preset with the config's overrides and architecture levers (a script's settings
+    without the levers build them off); a bad one is a ConfigError."""
     overrides = {k: cfg[k] for k in settings.MODEL_SHAPE_KEYS[:-1] if cfg[k]}
+    levers = {k: cfg[k] for k in model_lib.LEVERS if k in cfg}
     try:
         return model_lib.get_preset(cfg.preset, vocab_size=cfg.vocab_size or vocab, max_seq_len=cfg.seq_len,
-                                    **overrides)
-    except ValueError as exc:  # width not divisible by heads, ...
+                                    **overrides, **levers)
+    except ValueError as exc:  # width not divisible by heads, more value embeddings than blocks allow, ...
         raise ConfigError(str(exc)) from None
 
 
 def initial_model_config(cfg, initial):
-    """With init_from, the model's shape is the weights' own; a shape key that contradicts it is refused."""
-    mcfg = dataclasses.replace(initial.config, max_seq_len=cfg.seq_len)  # rotary tables are not weights
+    """With init_from, the model's shape and architecture levers are the weights' own; a shape key, or a lever set
+    off its default, that contradicts them is refused. zero_init_proj is off: those weights are not initialised."""
+    # rotary tables are not weights
+    mcfg = dataclasses.replace(initial.config, max_seq_len=cfg.seq_len, zero_init_proj=False)
     contradicted = [f"{k}={cfg[k]} (the weights have {getattr(mcfg, k)})" for k in settings.MODEL_SHAPE_KEYS
                     if cfg[k] and cfg[k] != getattr(mcfg, k)]
+    contradicted += [f"{k}={cfg[k]} (the weights' model has {getattr(mcfg, k)})" for k, off in model_lib.LEVERS.items()
+                     if k in cfg and cfg[k] != off and cfg[k] != getattr(mcfg, k)]
     if contradicted:
         raise ConfigError(f"init_from {cfg.init_from} fixes the model's shape, which the settings contradict: "
-                          f"{', '.join(contradicted)}; leave them at 0 or match the weights")
+                          f"{', '.join(contradicted)}; leave them at 0 (the levers off) or match the weights")
     return mcfg
 
 

@@ -29,7 +29,7 @@ import settings
 from configurator import ConfigError
 from settings import Execution, Paths, Recipe, setting
 from data.loader import CacheError, TokenCache, prepare_command
-from hf import to_hf, weight_files as hf_weight_files
+from hf import MODEL_TYPES as hf_model_types, export_problem, to_hf, weight_files as hf_weight_files
 
 # ---------------------------------------------------------------- settings (sampling's; name, out_dir, data_dir,
 # device and seed mean what they mean in train.py, whose other keys a config file may set and sampling ignores)
@@ -75,8 +75,8 @@ class Sampling:
     temperature: float = setting(0.8, "0 is greedy decoding", rule=temperature_problem)
     top_k: int = setting(50, "sample only among the k likeliest tokens (0: all of them)", bounds=">= 0")
     num_samples: int = setting(1, "samples, one after another", bounds=">= 1")
-    export_hf: str = setting("", "a folder: save the model as transformers' LlamaForCausalLM there, with the "
-                                 "tokenizer (new, empty, or an earlier export)")
+    export_hf: str = setting("", "a folder: save the model as transformers' LlamaForCausalLM (Qwen3ForCausalLM "
+                                 "with qk_norm) there, with the tokenizer (new, empty, or an earlier export)")
 
 
 
@@ -231,8 +231,9 @@ def check_export_folder(folder):
 
 
 def _is_llama_config(path):
+    """An export's config.json: Llama's, or Qwen3's (qk_norm's)."""
     try:
-        return json.loads(path.read_text()).get("model_type") == "llama"
+        return json.loads(path.read_text()).get("model_type") in hf_model_types
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -247,6 +248,8 @@ def export(model, tokenizer, folder, eot_token_id=None):
     # generate() without a prompt starts from it as an empty --prompt does. No pad id: Llama makes pad_token_id
     # its embedding's padding_idx, whose lookups pass no gradient, and this id is a real token of every document;
     # generate() pads with eos when it has no pad id.
+    if export_problem(model.config):  # a lever no transformers class computes
+        raise SampleError(export_problem(model.config))
     hf = to_hf(model, bos_token_id=eot_token_id, eos_token_id=eot_token_id)
     folder = Path(folder)
     try:

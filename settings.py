@@ -188,6 +188,21 @@ class Recipe:
                                         '60%, then seq_len: the same targets, a shorter attention context (contexts '
                                         'divide seq_len; validation keeps seq_len)', RECIPE,
                                     rule=schedule_rule("seq_len_schedule", "CONTEXT:UNTIL", MAX_CONTEXT_STEPS))
+    # architecture levers (#38): each off by default, each a field of the model config (model.py says the math)
+    qk_norm: bool = setting(False, "RMSNorm over each head's q and k, with a gain per head dimension (Qwen3's), "
+                                   "before the rotary embedding", RECIPE)
+    mlp_activation: str = setting("silu", "the gated MLP's act(gate) x up: silu (SwiGLU) or relu2 (relu(gate)^2)",
+                                  RECIPE, choices=model_lib.MLP_ACTIVATIONS)
+    zero_init_proj: bool = setting(False, "attention's output and the MLP's down projections start at zero (only "
+                                          "the initialisation changes)", RECIPE)
+    logit_softcap: float = setting(0.0, "c > 0: logits = c tanh(logits / c) before the cross-entropy and in the "
+                                        "logits returned (0: off)", RECIPE, bounds=">= 0")
+    tie_embeddings: bool = setting(True, "the LM head is the embedding matrix; False: a head of its own, "
+                                         "initialised as the embedding is", RECIPE)
+    value_embeddings: int = setting(0, "k > 0: k more embedding tables, table i added to the values of block i "
+                                       "and of block n_layers - k + i (at most n_layers / 2)", RECIPE, bounds=">= 0")
+    unet_skips: bool = setting(False, "the first half's block outputs added, each times a learnt weight (1 at "
+                                      "first), to the second half's inputs in reverse order", RECIPE)
 
 
 @dataclasses.dataclass
@@ -472,6 +487,11 @@ def _muon_levers(cfg):
 def _ema(cfg):
     if cfg.ema and not cfg.epochs:
         return f"ema {cfg.ema} averages the weights of the updates and epochs 0 makes none; train, or leave ema at 0"
+@combination("zero_init_proj", "init_from")
+def _zero_init_from(cfg):
+    if cfg.zero_init_proj and cfg.init_from:
+        return (f"zero_init_proj sets how the weights start, and init_from {cfg.init_from} gives them; drop one of "
+                f"them")
 
 
 @combination("update_graph", "compile")

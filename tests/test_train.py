@@ -481,7 +481,10 @@ RECIPE_KEYS = {"preset", "vocab_size", "dim", "n_layers", "n_heads", "hidden_dim
                # the optimizer levers (#38), also only off their defaults
                "muon_orthogonalizer", "normuon", "cautious_weight_decay", "ema",
                # the data schedules (#38), also only off their defaults
-               "batch_schedule", "seq_len_schedule"}
+               "batch_schedule", "seq_len_schedule",
+               # the architecture levers (#38), also only off their defaults
+               "qk_norm", "mlp_activation", "zero_init_proj", "logit_softcap", "tie_embeddings", "value_embeddings",
+               "unet_skips"}
 
 
 def test_every_default_is_classified():
@@ -734,7 +737,12 @@ torch.distributed.destroy_process_group()
 
 
 def test_ddp_update_equals_one_process(text_cache, tmp_path):
-    cfg = small_config(text_cache, tmp_path, micro_batch_size=2)
+    assert_ddp_update_equals_one_process(small_config(text_cache, tmp_path, micro_batch_size=2), tmp_path)
+
+
+def assert_ddp_update_equals_one_process(cfg, tmp_path):
+    """Two gloo processes (micro-batches of cfg's micro_batch_size each) make the losses and parameters of one
+    process's full update and partial last update, and those parameters moved."""
     environ = dict(os.environ, PYTHONPATH=str(REPO), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                    WORLD_SIZE="2", OMP_NUM_THREADS="1")
     script = tmp_path / "worker.py"

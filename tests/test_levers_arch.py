@@ -1,0 +1,300 @@
+"""The architecture levers (#38, model.py): each one's math against a plain reference written here (the soft-cap
+through the full and fused losses), its parameters and FLOPs, training with a bitwise resume, compilation, DDP, the
+combinations refused, and the export rule (hf.py). tests/test_model.py holds the fused op's soft-cap (its torch and
+Triton rows) and the exported levers' parity with transformers."""
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import checkpoint
+import hf
+import model
+import optim
+import plan
+import settings
+import train
+from configurator import ConfigError
+from kernels import registry
+from tests.test_train import assert_ddp_update_equals_one_process, checkpoint_parameters, small_config
+
+# each lever on, as a recipe sets it (a cap of 3 bites on the logits of random weights)
+LEVERS = {"qk_norm": dict(qk_norm=True), "relu2": dict(mlp_activation="relu2"),
+          "zero_init_proj": dict(zero_init_proj=True), "logit_softcap": dict(logit_softcap=3.0),
+          "untied": dict(tie_embeddings=False), "value_embeddings": dict(value_embeddings=1),
+          "unet_skips": dict(unet_skips=True)}
+ALL = {k: v for lever in LEVERS.values() for k, v in lever.items()}
+
+
+def tiny(n_layers=2, **levers):
+    return model.get_preset("20m", vocab_size=256, dim=32, n_layers=n_layers, n_heads=2, hidden_dim=64,
+                            max_seq_len=32, **levers)
+
+
+def perturbed(config, **kwargs):
+    """A model whose every parameter is random (gains, mixes and skip weights too, and the projections that
+    zero_init_proj would start at zero), so that every lever's parameter takes part in the comparison."""
+    torch.manual_seed(0)
+    m = model.Transformer(config, **kwargs)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.uniform_(0.5, 1.5) if p.dim() == 1 else p.normal_(0.0, 0.1)
+    return m
+
+
+def batch(config, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, config.vocab_size, (2, 24), generator=g)
+    y = torch.randint(0, config.vocab_size, (2, 24), generator=g)
+    y[0, :3] = -100
+    return x, y
+
+
+# ---------------------------------------------------------------- the math, against a plain reference
+
+def rms(x, gain, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gain
+
+
+def rotate(x, theta):
+    """transformers' rotate-half rotary embedding of x (B, T, H, D)."""
+    T, D = x.shape[1], x.shape[-1]
+    angles = torch.outer(torch.arange(T).float(), 1.0 / theta ** (torch.arange(0, D, 2).float() / D))
+    cos, sin = (f(torch.cat((angles, angles), -1))[:, None, :] for f in (torch.cos, torch.sin))
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def attend(q, k, v):
+    scores = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])
+    T = q.shape[1]
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("bhts,bshd->bthd", scores.softmax(-1), v)
+
+
+def reference_logits(m, idx):
+    """The model's logits, each lever's math as model.py's docstrings declare it, written out plainly."""
+    c, (B, T) = m.config, idx.shape
+    x, eps = m.tok_embeddings.weight[idx], c.norm_eps
+    ves = [table.weight[idx] for table in m.value_embeds]
+    n, k, s = c.n_layers, c.value_embeddings, c.n_layers // 2 if c.unet_skips else 0
+    firsts = []
+    for i, layer in enumerate(m.layers):
+        a, ff = layer.attention, layer.feed_forward
+        if i >= n - s:  # block n - s + j takes out_{s-1-j}
+            j = i - (n - s)
+            x = x + m.skip_weights[j] * firsts[s - 1 - j]
+        h = rms(x, layer.attention_norm.weight, eps)
+        q, kk, v = (t.reshape(B, T, c.n_heads, c.head_dim) for t in (h @ a.wqkv.weight.t()).split(c.dim, -1))
+        if c.qk_norm:
+            q, kk = rms(q, a.q_norm.weight, eps), rms(kk, a.k_norm.weight, eps)
+        table = i if i < k else i - (n - k) if i >= n - k else None
+        if table is not None:
+            v = a.value_lambdas[0] * v + a.value_lambdas[1] * ves[table].reshape(v.shape)
+        x = x + attend(rotate(q, c.rope_theta), rotate(kk, c.rope_theta), v).reshape(B, T, c.dim) @ a.wo.weight.t()
+        gate, up = (rms(x, layer.ffn_norm.weight, eps) @ ff.w13.weight.t()).chunk(2, -1)
+        act = F.silu(gate) if c.mlp_activation == "silu" else torch.relu(gate) ** 2
+        x = x + (act * up) @ ff.w2.weight.t()
+        if i < s:
+            firsts.append(x)
+    head = m.tok_embeddings.weight if c.tie_embeddings else m.output.weight
+    logits = rms(x, m.norm.weight, eps) @ head.t()
+    return c.logit_softcap * torch.tanh(logits / c.logit_softcap) if c.logit_softcap else logits
+
+
+# (blocks, levers): each lever but zero_init_proj (only an initialisation: below), and all of them over 5 blocks (an
+# odd middle block, which takes neither a skip nor a value embedding)
+MATH_CASES = {name: (2, lever) for name, lever in LEVERS.items() if name != "zero_init_proj"}
+MATH_CASES["all"] = (5, dict(ALL, zero_init_proj=False, value_embeddings=2))
+
+
+@pytest.mark.parametrize("n_layers, levers", MATH_CASES.values(), ids=MATH_CASES.keys())
+def test_each_lever_computes_its_declared_math(n_layers, levers):
+    config = tiny(n_layers=n_layers, **levers)
+    x, y = batch(config)
+    for impl in ("full", "fused"):
+        m = perturbed(config, loss_impl=impl, loss_chunk_tokens=20)
+        with torch.no_grad():
+            expected = reference_logits(m, x)
+            assert torch.allclose(m(x), expected, rtol=1e-5, atol=1e-5), impl
+            loss = F.cross_entropy(expected.flatten(0, 1), y.flatten(), ignore_index=-100)
+            assert torch.allclose(m(x, y), loss, rtol=1e-5), impl  # evaluation's losses-only op with fused
+        assert torch.allclose(m(x, y), loss, rtol=1e-5), impl  # training's loss, with gradients
+
+
+def test_zero_init_proj_starts_every_block_as_the_identity():
+    """wo and w2 start at zero (every other matrix as without the lever), so each block adds nothing: the logits are
+    the final norm of the embedding times the head."""
+    m = model.Transformer(tiny(**LEVERS["zero_init_proj"]))
+    projections = [p for n, p in m.named_parameters() if n.endswith(("wo.weight", "w2.weight"))]
+    assert len(projections) == 4 and all(not p.any() for p in projections)
+    assert m.layers[0].attention.wqkv.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    x, _ = batch(m.config)
+    with torch.no_grad():
+        by_hand = rms(m.tok_embeddings.weight[x], m.norm.weight, m.config.norm_eps) @ m.tok_embeddings.weight.t()
+        assert torch.allclose(m(x), by_hand, rtol=1e-5, atol=1e-6)
+
+
+def test_the_levers_own_parameters_and_their_start():
+    m = model.Transformer(tiny(n_layers=4, **dict(ALL, value_embeddings=2)))
+    names = dict(m.named_parameters())
+    assert m.output.weight is not m.tok_embeddings.weight
+    assert names["output.weight"].std().item() == pytest.approx(0.02, rel=0.1)
+    assert torch.equal(names["skip_weights"], torch.ones(2))  # 4 blocks: 2 skips, plain adds at first
+    mixes = [f"layers.{i}.attention.value_lambdas" for i in range(4)]
+    assert [n for n in names if n.endswith("value_lambdas")] == mixes
+    assert all(torch.equal(names[f"layers.{i}.attention.value_lambdas"], torch.full((2,), 0.5)) for i in range(4))
+    assert torch.equal(names["layers.1.attention.q_norm.weight"], torch.ones(16))  # a gain per head dimension
+    assert model.value_embedding_layers(tiny(n_layers=5, value_embeddings=2)) == [0, 1, None, 0, 1]
+
+
+@pytest.mark.parametrize("levers", [{}, *LEVERS.values(), dict(ALL, value_embeddings=2)],
+                         ids=["none", *LEVERS, "all"])
+def test_parameter_count_and_flops_follow_the_levers(levers):
+    config = tiny(n_layers=4, **levers)
+    assert model.parameter_count(config) == sum(p.numel() for p in model.Transformer(config).parameters())
+    assert model.flops_per_token(config, 32) == model.flops_per_token(tiny(n_layers=4), 32)  # no lever adds a matmul
+
+
+# the weights of tiny() under torch.manual_seed(0) as model.py made them before the levers (git d157bd4)
+TODAYS_INIT = "08303d12505de202ff196f4cc061d2e8c45f0841726c678e327ef3463ead283f"
+
+
+def test_every_lever_off_is_todays_model_and_identity():
+    """Off, the levers leave the model as it was: its state_dict names, its weights under a seed, its model config's
+    dict (what a recipe identity hashes and an old checkpoint holds)."""
+    torch.manual_seed(0)
+    m = model.Transformer(tiny())
+    block = ["attention_norm.weight", "attention.wqkv.weight", "attention.wo.weight", "ffn_norm.weight",
+             "feed_forward.w13.weight", "feed_forward.w2.weight"]
+    assert list(m.state_dict()) == ["tok_embeddings.weight", *[f"layers.{i}.{n}" for i in range(2) for n in block],
+                                    "norm.weight", "output.weight"]
+    assert checkpoint.weights_sha256(m.state_dict()) == TODAYS_INIT
+    assert not set(model.LEVERS) & set(tiny().to_dict())
+    assert tiny(qk_norm=True).to_dict()["qk_norm"] is True
+    assert model.ModelConfig(**tiny(qk_norm=True).to_dict()) == tiny(qk_norm=True)  # a checkpoint's dict
+
+
+def test_value_embeddings_are_adamw_tables_under_muon():
+    m = model.Transformer(tiny(**dict(ALL, value_embeddings=1)))
+    opt = optim.build_optimizer(m, dict(settings.defaults(settings.TrainSettings), optimizer="muon"), "cpu")
+    in_muon = {id(p) for group in opt.muon.param_groups for p in group["params"]}
+    assert id(m.value_embeds[0].weight) not in in_muon and id(m.output.weight) not in in_muon
+    assert id(m.layers[0].attention.wqkv.weight) in in_muon
+
+
+# ---------------------------------------------------------------- training, resume, compile, DDP
+
+@pytest.mark.parametrize("levers", LEVERS.values(), ids=LEVERS.keys())
+def test_a_lever_trains_and_resumes_bitwise(text_cache, tmp_path, levers):
+    """One epoch of 3 updates straight, and stopped after 2 then resumed: the same validation loss and weights, bit
+    for bit; the recipe holds the lever (its identity), and the checkpoint's model config rebuilds it."""
+    straight = train.train(small_config(text_cache, tmp_path, name="straight", out_dir=str(tmp_path / "straight"),
+                                        epochs=1, **levers))
+    cfg = small_config(text_cache, tmp_path, name="resumed", out_dir=str(tmp_path / "resumed"), epochs=1, **levers)
+    assert train.train(settings.Config(cfg, stop_after_updates=2))["status"] == "interrupted"
+    resumed = train.train(settings.Config(cfg, resume=True))
+    assert resumed["status"] == "complete" and resumed["sessions"] == 2
+    assert resumed["final_validation"]["loss"] == straight["final_validation"]["loss"]
+    a, b = checkpoint_parameters(tmp_path / "straight"), checkpoint_parameters(tmp_path / "resumed")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    key, value = next(iter(levers.items()))
+    assert resumed["recipe"][key] == value and resumed["recipe"]["model"][key] == value
+    rebuilt, _ = checkpoint.load_model(tmp_path / "resumed" / "ckpt.pt")  # as sample.py and evaluate.py do
+    assert getattr(rebuilt.config, key) == value
+
+
+def test_all_levers_compile_to_the_eager_loss_and_gradients():
+    """Every lever on, the fused loss's soft-cap too, under torch.compile in one graph (fullgraph). aot_eager: the
+    capture and autograd that a lever could break; inductor's own code is the same on every model (and takes a
+    minute on 2 CPU cores)."""
+    config = tiny(**ALL)
+    x, y = batch(config)
+    eager, compiled = (perturbed(config, loss_impl="fused", loss_chunk_tokens=20) for _ in range(2))
+    step = torch.compile(compiled, backend="aot_eager", fullgraph=True, dynamic=False)
+    losses = [run(x, y) for run in (eager, step)]
+    for loss in losses:
+        loss.backward()
+    assert torch.allclose(losses[1], losses[0], rtol=1e-6)
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        assert torch.allclose(q.grad, p.grad, rtol=1e-5, atol=1e-7), name
+
+
+def test_all_levers_under_bf16_autocast_keep_the_kernels_dtypes_and_the_loss(monkeypatch):
+    """As the GPU trains (bf16 autocast): q, k and v reach attention in bf16 whatever the levers add in float32
+    (gains, mixes, tables; the fa4 backend's op is outside autocast's reach), and the loss stays within bf16's
+    rounding of float32's."""
+    config = tiny(**ALL)
+    x, y = batch(config)
+    m = perturbed(config, loss_impl="fused", loss_chunk_tokens=20)
+    dtypes = []
+    attention = model.causal_attention
+    monkeypatch.setattr(model, "causal_attention", lambda q, k, v, b: dtypes.append((q.dtype, k.dtype, v.dtype))
+                        or attention(q, k, v, b))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = m(x, y)
+    loss.backward()
+    assert dtypes == [(torch.bfloat16,) * 3] * config.n_layers
+    assert loss.dtype == torch.float32 and all(p.grad.dtype == torch.float32 for p in m.parameters())
+    assert loss.item() == pytest.approx(m(x, y).item(), rel=2e-2)
+
+
+def test_all_levers_under_ddp_equal_one_process(text_cache, tmp_path):
+    """Two gloo processes with every lever on: one process's losses and weights."""
+    assert_ddp_update_equals_one_process(small_config(text_cache, tmp_path, micro_batch_size=2, **ALL), tmp_path)
+
+
+# ---------------------------------------------------------------- combinations refused, and the export rule
+
+@pytest.mark.parametrize("change, words", [
+    (dict(logit_softcap=3.0, loss_impl="quack_chunked"), "loss_impl quack_chunked does not soft-cap the logits "
+                                                         "(logit_softcap 3.0); set loss_impl to full or fused, or "
+                                                         "logit_softcap=0"),
+    (dict(logit_softcap=3.0, loss_impl="fused", lm_head_fp8=True), "lm_head_fp8 does not soft-cap the logits "
+                                                                    "(logit_softcap 3.0); set lm_head_fp8=False"),
+    (dict(mlp_activation="relu2", mlp_impl="quack"), "mlp_impl quack runs only SwiGLU, not mlp_activation relu2; "
+                                                     "set mlp_impl to torch")])
+def test_kernels_without_a_lever_are_refused_in_one_line(change, words):
+    """By plan.py (the registry's problem, given the model config) before any work, and by the model itself."""
+    cfg = settings.Config(settings.defaults(settings.TrainSettings), **change)
+    assert registry.problem(cfg, model_config=plan.model_config(cfg, 256)) == words
+    with pytest.raises(ValueError) as refused:
+        model.Transformer(tiny(**{k: v for k, v in change.items() if k in model.LEVERS}),
+                          **{k: v for k, v in change.items() if k not in model.LEVERS})
+    assert str(refused.value) == words
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(value_embeddings=2, n_layers=3), "value_embeddings 2 needs 2 x 2 blocks"),
+    (dict(unet_skips=True, n_layers=1), "unet_skips joins the first half"),
+    (dict(zero_init_proj=True, init_from="out/x"), "zero_init_proj sets how the weights start"),
+    (dict(logit_softcap=-1.0), "logit_softcap must be 0 or more"),
+    (dict(mlp_activation="gelu"), "mlp_activation 'gelu' is not one of silu, relu2")])
+def test_a_lever_that_cannot_be_right_is_one_config_error(change, words):
+    cfg = settings.Config(settings.defaults(settings.TrainSettings), **change)
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
+        settings.check(settings.TrainSettings, cfg)
+        plan.model_config(cfg, 256)
+
+
+def test_init_from_takes_the_weights_levers_and_refuses_a_contradiction(tmp_path):
+    """The weights' levers are the run's (those the settings leave off, and zero_init_proj off: the weights are
+    given, not initialised); a lever set to another value than theirs is refused."""
+    weights = tiny(qk_norm=True, tie_embeddings=False, zero_init_proj=True)
+    initial = checkpoint.InitialWeights(weights, {}, "sha", "checkpoint")
+    cfg = small_config(tmp_path, tmp_path, dim=0, n_layers=0, n_heads=0, hidden_dim=0, qk_norm=True)
+    assert plan.initial_model_config(cfg, initial) == dataclasses.replace(weights, max_seq_len=cfg.seq_len,
+                                                                          zero_init_proj=False)
+    with pytest.raises(ConfigError, match=r"mlp_activation=relu2 \(the weights' model has silu\)"):
+        plan.initial_model_config(settings.Config(cfg, mlp_activation="relu2"), initial)
+
+
+@pytest.mark.parametrize("lever", hf.NOT_EXPORTED)
+def test_export_refuses_a_lever_no_transformers_class_computes(tmp_path, lever):
+    import sample
+    m = model.Transformer(tiny(**{lever: ALL[lever]}))
+    with pytest.raises(sample.SampleError, match=f"--export_hf cannot export {lever}=") as refused:
+        sample.export(m, None, tmp_path / "hf")
+    assert "\n" not in str(refused.value) and not (tmp_path / "hf").exists()
