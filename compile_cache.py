@@ -112,7 +112,7 @@ def load(path, device):
     torch_bytes = stored.get("torch_bytes", len(artefacts))
     info = torch.compiler.load_cache_artifacts(artefacts[:torch_bytes])
     unpack_kernel_files(artefacts[torch_bytes:])
-    count = sum(len(v) for v in vars(info).values() if isinstance(v, list)) if info is not None else 0
+    count = sum(len(keys) for keys in info.artifacts.values()) if info is not None else 0
     return True, f"compile cache {path}: loaded {count} entries ({len(artefacts) / 2**20:.1f} MiB)"
 
 

@@ -35,11 +35,10 @@ def test_shared_scope_traces_the_blocks_code_once_with_the_same_math():
     graphs, ops_2, loss_2, grad_2 = traced(2, once=True)
     _, ops_4, _, _ = traced(4, once=True)
     _, inlined_2, loss_inlined, grad_inlined = traced(2, once=False)
-    _, inlined_4, _, _ = traced(4, once=False)
     assert graphs == 1
-    per_block, per_block_inlined = (ops_4 - ops_2) / 2, (inlined_4 - inlined_2) / 2
+    per_block = (ops_4 - ops_2) / 2
     assert per_block <= 2  # a region call (and its outputs' unpacking) per extra block
-    assert per_block_inlined > 10 * per_block  # each block's ops again
+    assert (inlined_2 - ops_2) / 2 > 10 * per_block  # inlined, each block's ops again
     assert loss_2 == pytest.approx(loss_inlined, rel=1e-6)
     assert torch.allclose(grad_2, grad_inlined, rtol=1e-5, atol=1e-7)
 
@@ -51,32 +50,39 @@ import sys, torch
 sys.path.insert(0, {repo!r})
 import compile_cache
 from torch._dynamo.utils import counters
-print(compile_cache.load(sys.argv[1], "cpu")[1])
-torch.compile(lambda x: (x.sin() * 3 + 1).relu().sum(), dynamic=False)(torch.randn(8, 8))
+if sys.argv[1] == "load":
+    print(compile_cache.load(sys.argv[2], "cpu")[1])
+torch.compile(lambda x: x @ x, dynamic=False)(torch.randn(8, 8))  # a matmul: no C++ kernel to build
+if sys.argv[1] == "save":
+    print(compile_cache.save(sys.argv[2], "cpu"))
 print("hits", counters["inductor"]["fxgraph_cache_hit"])
 print("kernel", (compile_cache.kernel_folder() / "fwd" / "k.o").read_text())
 """
 
 
-def test_a_saved_cache_makes_a_fresh_process_start_warm_and_another_key_is_ignored(tmp_path, monkeypatch):
-    """Inductor's code and flash-attn-4's kernel folder (a stand-in file here) travel in the file."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "here"))
-    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
-    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(tmp_path / "kernels"))
-    (tmp_path / "kernels" / "fwd").mkdir(parents=True)
-    (tmp_path / "kernels" / "fwd" / "k.o").write_text("compiled")
-    torch._dynamo.reset()
-    torch.compile(lambda x: (x.sin() * 3 + 1).relu().sum(), dynamic=False)(torch.randn(8, 8))
-    path = tmp_path / "run.compile"
-    assert "saved" in compile_cache.save(path, "cpu")
-    # a process with its own empty Inductor and Triton caches, as on a fresh machine
-    environ = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "fresh"), TRITON_CACHE_DIR=str(tmp_path / "t"),
-                   FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=str(tmp_path / "fresh-kernels"))
-    out = subprocess.run([sys.executable, "-c", COMPILE_ONCE.format(repo=str(REPO)), str(path)], env=environ,
+def compile_in_a_fresh_process(tmp_path, mode, path):
+    """A process of its own (this one's compiler settings are the earlier tests'), with empty Inductor and Triton
+    caches and an empty flash-attn-4 kernel folder beside a stand-in kernel when saving, as on a fresh machine."""
+    fresh = tmp_path / mode
+    (fresh / "kernels" / "fwd").mkdir(parents=True)
+    if mode == "save":
+        (fresh / "kernels" / "fwd" / "k.o").write_text("compiled")
+    environ = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(fresh / "inductor"), TRITON_CACHE_DIR=str(fresh / "t"),
+                   TORCHINDUCTOR_COMPILE_THREADS="1",  # no pool of compile workers to start for one kernel
+                   FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED="1", FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=str(fresh / "kernels"))
+    out = subprocess.run([sys.executable, "-c", COMPILE_ONCE.format(repo=str(REPO)), mode, str(path)], env=environ,
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "loaded" in out.stdout and "hits 1" in out.stdout  # Inductor's graph came from the file
-    assert "kernel compiled" in out.stdout
+    return out.stdout
+
+
+def test_a_saved_cache_makes_a_fresh_process_start_warm_and_another_key_is_ignored(tmp_path):
+    """Inductor's code and flash-attn-4's kernel folder travel in the file."""
+    path = tmp_path / "run.compile"
+    assert "saved" in compile_in_a_fresh_process(tmp_path, "save", path)
+    out = compile_in_a_fresh_process(tmp_path, "load", path)
+    assert "loaded" in out and "hits 1" in out  # Inductor's graph came from the file, not from code generation
+    assert "kernel compiled" in out
     # the same file as if another torch made it: ignored with a line naming what differs, nothing loaded
     header, _, artefacts = path.read_bytes()[len(compile_cache.MAGIC):].partition(b"\n")
     path.write_bytes(compile_cache.MAGIC + json.dumps(dict(json.loads(header), torch="0.0.0")).encode() + b"\n"

@@ -182,7 +182,7 @@ def test_an_unwritable_tuned_dir_is_one_line_before_any_candidate(tmp_path, text
                                         ("--tune_compile_modes=,", "tune_compile_modes is empty"),
                                         ("--tune_compile_modes=fast", "'fast' is not one of eager, default"),
                                         ("--tune_loss_impls=liger", "'liger' is not one of full, fused, quack_chunked"),
-                                        ("--tune_compile_scopes=layers", "'layers' is not one of model, blocks"),
+                                        ("--tune_compile_scopes=layers", "'layers' is not one of model, shared, blocks"),
                                         ("--tune_activation_memory_budgets=0.8,1.5", "must lie in (0, 1], got 1.5"),
                                         ("--tune_micro_batch_sizes=4,x", "list of int"),
                                         ("--tune_micro_batch_sizes=0", "micro_batch_size must be at least 1"),
