@@ -74,13 +74,18 @@ def tasks(streams, part, read):
 WORK = {}  # the tokenizer and its settings, set before the workers fork (each inherits them)
 
 
-def encode(code, texts, ordinals):
-    """A task's documents tokenized (each followed by end-of-text) and drawn: (code, ordinals, draws, lengths, ids)."""
-    tok, eot, dtype = WORK["tok"], WORK["eot"], WORK["dtype"]
+def encode_batch(batch, tok, eot):
+    """{"ids": each document's tokens followed by end-of-text} for {"text": documents}: how a cache tokenizes one."""
     # split_special_tokens: a literal "<|endoftext|>" inside a document is text, not a document boundary
-    ids = tok(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-    lengths = np.array([len(x) + 1 for x in ids], dtype=np.uint64)
-    flat = np.fromiter(itertools.chain.from_iterable(x + [eot] for x in ids), dtype=dtype, count=int(lengths.sum()))
+    ids = tok(batch["text"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return {"ids": [x + [eot] for x in ids]}
+
+
+def encode(code, texts, ordinals):
+    """A task's documents tokenized and drawn: (code, ordinals, draws, lengths, ids)."""
+    ids = encode_batch({"text": texts}, WORK["tok"], WORK["eot"])["ids"]
+    lengths = np.array([len(x) for x in ids], dtype=np.uint64)
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=WORK["dtype"], count=int(lengths.sum()))
     draws = np.array([sources.draw(t, WORK["seed"]) for t in texts], dtype=np.float64)
     return code, np.asarray(ordinals, dtype=np.uint64), draws, lengths, flat
 

@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 import env  # noqa: E402
 from data import diagnose, parts, sources  # noqa: E402
 from data.diagnose import PrepareError  # noqa: E402  (prepare's one error type; callers catch it from here)
-from data.sources import find_local, parse_hf  # noqa: E402,F401  (callers and tests reach them here)
+from data.parts import encode_batch  # noqa: E402,F401  (callers and tests reach these here)
+from data.sources import find_local, parse_hf  # noqa: E402,F401
 from data.loader import CacheError, TokenCache, recorded_identity  # noqa: E402
 from data.shards import SHARD_TOKENS  # noqa: E402
 from data.stopping import stopped_by_signals  # noqa: E402

@@ -219,3 +219,41 @@ def test_a_streamed_row_that_is_not_a_string_names_the_file_and_line(tmp_path, c
     bad.write_text('{"text": "one document"}\n{"text": "another"}\n{"text": 7}\n')
     with pytest.raises(PrepareError, match=r"bad.jsonl' line 3 has a 'text' that is a number, not a string"):
         prepare(bad, tmp_path / "c", tokenizer=str(tok), num_proc=1, streaming=True)
+
+
+def readme_command(marker):
+    """The words of the command in README.md that holds `marker` (its continuation lines joined)."""
+    import shlex
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text().replace("\\\n", " ")
+    return shlex.split(next(line for line in text.splitlines() if line.startswith("python ") and marker in line))
+
+
+def test_the_readme_fineweb_edu_commands_on_local_json_lines(corpus, tmp_path):
+    """README.md's FineWeb-edu commands, run on JSON-lines rows as the dataset streams them (its other columns
+    beside "text") and a local tokenizer in place of the hub's: the cache, then config/fineweb_edu_20m.py on it."""
+    import configurator
+    import settings
+    import train  # imported by most test files of the suite anyway (about 5 s alone here: its kernels' imports)
+    _, tok, texts = corpus
+    rows = [{"text": t, "id": f"<urn:uuid:{i}>", "dump": "CC-MAIN-2024-10", "url": f"https://example.org/{i}",
+             "language": "en", "language_score": 0.95, "token_count": len(t) // 4, "score": 3.1, "int_score": 3}
+            for i, t in enumerate(texts)]
+    (tmp_path / "fineweb.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    words = readme_command("fineweb-edu:sample-10BT")
+    assert words[:2] == ["python", "data/prepare.py"] and "--streaming" in words
+    local = {"--source": str(tmp_path / "fineweb.jsonl"), "--tokenizer": str(tok), "--out": str(tmp_path / "fw")}
+    args = [local.get(prev, w) for prev, w in zip(["", *words[2:]], words[2:])]
+    prepare_main(args)
+    meta = json.loads((tmp_path / "fw" / "meta.json").read_text())
+    assert meta["train_documents"] + meta["val_documents"] == len(texts) and meta["shuffle_seed"] == 0
+    train_words = readme_command("config/fineweb_edu_20m.py")
+    assert train_words[:2] == ["python", "train.py"]
+    cfg = configurator.load_config(train.DEFAULTS, [train_words[2]])
+    assert cfg["data_dir"] == "data/cache/fineweb-edu" and cfg["vocab_size"] == 0  # the vocabulary follows the cache
+    cfg.update(data_dir=str(tmp_path / "fw"), device="cpu", compile=False, loss_impl="full", compile_mode="default",
+               dim=32, n_layers=2, n_heads=2, hidden_dim=64, seq_len=32, train_subset_tokens=0, tokens_per_update=256,
+               micro_batch_size=8, val_subset_tokens=128, eval_batch_size=8, stop_after_updates=2, cpu_threads=1,
+               results_file=str(tmp_path / "results.json"), out_dir=str(tmp_path / "out"))
+    entry = train.train(settings.Config(cfg))
+    assert entry["status"] == "interrupted" and entry["step"] == 2  # stopped, as asked, after 2 updates
+    assert entry["environment"]["cache_identity"] == meta["cache_identity"]
