@@ -19,6 +19,7 @@ import itertools
 import json
 import multiprocessing
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -62,10 +63,10 @@ def tasks(streams, part, read):
                     texts.append(text)
                     ordinals.append(ordinal)
                     size += len(text)
+                    if size >= TASK_TEXT:
+                        yield code, texts, ordinals
+                        texts, ordinals, size = [], [], 0
                 ordinal, count = ordinal + 1, count + 1
-            if size >= TASK_TEXT:
-                yield code, texts, ordinals
-                texts, ordinals, size = [], [], 0
         if texts:
             yield code, texts, ordinals
         read[name] = count
@@ -96,7 +97,7 @@ def ordered_map(fn, work, num_proc):
     if num_proc == 1:
         yield from (fn(*task) for task in work)
         return
-    with multiprocessing.get_context("fork").Pool(num_proc) as pool:
+    with multiprocessing.get_context("fork").Pool(num_proc, initializer=default_signals) as pool:
         pending = collections.deque()
         for task in work:
             pending.append(pool.apply_async(fn, task))
@@ -104,6 +105,16 @@ def ordered_map(fn, work, num_proc):
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
+        pool.close()  # the workers end as their queue does; the with's terminate() then has no one left to stop
+        pool.join()
+
+
+def default_signals():
+    """A worker dies of SIGTERM and SIGINT at once. The Python handler it inherits from data/stopping.py runs only
+    between bytecodes, so a SIGTERM from Pool.terminate() that arrives just before the worker blocks on its task
+    queue was never handled, and the pool waited for that worker for ever."""
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, signal.SIG_DFL)
 
 
 # ----------------------------------------------------------------------------- a part

@@ -137,10 +137,14 @@ def bpe_training_texts(batches):
         yield texts
 
 
-def save_tokenizer(tok, folder):
-    """Save into `folder`; returns the sha256 over the saved files (name + bytes, sorted by name)."""
+def save_tokenizer(tok, folder, source=None):
+    """Save into `folder`; returns the sha256 over the saved files (name + bytes, sorted by name). A file that the
+    tokenizer's own folder `source` holds is kept as it is there: re-saved, tokenizer_config.json gains the options
+    it was loaded with, and a cache made again with its own tokenizer would record another hash for it."""
     h = hashlib.sha256()
     for name in sorted(Path(p).name for p in tok.save_pretrained(folder)):
+        if source is not None and (Path(source) / name).is_file():
+            shutil.copyfile(Path(source) / name, Path(folder) / name)
         h.update(name.encode() + b"\0")
         h.update((Path(folder) / name).read_bytes())
     return h.hexdigest()
@@ -148,8 +152,9 @@ def save_tokenizer(tok, folder):
 
 # ----------------------------------------------------------------------------- prepare
 
-def tokenizer_identity(tokenizer, vocab_size, max_vocab):
-    """(loaded tokenizer or None for a BPE to train, its name, its size, its files' hash or None)."""
+def tokenizer_identity(tokenizer, vocab_size, max_vocab, folder=None):
+    """(loaded tokenizer or None for a BPE to train, its name, its size, its files' hash or None); `folder`: the
+    tokenizer's own folder, whose files the cache keeps as they are."""
     tok = load_tokenizer(tokenizer, vocab_size)
     if tok is None:
         if vocab_size < 257:
@@ -159,7 +164,7 @@ def tokenizer_identity(tokenizer, vocab_size, max_vocab):
         if tok.eos_token_id is None:
             raise PrepareError(f"--tokenizer {tokenizer!r} has no end-of-text (eos) token; pick one that has")
         with tempfile.TemporaryDirectory() as d:  # its saved files identify it (a hub name alone may move)
-            tok_name, tok_vocab, tok_files = tokenizer, len(tok), save_tokenizer(tok, d)
+            tok_name, tok_vocab, tok_files = tokenizer, len(tok), save_tokenizer(tok, d, folder)
     if max_vocab is not None and tok_vocab > max_vocab:
         raise PrepareError(f"tokenizer {tok_name!r} has {tok_vocab} tokens but the model's vocabulary holds "
                            f"{max_vocab}; pick a smaller --vocab_size or tokenizer, or a model with a larger vocabulary")
@@ -178,11 +183,13 @@ def prepare(source, out, tokenizer=None, vocab_size=VOCAB_SIZE, val_fraction=0.0
     read, rule, source_sha = sources.find_source(source, streaming, max_documents, hub_reachable, out)
     if rule is None:
         rule = f"held-out fraction {val_fraction} by document sha256" + (f" seed {seed}" if seed else "")
-    tok, tok_name, tok_vocab, tok_files = tokenizer_identity(tokenizer, vocab_size, max_vocab)
+    folder = tokenizer if tokenizer is not None and Path(tokenizer).is_dir() else None  # its files kept as they are
+    tok, tok_name, tok_vocab, tok_files = tokenizer_identity(tokenizer, vocab_size, max_vocab, folder)
     identity = env.hash_json([FORMAT, {"tokenizer": tok_name, "files_sha256": tok_files}, tok_vocab, source_sha, rule,
                               val_fraction if rule.startswith("held-out") else None, shuffle_seed, shard_tokens])
     job, target = part if part[1] > 1 else None, parts.part_folder(out, part)
     opts = dict(val_fraction=val_fraction, num_proc=num_proc, seed=seed, shuffle_seed=shuffle_seed,
+                tokenizer_folder=folder,
                 shard_tokens=shard_tokens, part=part)
     # 2. under a lock, so two prepares of one DIR don't interleave: recover, check the cache, build, swap
     with locked(target):
@@ -325,7 +332,7 @@ def build(source, docs, tok, tok_name, vocab_size, rule, tmp, opts):
         index, read = parts.scan(docs, opts["seed"])
         is_val = parts.held_out(index, read, opts["val_fraction"], rule, source)
         tok = train_bpe(parts.train_texts(docs, is_val, index), int((~is_val).sum()), vocab_size)
-    tok_files = save_tokenizer(tok, tmp)
+    tok_files = save_tokenizer(tok, tmp, opts["tokenizer_folder"])
     dtype = "uint16" if len(tok) <= 2**16 else "uint32"
     tok.model_max_length = int(1e30)  # documents are long; only silences the "longer than max length" warning
     if opts["num_proc"] > 1:  # tokenizers' own threads don't survive a fork: let each worker run single-threaded
@@ -360,12 +367,10 @@ def main(argv=None):
     ap.add_argument("--val_fraction", type=float, default=0.01, help="held-out fraction of documents when SRC has no val split")
     ap.add_argument("--num_proc", type=int, help="tokenizing processes (default: every core this process may use)")
     ap.add_argument("--seed", type=int, default=0, help="salt of the held-out document hash (0: plain sha256)")
-    ap.add_argument("--streaming", action="store_true", help="read the documents as they are tokenized, with no copy "
-                                                             "of the text on disk (hf: sources: without downloading)")
+    ap.add_argument("--streaming", action="store_true", help="read documents as they are tokenized: no copy on disk")
     ap.add_argument("--max_documents", type=int, help="read at most N documents from each split")
     ap.add_argument("--max_vocab", type=int, help="fail if the tokenizer has more than N tokens (the model's vocabulary)")
-    ap.add_argument("--shuffle_seed", type=int, default=0, help="the documents' order in the cache, shuffled from this "
-                                                                "seed (-1: the source's order, as caches made before)")
+    ap.add_argument("--shuffle_seed", type=int, default=0, help="shuffle the documents from this seed (-1: source order)")
     ap.add_argument("--shard_tokens", type=int, default=SHARD_TOKENS, help=f"tokens per shard (default {SHARD_TOKENS:,})")
     ap.add_argument("--shard", default="0/1", help="I/N: job I of N independent jobs, which writes its part beside "
                                                    "--out (DIR.part-I-of-N); then --join")

@@ -146,13 +146,18 @@ def test_a_prefix_of_a_shuffled_cache_mixes_documents_from_the_whole_corpus(corp
     assert sorted(documents(tmp_path / "shuffled", "val")) == sorted(documents(tmp_path / "ordered", "val"))
 
 
-def test_the_trained_tokenizer_is_the_same_in_any_order(corpus, tmp_path):
-    """The BPE learns from the train documents in the source's order, whatever order the cache's are in."""
+def test_the_trained_tokenizer_is_the_same_in_any_order_and_a_cache_made_again_keeps_its_identity(corpus, tmp_path):
+    """The BPE learns from the train documents in the source's order, whatever order the cache's are in. Made again
+    in the source's order with its own tokenizer, a cache has its identity again (so data/cache/gutenberg's, which
+    the recorded results name): the tokenizer's files are kept as they are, not re-saved."""
     src, _, _ = corpus
     metas = [prepare(src, tmp_path / f"c{s}", vocab_size=300, num_proc=1, val_fraction=0.1, shuffle_seed=s)
              for s in (-1, 3)]
     assert metas[0]["tokenizer_files_sha256"] == metas[1]["tokenizer_files_sha256"]
     assert metas[0]["train_tokens"] == metas[1]["train_tokens"] and metas[0]["train_sha256"] != metas[1]["train_sha256"]
+    again = prepare(src, tmp_path / "again", tokenizer=str(tmp_path / "c-1"), num_proc=1, val_fraction=0.1,
+                    shuffle_seed=-1)
+    assert again["cache_identity"] == metas[0]["cache_identity"] and again["tokenizer"] != metas[0]["tokenizer"]
 
 
 def damage(cache, how):
