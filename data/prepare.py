@@ -335,8 +335,8 @@ def build(source, docs, tok, tok_name, vocab_size, rule, tmp, opts):
     tok_files = save_tokenizer(tok, tmp, opts["tokenizer_folder"])
     dtype = "uint16" if len(tok) <= 2**16 else "uint32"
     tok.model_max_length = int(1e30)  # documents are long; only silences the "longer than max length" warning
-    if opts["num_proc"] > 1:  # tokenizers' own threads don't survive a fork: let each worker run single-threaded
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # one thread a process, so that num_proc is the cores used (and tokenizers' threads don't survive a fork)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     meta = {"format": FORMAT, "tokenizer": tok_name, "tokenizer_files_sha256": tok_files, "vocab_size": len(tok),
             "vocab_size_requested": requested, "eot_token_id": int(tok.eos_token_id), "dtype": dtype, "source": source,
             "split_rule": rule, "shuffle_seed": opts["shuffle_seed"], "shard_tokens": opts["shard_tokens"],
