@@ -294,6 +294,7 @@ def join(out):
     folders = parts.part_folders(out)
     metas = [json.loads((f / "meta.json").read_text()) for f in folders]
     first = metas[0]
+    diagnose.check_arguments(out, first["val_fraction"], None, 1)  # an --out that is not a cache is left alone
     if any(m["inputs_identity"] != first["inputs_identity"] for m in metas):
         raise PrepareError(f"--join {out}: its parts were made from different inputs (source, tokenizer or options); "
                            f"run every --shard job with the same command")
@@ -372,8 +373,7 @@ def main(argv=None):
     ap.add_argument("--max_vocab", type=int, help="fail if the tokenizer has more than N tokens (the model's vocabulary)")
     ap.add_argument("--shuffle_seed", type=int, default=0, help="shuffle the documents from this seed (-1: source order)")
     ap.add_argument("--shard_tokens", type=int, default=SHARD_TOKENS, help=f"tokens per shard (default {SHARD_TOKENS:,})")
-    ap.add_argument("--shard", default="0/1", help="I/N: job I of N independent jobs, which writes its part beside "
-                                                   "--out (DIR.part-I-of-N); then --join")
+    ap.add_argument("--shard", default="0/1", help="I/N: be job I of N, writing its part DIR.part-I-of-N; then --join")
     ap.add_argument("--join", action="store_true", help="make the cache --out from the parts of its N --shard jobs")
     args = ap.parse_args(argv)
     try:

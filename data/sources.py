@@ -53,8 +53,8 @@ def builder_of(path):
 
 
 def made_by_prepare(path, out):
-    """Whether `path` is one of the cache `out`'s own files: in it, its lock, or a build or old copy beside it
-    (a cache written into its source folder would otherwise become part of that source the next time)."""
+    """Whether `path` is one of the cache `out`'s own files: in it, its lock, or a build, old copy or job's part
+    beside it (a cache written into its source folder would otherwise become part of that source the next time)."""
     if out is None:
         return False
     try:
@@ -62,7 +62,7 @@ def made_by_prepare(path, out):
     except ValueError:
         return False
     return (parts[0] == out.name and len(parts) > 1 or parts[0] == f"{out.name}.lock"
-            or parts[0].startswith((f"{out.name}.tmp-", f"{out.name}.old-")))
+            or parts[0].startswith((f"{out.name}.tmp-", f"{out.name}.old-", f"{out.name}.part-")))
 
 
 def data_files_in(folder, out=None):

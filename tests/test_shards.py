@@ -3,6 +3,7 @@ the cost of a stat, data/verify.py reads them whole, --shard jobs joined give on
 documents are shuffled so that a prefix samples the whole corpus."""
 import filecmp
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -118,6 +119,13 @@ def test_a_missing_part_or_a_bad_shard_option_is_one_clear_error(corpus, tmp_pat
     prepare(src, tmp_path / "c", tokenizer=str(tok), num_proc=1, part=(1, 3))
     with pytest.raises(PrepareError, match=r"2 of the 3 parts are missing \(0/3, 2/3\); run those --shard jobs"):
         join(tmp_path / "c")
+    for i in (0, 2):
+        prepare(src, tmp_path / "c", tokenizer=str(tok), num_proc=1, part=(i, 3))
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "notes.txt").write_text("keep")
+    with pytest.raises(PrepareError, match="exists and is not a token cache"):  # the join would replace it whole
+        join(tmp_path / "c")
+    assert os.listdir(tmp_path / "c") == ["notes.txt"]
     capsys.readouterr()
     for args, words in ((["--shard", "3/3"], "--shard 3/3 is not I/N with 0 <= I < N"),
                         (["--shard", "1/2", "--vocab_size", "300"], "--shard 1/2 needs a --tokenizer"),
