@@ -280,7 +280,7 @@ def write_splits(parts, folder, dtype, shard_tokens, is_val, consume):
     index = np.concatenate([p[1] for p in parts])
     part_of = np.repeat(np.arange(len(parts)), [len(p[1]) for p in parts])
     order = np.lexsort((index["ordinal"], index["key"]))  # keys sort by bucket too: buckets are key ranges
-    writers = {False: ShardWriter(folder, "train", dtype, shard_tokens), True: ShardWriter(folder, "val", dtype, shard_tokens)}
+    writers = {val: ShardWriter(folder, "val" if val else "train", dtype, shard_tokens) for val in (False, True)}
     maps, current = {}, None
     for row, p, val in zip(index[order], part_of[order].tolist(), is_val[order].tolist()):
         if row["bucket"] != current:
@@ -297,10 +297,11 @@ def write_splits(parts, folder, dtype, shard_tokens, is_val, consume):
 
 
 def finish_bucket(maps, consume):
-    for path, mm in maps.values():
-        del mm
-        if consume:
-            path.unlink()
+    """A bucket's files are done: unmapped, and deleted with `consume`."""
+    paths = [path for path, _ in maps.values()]
+    maps.clear()
+    for path in paths if consume else ():
+        path.unlink()
 
 
 def part_folders(out):
@@ -317,8 +318,9 @@ def part_folders(out):
     (n, parts), = found.items()
     missing = sorted(set(range(n)) - set(parts))
     if missing:
-        raise PrepareError(f"--join {out}: {len(missing)} of the {n} parts are missing ({', '.join(f'{i}/{n}' for i in missing[:5])}"
-                           f"{', ...' if len(missing) > 5 else ''}); run those --shard jobs first")
+        named = ", ".join(f"{i}/{n}" for i in missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise PrepareError(f"--join {out}: {len(missing)} of the {n} parts are missing ({named}); run those --shard "
+                           f"jobs first")
     return [parts[i] for i in range(n)]
 
 

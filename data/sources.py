@@ -129,7 +129,8 @@ def local_to_datasets(source, split_files, builder, max_documents, streaming, tm
 
     def failed(exc, split=None):
         diagnose.check_local_text(builder, split_files[split] if split else files)  # names the file and place
-        raise PrepareError(f"could not read --source {source!r} as {builder} files: {str(exc).splitlines()[0][:300]}") from None
+        reason = str(exc).splitlines()[0][:300]
+        raise PrepareError(f"could not read --source {source!r} as {builder} files: {reason}") from None
     try:  # datasets' cache (decompressed files, arrow) goes into the tmp folder and leaves with it
         with quiet_datasets():
             dd = datasets.load_dataset(builder, data_files={k: [str(f) for f in v] for k, v in split_files.items()},
