@@ -31,7 +31,8 @@ def check_arguments(out, val_fraction, max_documents, num_proc):
         raise PrepareError(f"--val_fraction {val_fraction} must lie strictly between 0 and 1")
     if max_documents is not None and max_documents < 1:
         raise PrepareError(f"--max_documents {max_documents} must be at least 1")
-    num_proc = (os.cpu_count() or 1) if num_proc is None else num_proc  # None: all cores; 0 is a mistake
+    if num_proc is None:  # every core this process may use (taskset, a Slurm allocation); 0 is a mistake
+        num_proc = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if num_proc < 1:
         raise PrepareError(f"--num_proc {num_proc} must be at least 1")
     if out.exists() and not (out / "meta.json").exists() and (not out.is_dir() or any(out.iterdir())):

@@ -1,4 +1,4 @@
-"""Reading token caches made by data/prepare.py: verified, memory-mapped, shuffled per epoch.
+"""Reading token caches made by data/prepare.py: checked, memory-mapped, shuffled per epoch.
 
 A training sequence i is tokens[i*T : i*T + T + 1] (inputs are the first T, targets the last T), so the
 sequences of an epoch step by T and every token after the first is a target exactly once, up to the last
@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from env import REPO  # named when a relative data_dir is found there but not from here
+from data.shards import SPLITS, shard_list, split_tokens
+from env import REPO, hash_json  # REPO: named when a relative data_dir is found there but not from here
 
 IGNORE = -100  # target of a padded position: the loss skips it
 
@@ -39,55 +40,77 @@ def sha256_file(path):
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def recorded_identity(meta):
+    """The cache_identity that a sharded cache's meta.json fields give: the tokenizer's files, the source, the split
+    rule and each split's stream sha256 (data/prepare.py computes it so); None for a format-1 cache, whose fields
+    may be of a cache written by hand."""
+    if int(meta.get("format", 1)) < 2:
+        return None
+    return hash_json([meta["tokenizer_files_sha256"], meta["source_sha256"], meta["split_rule"],
+                      meta["train_sha256"], meta["val_sha256"]])
+
+
 class TokenCache:
-    """train.bin and val.bin of a prepared folder, checked against its meta.json."""
+    """The train and val tokens of a prepared folder (shards, or a format-1 cache's train.bin and val.bin), checked
+    against its meta.json at the cost of a stat per shard: each file is there and of the size recorded, the shards
+    add up to the split, and the recorded hashes give the recorded identity. Nothing is hashed or read at start: a
+    file whose bytes changed at the same size is found by `python data/verify.py DIR`, which reads them all."""
 
     def __init__(self, path, verify=True, vocab_size=0):
-        """vocab_size: the vocabulary the caller's model expects (0: the cache's); it completes the prepare
-        command that the error for a missing cache suggests."""
+        """verify: also check meta.json against the saved tokenizer's size and its identity against its hashes (off,
+        the sizes only, for a caller that reads only the meta); vocab_size: the vocabulary the caller's model expects
+        (0: the cache's); it completes the prepare command that the error for a missing cache suggests."""
         self.path = Path(path)
         meta_path = self.path / "meta.json"
         if not meta_path.is_file():
             raise CacheError(missing_cache(self.path, vocab_size))
         try:
             self.meta = json.loads(meta_path.read_text())
-            dtype = np.dtype(self.meta["dtype"])
+            self.dtype = np.dtype(self.meta["dtype"])
             self.identity = self.meta["cache_identity"]
             self.vocab_size = int(self.meta["vocab_size"])
-            counts = {split: int(self.meta[f"{split}_tokens"]) for split in ("train", "val")}
-            digests = {split: self.meta[f"{split}_sha256"] for split in ("train", "val")}
+            self.shards = {split: shard_list(self.meta, split) for split in SPLITS}
+            counts = {split: int(self.meta[f"{split}_tokens"]) for split in SPLITS}
+            expected = recorded_identity(self.meta) if verify else None
         except (ValueError, KeyError, TypeError) as exc:
             raise CacheError(f"{meta_path} is unreadable or incomplete ({type(exc).__name__}: {exc}); "
                              f"prepare the cache again") from None
+        if expected not in (None, self.identity):
+            raise CacheError(f"{meta_path}'s cache_identity is not the one its recorded hashes give: meta.json was "
+                             f"edited or mixed with another cache's; prepare the cache again")
         tokens_in_tokenizer = tokenizer_size(self.path) if verify else None
         if tokens_in_tokenizer not in (None, self.vocab_size):  # else a model would be sized by a wrong number
             raise CacheError(f"{meta_path} says vocab_size {self.vocab_size} but the cache's tokenizer has "
                              f"{tokens_in_tokenizer} tokens: meta.json disagrees with its tokenizer (edited, or "
                              f"mixed with another cache's files); prepare the cache again")
-        for split in ("train", "val"):
-            path = self.path / f"{split}.bin"
-            if not path.is_file():
-                raise CacheError(f"token cache {self.path} has no {split}.bin; prepare it again")
+        for split in SPLITS:
+            setattr(self, split, self.open_split(split, counts[split]))
+
+    def open_split(self, split, expected):
+        """The split's tokens, memory-mapped, after the cheap checks of its shards' names and sizes."""
+        maps = []
+        for name, tokens, _ in self.shards[split]:
+            path = self.path / name
+            if Path(name).name != name or not path.is_file():
+                raise CacheError(f"token cache {self.path} has no {name} (meta.json lists it in the {split} split); "
+                                 f"prepare it again")
             size = path.stat().st_size
-            if size % dtype.itemsize:
-                raise CacheError(f"{path} holds {size} bytes, not a whole number of {dtype} tokens: it is "
+            if size % self.dtype.itemsize:
+                raise CacheError(f"{path} holds {size} bytes, not a whole number of {self.dtype} tokens: it is "
                                  f"truncated or foreign; prepare the cache again")
-            expected = counts[split]
-            if size // dtype.itemsize != expected:
-                raise CacheError(f"{path} holds {size // dtype.itemsize} tokens but meta.json says {expected}: "
+            if size // self.dtype.itemsize != tokens:
+                raise CacheError(f"{path} holds {size // self.dtype.itemsize} tokens but meta.json says {tokens}: "
                                  f"it is truncated or foreign; prepare the cache again")
-            if verify and sha256_file(path) != digests[split]:
-                raise CacheError(f"{path} does not match the identity in meta.json (its bytes changed "
-                                 f"after preparation); prepare the cache again")
-            if expected < 2:  # else a validation over no tokens has loss 0.0, below any target
-                raise CacheError(f"{path} holds {expected} tokens, as meta.json says: the cache's {split} split is "
-                                 f"empty, with no token to {'train' if split == 'train' else 'validate'} on; prepare "
-                                 f"the cache again from a source with {split} documents")
-            tokens = np.memmap(path, dtype=dtype, mode="r")
-            if verify and expected and int(tokens.max()) >= self.vocab_size:
-                raise CacheError(f"{path} holds token id {int(tokens.max())}, outside its vocabulary of "
-                                 f"{self.vocab_size}; prepare the cache again")
-            setattr(self, split, tokens)
+            maps.append(np.memmap(path, dtype=self.dtype, mode="r") if tokens else np.zeros(0, self.dtype))
+        if sum(len(m) for m in maps) != expected:
+            raise CacheError(f"the {split} shards of {self.path} hold {sum(len(m) for m in maps)} tokens but "
+                             f"meta.json says {expected}: it was edited or mixed; prepare the cache again")
+        if expected < 2:  # else a validation over no tokens has loss 0.0, below any target
+            raise CacheError(f"{self.path / self.shards[split][0][0] if self.shards[split] else self.path} holds "
+                             f"{expected} tokens, as meta.json says: the cache's {split} split is empty, with no "
+                             f"token to {'train' if split == 'train' else 'validate'} on; prepare the cache again "
+                             f"from a source with {split} documents")
+        return split_tokens(maps)
 
 
 def missing_cache(path, vocab_size=0):

@@ -1,16 +1,14 @@
-"""The documents of a --source for data/prepare.py: found (local files, or a Hugging Face dataset), read into
-datasets with one "text" column and one row per document, and split into train and val by whole documents.
+"""The documents of a --source for data/prepare.py: found (local files, or a Hugging Face dataset), and read as
+datasets with one "text" column and one row per document (whole into arrow files, or streamed), in their order;
+and each document's held-out draw, by which a corpus without its own split is split into train and val.
 """
 import contextlib
 import functools
 import glob
 import hashlib
-import json
 import os
 import warnings
 from pathlib import Path
-
-import numpy as np
 
 import env
 from data import diagnose
@@ -36,7 +34,7 @@ def find_source(source, streaming, max_documents, hub_reachable, out=None):
     split_files, base, rule, builder = find_local(source, out)
     listing = sorted([str(f.relative_to(base)), f.stat().st_size, sha256_file(f)]
                      for fs in split_files.values() for f in fs)
-    read = functools.partial(local_to_datasets, source, split_files, builder, max_documents)
+    read = functools.partial(local_to_datasets, source, split_files, builder, max_documents, streaming)
     return read, rule, env.hash_json(listing if max_documents is None else [listing, max_documents])
 
 
@@ -55,8 +53,8 @@ def builder_of(path):
 
 
 def made_by_prepare(path, out):
-    """Whether `path` is one of the cache `out`'s own files: in it, its lock, or a build or old copy beside it
-    (a cache written into its source folder would otherwise become part of that source the next time)."""
+    """Whether `path` is one of the cache `out`'s own files: in it, its lock, or a build, old copy or job's part
+    beside it (a cache written into its source folder would otherwise become part of that source the next time)."""
     if out is None:
         return False
     try:
@@ -64,7 +62,7 @@ def made_by_prepare(path, out):
     except ValueError:
         return False
     return (parts[0] == out.name and len(parts) > 1 or parts[0] == f"{out.name}.lock"
-            or parts[0].startswith((f"{out.name}.tmp-", f"{out.name}.old-")))
+            or parts[0].startswith((f"{out.name}.tmp-", f"{out.name}.old-", f"{out.name}.part-")))
 
 
 def data_files_in(folder, out=None):
@@ -118,31 +116,50 @@ def find_local(source, out=None):
     return split_files, base, rule, builders[0]
 
 
-def local_to_datasets(source, split_files, builder, max_documents, tmp):
-    """{"train", "val"} or {"corpus"} -> datasets.Dataset with one "text" column, one row per document."""
+def local_to_datasets(source, split_files, builder, max_documents, streaming, tmp):
+    """{"train", "val"} or {"corpus"} -> Documents, one per document: read into datasets' arrow files in the build
+    folder (checked whole first), or with `streaming` straight from the files, as they are tokenized (no copy of
+    the text on disk; a file that cannot be read is found when the reading reaches it)."""
     import datasets
     files = [f for fs in split_files.values() for f in fs]
     size = sum(f.stat().st_size for f in files)
     print(f"reading {len(files)} files ({f'{size / 1e6:,.1f} MB' if size >= 10**5 else f'{size:,} bytes'}) "
           f"of --source {source}")
     kwargs = {"sample_by": "document"} if builder == "text" else {}
+
+    def failed(exc, split=None):
+        diagnose.check_local_text(builder, split_files[split] if split else files)  # names the file and place
+        reason = str(exc).splitlines()[0][:300]
+        raise PrepareError(f"could not read --source {source!r} as {builder} files: {reason}") from None
     try:  # datasets' cache (decompressed files, arrow) goes into the tmp folder and leaves with it
         with quiet_datasets():
             dd = datasets.load_dataset(builder, data_files={k: [str(f) for f in v] for k, v in split_files.items()},
-                                       cache_dir=str(tmp / "hf_cache"), **kwargs)
+                                       cache_dir=str(tmp / "hf_cache"), streaming=streaming, **kwargs)
     except Exception as e:
-        diagnose.check_local_text(builder, files)  # names the file and place where it can find them
-        raise PrepareError(f"could not read --source {source!r} as {builder} files: {str(e).splitlines()[0][:300]}") from None
+        failed(e)
     splits = {}
     for k in split_files:
-        need_text(dd[k].column_names, f"--source {source!r}")
+        what = f"--source {source!r}"
+        if streaming:
+            ds = dd[k].take(max_documents) if max_documents else dd[k]
+            splits[k] = Documents(ds, what, functools.partial(failed, split=k), functools.partial(
+                local_row_error, builder, split_files[k], what))
+            continue
+        need_text(dd[k].column_names, what)
         if not holds_strings(dd[k].features["text"]):
             diagnose.check_local_text(builder, split_files[k])
             raise PrepareError(f"the 'text' column of --source {source!r} holds {dd[k].features['text']}, not "
                                f"strings; each document's 'text' must be a string")
         ds = dd[k].select_columns(["text"])
-        splits[k] = ds.select(range(min(max_documents, len(ds)))) if max_documents else ds
+        splits[k] = Documents(ds.select(range(min(max_documents, len(ds)))) if max_documents else ds, what)
     return splits
+
+
+def local_row_error(builder, files, what, n, found):
+    """A streamed local row whose 'text' is not a string: the file and line that hold it, else its row number."""
+    diagnose.check_local_text(builder, files)
+    return PrepareError(f"row {n:,} of {what} has a 'text' that is {found}, not a string; each document's 'text' "
+                        f"must be a string (or null, read as an empty document)")
 
 
 # ----------------------------------------------------------------------------- Hugging Face datasets
@@ -177,32 +194,60 @@ def open_hub(source, streaming):
 
 
 def hub_to_datasets(hub_splits, streaming, max_documents, tmp):
-    import datasets
+    """{"train", "val"} or {"corpus"} -> Documents. Streamed, the rows are checked as they come (a streamed dataset
+    may only know its columns and types from its rows), and nothing of the text is stored."""
     if hub_splits["val"] is None:
         hub_splits = {"corpus": hub_splits["train"]}  # no validation split: hold documents out by hash
     splits = {}
     for k, ds in hub_splits.items():
-        if ds.column_names is not None:  # a streamed dataset may only know its columns from its rows
+        if ds.column_names is not None:
             need_text(ds.column_names, "the Hugging Face dataset")
             ds = ds.select_columns(["text"])
-        if streaming:  # stream to a local jsonl (bounded memory), then read it back as a regular dataset
-            path = tmp / f"stream-{k}.jsonl"
-            with open(path, "w") as f:
-                for n, row in enumerate(ds.take(max_documents) if max_documents else ds, 1):
-                    need_text(list(row), "the Hugging Face dataset")
-                    if not isinstance(row["text"], (str, type(None))):
-                        raise diagnose.hub_text_error(k, f"row {n:,} of", f"has a 'text' that is "
-                                                      f"{diagnose.json_type(row['text'])}, not a string")
-                    f.write(json.dumps({"text": row["text"]}) + "\n")
-            with quiet_datasets():  # a local file: no "Downloading data"
-                ds = datasets.load_dataset("json", data_files=str(path), cache_dir=str(tmp / "hf_cache"))["train"]
-        else:
-            if not holds_strings(ds.features["text"]):
-                raise diagnose.hub_text_error(k, "the 'text' column of", f"holds {ds.features['text']}, not strings")
-            if max_documents:
-                ds = ds.select(range(min(max_documents, len(ds))))
-        splits[k] = ds
+        if streaming:
+            ds = ds.take(max_documents) if max_documents else ds
+            splits[k] = Documents(ds, "the Hugging Face dataset", row_error=functools.partial(hub_row_error, k))
+            continue
+        if not holds_strings(ds.features["text"]):
+            raise diagnose.hub_text_error(k, "the 'text' column of", f"holds {ds.features['text']}, not strings")
+        splits[k] = Documents(ds.select(range(min(max_documents, len(ds)))) if max_documents else ds,
+                              "the Hugging Face dataset")
     return splits
+
+
+def hub_row_error(split, n, found):
+    return diagnose.hub_text_error(split, f"row {n:,} of", f"has a 'text' that is {found}, not a string")
+
+
+class Documents:
+    """One split's documents in their order, as batches of texts (a null text is an empty document). `ds`: a
+    datasets Dataset, whose types were checked whole, or an IterableDataset, whose rows are checked as read:
+    row_error(n, what it holds) is the error for row n's 'text' that is not a string, read_failed(exc) raises the
+    one for a read that fails."""
+
+    def __init__(self, ds, what, read_failed=None, row_error=None):
+        self.ds, self.what, self.read_failed, self.row_error = ds, what, read_failed, row_error
+
+    def batches(self, size=64):
+        rows = iter(self.ds.iter(batch_size=size))
+        n = 0
+        while True:
+            try:
+                batch = next(rows)
+            except StopIteration:
+                return
+            except Exception as exc:  # a streamed file that does not parse or decompress
+                if self.read_failed is None:
+                    raise
+                self.read_failed(exc)
+            texts = batch.get("text") if isinstance(batch, dict) else None
+            if texts is None:
+                need_text(list(batch), self.what)
+            if self.row_error is not None:
+                for i, text in enumerate(texts):
+                    if not isinstance(text, (str, type(None))):
+                        raise self.row_error(n + i + 1, diagnose.json_type(text))
+            n += len(texts)
+            yield texts
 
 
 # ----------------------------------------------------------------------------- both
@@ -240,36 +285,7 @@ def quiet_datasets():
 
 # ----------------------------------------------------------------------------- train and val
 
-def scan_batch(batch, seed):
-    """Per document: keep (not blank) and u = first 8 bytes of sha256(text) / 2**64, the held-out draw."""
+def draw(text, seed):
+    """A document's held-out draw: the first 8 bytes of sha256(text) (salted by a non-zero seed) / 2**64."""
     salt = f"{seed}:".encode() if seed else b""
-    keep, u = [], []
-    for text in batch["text"]:
-        keep.append(bool(text and text.strip()))
-        digest = hashlib.sha256(salt + (text or "").encode("utf-8")).digest()
-        u.append(int.from_bytes(digest[:8], "big") / 2**64)
-    return {"keep": keep, "u": u}
-
-
-def split_documents(source, splits, scans, val_fraction, rule):
-    """{"train", "val"} datasets of the documents with text: the source's own split, or the held-out rule's.
-    `scans`: per split, scan_batch's columns."""
-    keep = {k: np.asarray(s.data.column("keep").to_numpy(zero_copy_only=False), dtype=bool) for k, s in scans.items()}
-    if sum(int(m.sum()) for m in keep.values()) == 0:
-        raise PrepareError(f"--source {source!r} holds no documents with text "
-                           f"({sum(len(m) for m in keep.values())} documents, all empty or blank)")
-    draws = None
-    if "corpus" in splits:  # held out by hash, never by position
-        u = scans["corpus"].data.column("u").to_numpy()
-        draws, is_val = u[keep["corpus"]], keep["corpus"] & (u < val_fraction)
-        if not is_val.any() and keep["corpus"].sum() >= 2:  # a tiny corpus still gets one val document,
-            # with its copies: identical texts hash alike, and one on each side would be val text seen in training
-            is_val = keep["corpus"] & (u == draws.min())
-        index = {"train": np.flatnonzero(keep["corpus"] & ~is_val), "val": np.flatnonzero(is_val)}
-        splits = {k: splits["corpus"].select(v) for k, v in index.items()}
-    else:
-        splits = {k: splits[k].select(np.flatnonzero(keep[k])) for k in ("train", "val")}
-    for k in ("train", "val"):
-        if len(splits[k]) == 0:
-            raise diagnose.empty_split_error(source, k, rule, draws, val_fraction)
-    return splits
+    return int.from_bytes(hashlib.sha256(salt + (text or "").encode("utf-8")).digest()[:8], "big") / 2**64

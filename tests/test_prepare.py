@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from data import parts
 from data import prepare as prep
 from data.prepare import PrepareError, prepare
 from data.prepare import main as prepare_main
@@ -23,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "gutenberg"
 META_KEYS = {"format", "tokenizer", "tokenizer_files_sha256", "vocab_size", "vocab_size_requested", "eot_token_id",
              "dtype", "train_tokens", "val_tokens", "train_documents", "val_documents", "source", "source_sha256",
-             "split_rule", "train_sha256", "val_sha256", "inputs_identity", "cache_identity", "seconds", "created"}
+             "split_rule", "train_sha256", "val_sha256", "inputs_identity", "cache_identity", "seconds", "created",
+             "shuffle_seed", "shard_tokens", "train_shards", "val_shards"}
 VOCAB = 512  # small, so the BPE trains in well under a second
 
 
@@ -59,7 +61,19 @@ def built(books, tmp_path_factory):
 
 
 def load_bin(out, split, meta):
-    return np.fromfile(out / f"{split}.bin", dtype=meta["dtype"])
+    """A split's tokens: its shards' in order."""
+    return np.concatenate([np.fromfile(out / s["file"], dtype=meta["dtype"]) for s in meta[f"{split}_shards"]])
+
+
+def split_bytes(out, split, meta):
+    return b"".join((out / s["file"]).read_bytes() for s in meta[f"{split}_shards"])
+
+
+def shuffled(docs, first_ordinal=0, seed=0):
+    """Documents in the documented shuffled order: by the first 8 bytes of sha256(f"{seed}:{ordinal}"), where the
+    ordinal is the document's place in the source (train documents first, then val)."""
+    key = lambda i: hashlib.sha256(f"{seed}:{first_ordinal + i}".encode()).digest()[:8]
+    return [d for _, d in sorted(enumerate(docs), key=lambda p: key(p[0]))]
 
 
 def split_docs(ids, eot):
@@ -86,13 +100,15 @@ def test_end_to_end(books, built):
     assert meta["train_documents"] == 3 and meta["val_documents"] == 1
     for split in ("train", "val"):
         ids = load_bin(out, split, meta)
-        assert (out / f"{split}.bin").stat().st_size == 2 * meta[f"{split}_tokens"] == 2 * len(ids)
+        shards = meta[f"{split}_shards"]
+        assert [s["file"] for s in shards] == [f"{split}-000000.bin"] and shards[0]["tokens"] == len(ids)
+        assert (out / shards[0]["file"]).stat().st_size == 2 * meta[f"{split}_tokens"] == 2 * len(ids)
         assert int((ids == meta["eot_token_id"]).sum()) == meta[f"{split}_documents"]
         assert ids.max() < meta["vocab_size"]
-        assert hashlib.sha256((out / f"{split}.bin").read_bytes()).hexdigest() == meta[f"{split}_sha256"]
-    # byte-level BPE round-trips exactly; documents are in sorted file order
+        assert hashlib.sha256(split_bytes(out, split, meta)).hexdigest() == meta[f"{split}_sha256"] == shards[0]["sha256"]
+    # byte-level BPE round-trips exactly; documents are in the shuffled order of their places in the source
     train_texts = [texts[k] for k in sorted(texts) if k.startswith("train/")]
-    assert decode_docs(out, "train", meta) == train_texts
+    assert decode_docs(out, "train", meta) == shuffled(train_texts) != train_texts
     assert decode_docs(out, "val", meta) == [texts[k] for k in texts if k.startswith("val/")]
     assert not list(out.parent.glob("books.tmp-*")) and not list(out.parent.glob("books.old-*"))
 
@@ -104,10 +120,10 @@ def test_identity_stable_and_input_changes_rebuild(books, built, tmp_path, capsy
     out = tmp_path / "cache"
     first = prepare(src, out, vocab_size=VOCAB, num_proc=1)
     assert first["cache_identity"] == built[1]["cache_identity"]  # same inputs elsewhere: same bytes
-    mtime = (out / "train.bin").stat().st_mtime_ns
+    mtime = (out / "train-000000.bin").stat().st_mtime_ns
     capsys.readouterr()
     again = prepare(src, out, vocab_size=VOCAB, num_proc=1)
-    assert again == first and (out / "train.bin").stat().st_mtime_ns == mtime
+    assert again == first and (out / "train-000000.bin").stat().st_mtime_ns == mtime
     assert "is up to date" in capsys.readouterr().out
 
     other = prepare(src, out, vocab_size=VOCAB + 64, num_proc=1)
@@ -121,7 +137,7 @@ def test_identity_stable_and_input_changes_rebuild(books, built, tmp_path, capsy
     assert edited["source_sha256"] != first["source_sha256"]
     assert edited["inputs_identity"] != first["inputs_identity"]
     assert edited["train_sha256"] != first["train_sha256"] and edited["train_tokens"] > first["train_tokens"]
-    assert (out / "train.bin").stat().st_mtime_ns != mtime
+    assert (out / "train-000000.bin").stat().st_mtime_ns != mtime
     assert not list(tmp_path.glob("cache.tmp-*")) and not list(tmp_path.glob("cache.old-*"))
 
 
@@ -144,8 +160,8 @@ def test_held_out_split_is_by_whole_document(books, tmp_path):
     assert meta["split_rule"] == "held-out fraction 0.2 by document sha256"
     val = decode_docs(tmp_path / "c-txt", "val", meta)
     train = decode_docs(tmp_path / "c-txt", "train", meta)
-    assert val == [d for d in docs if in_val(d, 0.2)] and 0 < len(val) < 40  # whole documents, the rule's ones
-    assert train == [d for d in docs if not in_val(d, 0.2)]
+    assert sorted(val) == sorted(d for d in docs if in_val(d, 0.2)) and 0 < len(val) < 40  # whole, the rule's ones
+    assert sorted(train) == sorted(d for d in docs if not in_val(d, 0.2))
     assert not set(val) & set(train) and meta["val_documents"] + meta["train_documents"] == 40
 
     # the same documents as jsonl rows split and tokenize identically; a rerun elsewhere gives the same cache
@@ -191,11 +207,11 @@ def run_cli(*args):
 KILLED = 97
 
 
-def killed_after(monkeypatch, name, when, *args, **kwargs):
+def killed_after(monkeypatch, module, name, when, *args, **kwargs):
     """Exit code of prepare(*args, **kwargs) run in a forked process that dies (os._exit(KILLED): no finally, no
-    cleanup, as when killed) right after data.prepare.<name> returns for arguments that `when` accepts. The code
-    is its own, so an ordinary error (exit code 1) is not taken for the kill."""
-    real = getattr(prep, name)
+    cleanup, as when killed) right after module.<name> returns for arguments that `when` accepts. The code is its
+    own, so an ordinary error (exit code 1) is not taken for the kill."""
+    real = getattr(module, name)
 
     def then_die(*a, **k):
         result = real(*a, **k)
@@ -203,7 +219,7 @@ def killed_after(monkeypatch, name, when, *args, **kwargs):
             os._exit(KILLED)
         return result
     with monkeypatch.context() as patch:
-        patch.setattr(prep, name, then_die)
+        patch.setattr(module, name, then_die)
         child = multiprocessing.get_context("fork").Process(target=prepare, args=args, kwargs=kwargs)
         child.start()
         child.join(120)
@@ -213,22 +229,22 @@ def killed_after(monkeypatch, name, when, *args, **kwargs):
 def test_killed_run_leaves_old_cache_or_none(books, tmp_path, monkeypatch):
     src, _ = books
     out = tmp_path / "cache"
-    after_train_bin = ("write_bin", lambda ds, path, dtype: path.name == "train.bin")
-    # no previous cache: a run killed after writing train.bin leaves no DIR (only a tmp folder)
-    assert killed_after(monkeypatch, *after_train_bin, src, out, vocab_size=VOCAB, num_proc=1) == KILLED
+    after_shards = (parts, "write_splits", lambda *a, **k: True)  # the shards written, meta.json not yet
+    # no previous cache: a run killed after writing the shards leaves no DIR (only a tmp folder)
+    assert killed_after(monkeypatch, *after_shards, src, out, vocab_size=VOCAB, num_proc=1) == KILLED
     assert not out.exists() and list(tmp_path.glob("cache.tmp-*"))
     meta = prepare(src, out, vocab_size=VOCAB, num_proc=1)  # the next run succeeds and removes the leftover
     assert not list(tmp_path.glob("cache.tmp-*"))
-    meta_text, mtime = (out / "meta.json").read_text(), (out / "train.bin").stat().st_mtime_ns
+    meta_text, mtime = (out / "meta.json").read_text(), (out / "train-000000.bin").stat().st_mtime_ns
 
     # a previous cache: killed mid-build of other inputs, the old cache is untouched
-    assert killed_after(monkeypatch, *after_train_bin, src, out, vocab_size=VOCAB + 64, num_proc=1) == KILLED
+    assert killed_after(monkeypatch, *after_shards, src, out, vocab_size=VOCAB + 64, num_proc=1) == KILLED
     assert (out / "meta.json").read_text() == meta_text
     # killed between moving the old cache aside and moving the new one in: the next run puts the old one back
-    assert killed_after(monkeypatch, "move_aside", lambda out: True, src, out, vocab_size=VOCAB + 64, num_proc=1) == KILLED
+    assert killed_after(monkeypatch, prep, "move_aside", lambda out: True, src, out, vocab_size=VOCAB + 64, num_proc=1) == KILLED
     assert not out.exists() and list(tmp_path.glob("cache.old-*"))
     assert prepare(src, out, vocab_size=VOCAB, num_proc=1) == meta  # recovered, up to date, no work done
-    assert (out / "meta.json").read_text() == meta_text and (out / "train.bin").stat().st_mtime_ns == mtime
+    assert (out / "meta.json").read_text() == meta_text and (out / "train-000000.bin").stat().st_mtime_ns == mtime
     assert not list(tmp_path.glob("cache.tmp-*")) and not list(tmp_path.glob("cache.old-*"))
 
 
@@ -499,7 +515,7 @@ def test_a_vocabulary_over_65536_tokens_is_stored_as_uint32_and_read_back(tmp_pa
     meta = prepare(src, tmp_path / "cache", tokenizer=str(tmp_path / "tok"), num_proc=1)
     assert meta["dtype"] == "uint32" and meta["vocab_size"] == 70_000 and meta["vocab_size_requested"] is None
     cache = TokenCache(tmp_path / "cache")  # verifies sizes, hashes and the id range
-    assert (tmp_path / "cache" / "train.bin").stat().st_size == 4 * meta["train_tokens"]
+    assert (tmp_path / "cache" / "train-000000.bin").stat().st_size == 4 * meta["train_tokens"]
     tokens = np.asarray(cache.train).tolist() + np.asarray(cache.val).tolist()
     assert sorted(tokens) == sorted([i for ids in docs.values() for i in ids] + [0] * len(docs))
     (x, y), = TrainData(cache.train, seq_len=8, sequences_per_update=1, seed=0).batches_of(np.array([0]), 1)[0]
@@ -515,7 +531,7 @@ def test_a_local_source_shows_its_own_progress_and_no_download(tmp_path, capfd):
     prepare(src, tmp_path / "cache", vocab_size=300, num_proc=1)
     out, err = capfd.readouterr()
     assert "Downloading" not in out + err and "Generating" not in out + err, out + err
-    assert "reading 20 files" in out and "tokenize-train" in err  # our line, and our bars
+    assert "reading 20 files" in out and "tokenize" in err  # our line, and our bar
 
 
 def process_state(pid):
@@ -594,8 +610,7 @@ def test_a_long_run_without_whitespace_is_noted_and_trained_in_pieces(tmp_path, 
     docs = decode_docs(tmp_path / "cache", "train", meta) + decode_docs(tmp_path / "cache", "val", meta)
     assert sorted(docs) == sorted(texts)
     # what the trainer sees: the same text, no piece of the run longer than LONG_RUN
-    import datasets
-    batches = list(prep.bpe_training_texts(datasets.Dataset.from_dict({"text": texts})))
+    batches = list(prep.bpe_training_texts([texts[:2], texts[2:]]))
     pieces = [p for batch in batches for p in batch]
     assert "".join(pieces) == "".join(texts) and max(map(len, pieces)) <= len(texts[2]) - len(run) + prep.LONG_RUN
     assert max(len(p) for p in pieces if set(p) <= set("ACGT")) <= prep.LONG_RUN
