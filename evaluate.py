@@ -9,12 +9,12 @@ init_from is a train.py checkpoint (ckpt.pt or its run folder) or a transformers
 it. The cache's tokenizer must be the weights' (as sample.py and train.py refuse another one); a checkpoint's cache
 is the one it trained on unless --data_dir names another, an export records none (--data_dir names it).
 
-What is scored. The validation split: every token of val.bin after the first, in windows of seq_len tokens that do
-not overlap, as train.py's full validation scores them (the same loss). A text file: one document, tokenized as
-data/prepare.py tokenizes one (the cache's tokenizer; a literal <|endoftext|> in it is text) and followed by the
-end-of-text token as in a cache; it is preceded by an end-of-text token too, as every document of a cache but the
-first is, so that each of its tokens is scored (lm-evaluation-harness's rolling log-likelihood starts from the
-same token), and the end-of-text after it is scored as well. End-of-text tokens are scored and are no text.
+What is scored. The validation split: every token of the cache's validation split after the first, in windows of
+seq_len tokens that do not overlap, as train.py's full validation scores them (the same loss). A text file: one
+document, tokenized as data/prepare.py tokenizes one (the cache's tokenizer; a literal <|endoftext|> in it is text)
+and followed by the end-of-text token as in a cache; it is preceded by an end-of-text token too, as every document
+of a cache but the first is, so that each of its tokens is scored (lm-evaluation-harness's rolling log-likelihood
+starts from the same token), and the end-of-text after it is scored as well. End-of-text tokens are scored and are no text.
 
 Bits per byte = the scored tokens' losses summed in nats / ln 2 / the UTF-8 bytes of the text they are: a text
 file's bytes as they are on disk; for the validation split, the bytes of its scored tokens as the cache's

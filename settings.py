@@ -128,7 +128,7 @@ class ModelShape:
 @dataclasses.dataclass
 class Recipe:
     """the recipe: what is trained, and how the math goes"""
-    train_subset_tokens: int = setting(10_000_000, "an epoch is the first N tokens of train.bin (0: all)", RECIPE,
+    train_subset_tokens: int = setting(10_000_000, "an epoch is the first N tokens of the training split (0: all)", RECIPE,
                                        bounds=">= 0")
     val_subset_tokens: int = setting(262_144, "the validation-subset loss uses the first N val tokens (0: all)",
                                      RECIPE, bounds=">= 0", rule=one_val_token)
