@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# Reproduces the figures of docs/PERFORMANCE.md on one H200, each under the results entry the document cites.
+# Reproduces the figures of docs/PERFORMANCE.md (and TIME_TO_QUALITY.md's lever screens) on one H200, each under the
+# results entry the document cites.
 #     bash scripts/reproduce_h200.sh PART... [-- RESULTS_FILE]      # default RESULTS_FILE: out/h200/results.json
 # Parts, in the document's order, with their time on one H200 (warm compiler caches; cold adds about 20 s per
 # compiled shape): ceilings (1 min), current (8 min), accumulation (2 min), loss (2 min), matched (5 min, then
-# compare.py with no GPU), tune (15 min), levers (9 min), quack (6 min), push (10 min), all (about 58 min).
+# compare.py with no GPU), tune (15 min), levers (9 min), quack (6 min), push (10 min), cold (6 min; a fresh
+# machine for its first profile), speedrun (12 min: docs/TIME_TO_QUALITY.md's lever screens), all (about 76 min).
 # Merge the results file into results/h200.json with scripts/merge_results.py (parts quack's and push's into
 # results/h200-levers.json). Needs data/cache/gutenberg; requirements-gpu.txt for the fa4 and quack rows, which
 # are skipped without it. The rows of choices no longer in the code (docs/PERFORMANCE.md, "Levers tried and not
 # kept") are measured by this script in the tree that had them, git 8e61ae0.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-PARTS="ceilings current accumulation loss matched tune levers quack push all"
+PARTS="ceilings current accumulation loss matched tune levers quack push cold speedrun all"
 usage() { echo "usage: bash scripts/reproduce_h200.sh PART... [-- RESULTS_FILE]; parts: $PARTS" >&2; exit 2; }
 parts=()
 R=out/h200/results.json
@@ -118,10 +120,47 @@ push() {  # the third push beside the tree before it (68eb922, a worktree under 
   bench config/50m.py --name=lever-50m-quack-mlp --mlp_impl=quack
   bench config/90m.py --name=lever-90m-quack-mlp --mlp_impl=quack
 }
+cold() {  # "Cold start": the first update by phase, then each compile scope cold and warm, and a loaded compile cache
+  python scripts/cold_start_profile.py $REF --cold=True --name=cold-start-20m-model --results_file="$R"
+  python scripts/cold_start_profile.py $REF --cold=True --compile_scope=shared --name=cold-start-20m-shared \
+    --results_file="$R"
+  for scope in shared model blocks; do bench $REF --cold=True --compile_scope=$scope --name=cold-bench-20m-$scope; done
+  local caches; caches=$(mktemp -d)
+  for scope in shared model; do
+    TORCHINDUCTOR_CACHE_DIR=$caches/$scope bench $REF --compile_scope=$scope --name=fill-20m-$scope --warmup=3 --steps=5 \
+      --windows=1
+    TORCHINDUCTOR_CACHE_DIR=$caches/$scope bench $REF --compile_scope=$scope --name=warm-bench-20m-$scope
+  done
+  bench $REF --cold=True --compile_scope=shared --compile_cache=$caches/20m.compile --name=cache-save-20m-shared \
+    --warmup=3 --steps=5 --windows=1
+  bench $REF --cold=True --compile_scope=shared --compile_cache=$caches/20m.compile --name=cache-load-20m-shared
+}
+speedrun() {  # TIME_TO_QUALITY.md's "The speedrun's levers, screened": each lever on the shipped recipe, then its cost
+  local recipe=config/20m_muon_wsd.py name args
+  while read -r name args; do
+    timeout 300 python train.py $recipe $args --name=screen-$name --results_file="$R" --overwrite=True
+    case $name in batch-ramp|context-ramp) ;; *) bench $recipe $args --name=cost-$name --warmup=10 --steps=50 --windows=3 ;; esac
+  done <<'LEVERS'
+base
+qk-norm --qk_norm=True
+relu2 --mlp_activation=relu2
+zero-init --zero_init_proj=True
+softcap15 --logit_softcap=15
+untied --tie_embeddings=False
+value-emb2 --value_embeddings=2
+unet --unet_skips=True
+polar-express --muon_orthogonalizer=polar_express
+normuon --normuon=True
+cautious-wd --cautious_weight_decay=True
+ema-0.98 --ema=0.98
+batch-ramp --batch_schedule=8192:0.1,16384:0.3 --micro_batch_size=8
+context-ramp --seq_len_schedule=256:0.3,512:0.6
+LEVERS
+}
 
 for part in "${parts[@]}"; do
   case $part in
-    all) ceilings; current; accumulation; loss; matched; tune; levers; quack; push ;;
+    all) ceilings; current; accumulation; loss; matched; tune; levers; quack; push; cold; speedrun ;;
     *) echo "=== $part"; $part ;;
   esac
 done
