@@ -10,6 +10,7 @@ import torch
 import torch._functorch.config  # activation_memory_budget
 
 import compile_cache
+import env
 import model as model_lib
 import optim
 from distributed import all_reduce_sum
@@ -88,21 +89,27 @@ class Trainer:
                    attention=(plan.attention, plan.attention_reason))
 
     def load_compile_cache(self, path):
-        """compile_cache's file put into the compiler's caches when it matches; returns the path to save it to
-        after the first update (None: nothing to save, or another process of the run saves it)."""
+        """compile_cache's file put into the compiler's caches when it matches; returns the path this process saves
+        it to (None: no file, or another process of the run saves it). The file is written after the first update
+        and again after any update that compiled graphs since (a schedule's new shape), never when nothing new was
+        compiled (a warm start)."""
         if not path:
             return None
         loaded, line = compile_cache.load(path, self.device)
         main = int(os.environ.get("RANK", "0")) == 0
         if main:
             print(line, flush=True)
-        return None if loaded or not main else path
+        self.graphs_in_compile_cache = env.inductor_graph_counts()["compiled"] if loaded else -1
+        return path if main else None
 
-    def save_compile_cache(self):
-        line = compile_cache.save(self.compile_cache, self.device)
-        if line:
-            print(line, flush=True)
-        self.compile_cache = None
+    def save_compile_cache_if_new(self):
+        """After an update: write the compile cache when this process has compiled graphs it does not hold."""
+        compiled = env.inductor_graph_counts()["compiled"]
+        if compiled > self.graphs_in_compile_cache:
+            line = compile_cache.save(self.compile_cache, self.device)
+            if line:
+                print(line, flush=True)
+            self.graphs_in_compile_cache = compiled
 
     def allocate_gradients(self):
         """Give every parameter a zeroed .grad that the optimizer step keeps (zero_grad without set_to_none).
@@ -211,8 +218,8 @@ class Trainer:
             grad_norm = grad_norm.clone()  # a CUDA graph's output is overwritten by its next replay
         self.optimizer.zero_grad(set_to_none=not self.stable_grads)
         self.step += 1
-        if self.compile_cache:  # this process's first update: what the run compiles, it compiled in it
-            self.save_compile_cache()
+        if self.compile_cache:
+            self.save_compile_cache_if_new()
         return loss_sum, grad_norm
 
     def evaluate(self, batches, stopped=None):

@@ -103,3 +103,26 @@ def test_a_path_that_is_not_a_compile_cache_is_refused_and_kept(tmp_path):
     with pytest.raises(compile_cache.CompileCacheError, match="is not a compile cache"):
         compile_cache.save(mine, "cpu")
     assert mine.read_bytes() == b"a user's file"
+
+
+def test_the_cache_is_written_after_the_first_update_and_again_only_when_graphs_were_compiled(tmp_path, monkeypatch):
+    """A warm start that compiles nothing writes nothing; a schedule's new shape, compiled later, is saved too."""
+    import trainer as trainer_lib
+    compiled, saved = [0], []
+    monkeypatch.setattr(trainer_lib.env, "inductor_graph_counts", lambda: {"compiled": compiled[0], "from_cache": 0})
+    monkeypatch.setattr(trainer_lib.compile_cache, "save", lambda path, device: saved.append(compiled[0]))
+
+    def run(loaded, graphs_after_each_update):
+        """The file saves of a process that found (loaded) a matching file or none, then ran these updates."""
+        monkeypatch.setattr(trainer_lib.compile_cache, "load", lambda path, device: (loaded, "line"))
+        compiled[0], saved[:] = 0, []
+        trainer = type("Trainer", (), {"device": "cpu"})()
+        trainer.compile_cache = trainer_lib.Trainer.load_compile_cache(trainer, tmp_path / "run.compile")
+        for graphs in graphs_after_each_update:
+            compiled[0] = graphs
+            trainer_lib.Trainer.save_compile_cache_if_new(trainer)
+        return saved
+
+    assert run(False, [2, 2, 3, 3]) == [2, 3]  # cold: after the first update, and after the new shape's
+    assert run(True, [0, 0]) == []  # warm: nothing compiled, nothing written
+    assert run(True, [0, 1]) == [1]  # warm, then a shape the file did not hold
