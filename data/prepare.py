@@ -209,9 +209,9 @@ def prepare(source, out, tokenizer=None, vocab_size=VOCAB_SIZE, val_fraction=0.0
         print(f"wrote part {part[0]}/{part[1]} {target}: {meta['documents']:,} documents; when all {part[1]} are "
               f"written, python data/prepare.py --out {out} --join")
     else:
-        print(f"wrote {out}: {meta['train_tokens']:,} train tokens ({meta['train_documents']} documents, "
-              f"{len(meta['train_shards'])} shards), {meta['val_tokens']:,} val tokens ({meta['val_documents']} "
-              f"documents), vocabulary {meta['vocab_size']}, {meta['seconds']:.1f} s")
+        print(f"wrote {out}: {meta['train_tokens']:,} train tokens ({meta['train_documents']} documents; shards: "
+              f"{len(meta['train_shards'])}), {meta['val_tokens']:,} val tokens ({meta['val_documents']} documents), "
+              f"vocabulary {meta['vocab_size']}, {meta['seconds']:.1f} s")
     return meta
 
 
