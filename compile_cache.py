@@ -5,12 +5,13 @@
 
 torch.compiler.save_cache_artifacts() gathers what this process compiled (Inductor's graphs, AOTAutograd's
 entries, the Triton kernels and their autotuning picks) and load_cache_artifacts() puts them into the local
-caches, so the next compile of the same graphs finds them instead of generating code. flash-attn-4 keeps its
-compiled CuTe kernels in a folder of its own, outside torch's caches: the file carries that folder too. Each of those entries is
-keyed by torch on its graph and options, so a cache of other settings is only missed, never used. The file adds a
-key of its own around them, the things torch's keys do not promise to cover: the torch, Triton and CUDA versions,
-the GPU, the kernel packages and this repository's code. A file whose key differs is ignored with a line saying
-what differs, and rewritten when this run has compiled; a file that is not a compile cache is never written over.
+caches, so the next compile of the same graphs finds them instead of generating code. Each of those entries is
+keyed by torch on its graph and options, so a cache of other settings is only missed, never used. flash-attn-4
+keeps its compiled CuTe kernels in a folder of its own, outside torch's caches: the file carries that folder too.
+The file adds a key of its own around them, the things torch's keys do not promise to cover: the torch, Triton
+and CUDA versions, the GPU, the kernel packages and this repository's code. A file whose key differs is ignored
+with a line saying what differs, and rewritten when this run has compiled; a file that is not a compile cache is
+never written over.
 """
 import io
 import json
@@ -45,16 +46,27 @@ def key(device):
     return {"format": FORMAT, "device": name, "cuda": torch.version.cuda, **versions, "code": env.source_hash()}
 
 
+def check_path(path):
+    """A CompileCacheError when path holds something other than a compile cache (read: its first bytes only)."""
+    path = Path(path)
+    if not path.exists():
+        return
+    start = b""
+    if path.is_file():
+        with open(path, "rb") as f:
+            start = f.read(len(MAGIC))
+    if start != MAGIC:
+        raise CompileCacheError(f"compile_cache {path} exists and is not a compile cache this project wrote; give "
+                                f"a new path (the file is made after the first update) or one made before")
+
+
 def read(path):
     """(key, artefacts) of a cache file; None when there is no file. CompileCacheError for another kind of file."""
+    check_path(path)
     path = Path(path)
     if not path.exists():
         return None
-    data = path.read_bytes() if path.is_file() else b""
-    if not data.startswith(MAGIC):
-        raise CompileCacheError(f"compile_cache {path} exists and is not a compile cache this project wrote; give "
-                                f"a new path (the file is made after the first update) or one made before")
-    header, _, artefacts = data[len(MAGIC):].partition(b"\n")
+    header, _, artefacts = path.read_bytes()[len(MAGIC):].partition(b"\n")
     try:
         return json.loads(header), artefacts
     except ValueError:
@@ -119,7 +131,7 @@ def load(path, device):
 def save(path, device):
     """Write what this process compiled to path (atomically); returns the line to print, or None with nothing to
     save."""
-    read(path)  # refuses to replace a file that is not a compile cache
+    check_path(path)  # refuses to replace a file that is not a compile cache
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return None

@@ -109,7 +109,7 @@ def check_compile_cache(cfg):
     """A compile_cache path that holds another kind of file is refused before any work (it is never written over)."""
     if cfg.get("compile_cache"):
         try:
-            compile_cache.read(cfg.compile_cache)
+            compile_cache.check_path(cfg.compile_cache)
         except compile_cache.CompileCacheError as exc:
             raise ConfigError(str(exc)) from None
 

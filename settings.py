@@ -128,8 +128,8 @@ class ModelShape:
 @dataclasses.dataclass
 class Recipe:
     """the recipe: what is trained, and how the math goes"""
-    train_subset_tokens: int = setting(10_000_000, "an epoch is the first N tokens of the training split (0: all)", RECIPE,
-                                       bounds=">= 0")
+    train_subset_tokens: int = setting(10_000_000, "an epoch is the first N tokens of the training split (0: all)",
+                                       RECIPE, bounds=">= 0")
     val_subset_tokens: int = setting(262_144, "the validation-subset loss uses the first N val tokens (0: all)",
                                      RECIPE, bounds=">= 0", rule=one_val_token)
     full_validation: bool = setting(True, "a full validation pass at the end", RECIPE)
@@ -218,8 +218,8 @@ class Execution:
                                           "region); blocks: each block and the loss head a graph of its own, "
                                           "compiled once for all blocks", choices=COMPILE_SCOPES)
     compile_cache: str = setting("", "compiled only: a file of the run's compiled code (compile_cache.py), loaded at "
-                                     "start when the same code, torch and GPU made it, else written after the first "
-                                     "update, so another machine starts warm")
+                                     "start when the same code, torch and GPU made it, and written when the run has "
+                                     "compiled what it lacks, so another machine starts warm")
     attention_backend: str = setting("auto", registry.ATTENTION.help, choices=registry.ATTENTION)
     loss_impl: str = setting("full", registry.LOSS.help, choices=registry.LOSS)
     loss_chunk_tokens: int = setting(8192, "tokens per slice of the fused and quack_chunked losses", bounds="> 0")
@@ -487,6 +487,8 @@ def _muon_levers(cfg):
 def _ema(cfg):
     if cfg.ema and not cfg.epochs:
         return f"ema {cfg.ema} averages the weights of the updates and epochs 0 makes none; train, or leave ema at 0"
+
+
 @combination("zero_init_proj", "init_from")
 def _zero_init_from(cfg):
     if cfg.zero_init_proj and cfg.init_from:
@@ -504,7 +506,8 @@ def _update_graph(cfg):
 @combination("compile_cache", "compile")
 def _compile_cache(cfg):
     if cfg.compile_cache and not cfg.compile:
-        return "compile_cache holds compiled code and this run compiles nothing; set compile=True (or drop compile_cache)"
+        return ("compile_cache holds compiled code and this run compiles nothing; set compile=True (or drop "
+                "compile_cache)")
 
 
 @combination("stop_at_target", "target_loss")

@@ -59,8 +59,10 @@ def run_outcome(entry):
 def start_regime(entry):
     """How the run's first update compiled: "cold" (Inductor made every graph), "warm" (its cache held every one),
     "part-warm", "eager" (nothing compiled), or None for an entry that does not say."""
-    graphs = entry.get("first_update_graphs")
-    if not (entry.get("config") or {}).get("compile"):
+    graphs, config = entry.get("first_update_graphs"), entry.get("config")
+    if not isinstance(config, dict):
+        return None
+    if not config.get("compile"):
         return "eager"
     if not isinstance(graphs, dict):
         return None

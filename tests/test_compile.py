@@ -126,3 +126,18 @@ def test_the_cache_is_written_after_the_first_update_and_again_only_when_graphs_
     assert run(False, [2, 2, 3, 3]) == [2, 3]  # cold: after the first update, and after the new shape's
     assert run(True, [0, 0]) == []  # warm: nothing compiled, nothing written
     assert run(True, [0, 1]) == [1]  # warm, then a shape the file did not hold
+
+
+@pytest.mark.parametrize("compiled, words", [(True, "is not a compile cache this project wrote"),
+                                             (False, "this run compiles nothing; set compile=True")])
+def test_a_compile_cache_path_of_a_users_file_or_without_compile_is_one_line_before_any_work(text_cache, tmp_path,
+                                                                                           capsys, compiled, words):
+    import train
+    from tests.test_train import cli_args, small_config
+    mine = tmp_path / "notes.txt"
+    mine.write_bytes(b"a user's file")
+    cfg = small_config(text_cache, tmp_path, compile=compiled, compile_cache=str(mine))
+    assert train.main(cli_args(cfg)) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert mine.read_bytes() == b"a user's file" and not (tmp_path / "out").exists()

@@ -132,6 +132,7 @@ def test_each_run_says_how_it_started_and_a_warm_side_against_a_cold_one_is_name
                                                                                           "from_cache": cached}}
     assert [start_regime(compiled(*c)) for c in ((2, 0), (0, 2), (1, 1))] == ["cold", "warm", "part-warm"]
     assert start_regime({"config": {"compile": True}}) is None  # an entry recorded before it was kept
+    assert start_regime({}) is None and start_regime({"config": {"compile": False}}) == "eager"
     warm, cold = run_outcome(dict(entry([3.2]), **compiled(0, 2))), run_outcome(dict(entry([3.2]), **compiled(2, 0)))
     assert regime_note({"candidate_runs": {"a": warm}, "baseline_runs": {"b": warm}}) == ""
     note = regime_note({"candidate_runs": {"a": warm}, "baseline_runs": {"b": cold, "c": warm}})
