@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 import env
-from model import ModelConfig, Transformer
+from model import ModelConfig, RemovedLever, Transformer
 from optim import averaged_weights
 from results import atomic_write
 
@@ -86,13 +86,15 @@ def load_model(path):
         raise ValueError(f"no checkpoint at {path}; train.py saves one at out/NAME/ckpt.pt")
     ckpt = read(path)
     try:
-        model = Transformer(ModelConfig(**ckpt["model_config"]))
+        model = Transformer(ModelConfig.from_dict(ckpt["model_config"]))
         model.load_state_dict(ckpt["model"])
         if ckpt.get("ema"):  # its names are the model's parameters (the tied head is the embedding's)
             unknown = model.load_state_dict(averaged_weights(ckpt["ema"], ckpt["step"]), strict=False).unexpected_keys
             if unknown:
                 raise KeyError(f"its weights' average holds {unknown[0]}, which the model lacks")
         ckpt["config"]["data_dir"]  # what sampling and parity read the run's tokens and tokenizer from
+    except RemovedLever as exc:  # a train.py checkpoint, of code since removed: the sentence says where it is
+        raise ValueError(f"checkpoint {path}: {exc}") from None
     except Exception as exc:
         raise ValueError(f"checkpoint {path} could not be loaded ({type(exc).__name__}: {exc}); "
                          f"is it a train.py checkpoint?") from None
@@ -176,8 +178,7 @@ def _from_transformers(folder):
         raise ValueError(f"init_from {str(folder)!r}: {problem}")
     # A copy of the embedding saved as lm_head.weight is loaded untied, so that it can be compared: tying would
     # silently drop it, and a head that differs is a model outside the family.
-    untied = dict(tie_word_embeddings=False) if config.tie_word_embeddings and shapes and "lm_head.weight" in shapes \
-        else {}
+    untied = dict(tie_word_embeddings=False) if shapes and "lm_head.weight" in shapes else {}
     try:
         weights = hf.causal_lm_class(config).from_pretrained(folder, local_files_only=True, dtype=torch.float32,
                                                              **untied)
@@ -187,8 +188,7 @@ def _from_transformers(folder):
     if untied:
         if not torch.equal(weights.lm_head.weight, weights.model.embed_tokens.weight):
             raise ValueError(f"init_from {str(folder)!r}: its lm_head.weight differs from model.embed_tokens.weight "
-                             f"although config.json ties them; set tie_word_embeddings false there if the head is "
-                             f"its own")
+                             f"although config.json ties them; the tiny-llm family ties its embeddings")
         weights.config.tie_word_embeddings = True
     return hf.from_hf(weights)
 

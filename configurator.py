@@ -16,7 +16,6 @@ class ConfigError(ValueError):
     """A user mistake in a config file or a --key=value override."""
 
 
-
 # Keys that were renamed: the old name is refused with the new one, never silently ignored.
 RENAMED_KEYS = {"sdpa_backend": "attention_backend"}
 
@@ -65,6 +64,9 @@ NANOGPT_KEYS = {
 
 
 def _unknown_key(key, defaults, where):
+    from model import REMOVED_LEVERS, removed_lever  # not at the top: only this error needs model.py (and torch)
+    if key in REMOVED_LEVERS:
+        return ConfigError(f"{where}: {removed_lever(key)}; leave the key out (the run is then the lever off)")
     if RENAMED_KEYS.get(key) in defaults:
         return ConfigError(f"{where}: config key {key!r} is now called {RENAMED_KEYS[key]!r}; use "
                            f"{RENAMED_KEYS[key]} = ... (or --{RENAMED_KEYS[key]}=...) with the same values")

@@ -5,12 +5,9 @@ The tiny-llm family is Llama with heads that are all query heads (no grouped-que
 embeddings, no biases, SwiGLU and default rotary positions, but for the levers below; a Llama outside it is
 refused in one sentence.
 
-Of the architecture levers (model.py), those that transformers' Llama computes export to it: zero_init_proj (only
-the initialisation), mlp_activation relu2 (hidden_act "relu2", ACT2FN's relu(x)^2) and tie_embeddings False
-(tie_word_embeddings, lm_head.weight its own). qk_norm exports to Qwen3ForCausalLM, whose attention is Llama's with
-q_norm and k_norm, RMSNorms of head_dim (gain per head dimension, eps rms_norm_eps) before the rotary embedding, as
-ours. logit_softcap, value_embeddings and unet_skips have no transformers class of this family that computes them:
-export refuses them (export_problem).
+Of the architecture levers (model.py), qk_norm exports to Qwen3ForCausalLM, whose attention is Llama's with q_norm
+and k_norm, RMSNorms of head_dim (gain per head dimension, eps rms_norm_eps) before the rotary embedding, as ours.
+value_embeddings has no transformers class of this family that computes it: export refuses it (export_problem).
 """
 import json
 import re
@@ -21,7 +18,7 @@ import torch
 from model import LEVERS, ModelConfig, Transformer
 
 MODEL_TYPES = ("llama", "qwen3")  # what an export's config.json is, and what from_hf reads back
-NOT_EXPORTED = ("logit_softcap", "value_embeddings", "unet_skips")
+NOT_EXPORTED = ("value_embeddings",)
 
 
 def export_problem(config):
@@ -44,10 +41,10 @@ def hf_config(config, bos_token_id=None, eos_token_id=None, pad_token_id=None):
     fields = dict(
         vocab_size=config.vocab_size, hidden_size=config.dim, intermediate_size=config.hidden_dim,
         num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads,
-        num_key_value_heads=config.n_heads, head_dim=config.head_dim, hidden_act=config.mlp_activation,
+        num_key_value_heads=config.n_heads, head_dim=config.head_dim, hidden_act="silu",
         max_position_embeddings=config.max_seq_len, rms_norm_eps=config.norm_eps,
         rope_theta=config.rope_theta, rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
-        tie_word_embeddings=config.tie_embeddings, attention_bias=False,
+        tie_word_embeddings=True, attention_bias=False,
         bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     if config.qk_norm:
         from transformers import Qwen3Config
@@ -64,14 +61,12 @@ def causal_lm_class(hf_cfg):
 
 def hf_named_tensors(model, of=lambda p: p):
     """Our weights (or, with of=lambda p: p.grad, their gradients) under transformers' Llama names (and Qwen3's
-    q_norm and k_norm; lm_head.weight only when untied).
+    q_norm and k_norm; the LM head is the embedding).
 
     Fused matrices are split into views, so copying into a returned tensor writes into our weights.
     """
     out = {"model.embed_tokens.weight": of(model.tok_embeddings.weight),
            "model.norm.weight": of(model.norm.weight)}
-    if not model.config.tie_embeddings:
-        out["lm_head.weight"] = of(model.output.weight)
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         q, k, v = of(layer.attention.wqkv.weight).chunk(3, dim=0)
@@ -97,12 +92,10 @@ def to_hf(model, bos_token_id=None, eos_token_id=None, pad_token_id=None):
     hf = causal_lm_class(config)(config)
     state = {k: v.detach().float().cpu().clone() for k, v in hf_named_tensors(model).items()}
     missing, unexpected = hf.load_state_dict(state, strict=False)
-    tied = model.config.tie_embeddings
-    missing = [k for k in missing if not (tied and k == "lm_head.weight")]  # tied to embed_tokens
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied to embed_tokens
     if missing or unexpected:
         raise RuntimeError(f"weights do not map onto {type(hf).__name__}: missing {missing}, unexpected {unexpected}")
-    if tied:
-        hf.tie_weights()
+    hf.tie_weights()
     return hf
 
 
@@ -112,7 +105,6 @@ def config_from_hf(hf_cfg):
     head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
     rope = getattr(hf_cfg, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(hf_cfg, "rope_theta", 10000.0))
-    activation = {"swish": "silu"}.get(getattr(hf_cfg, "hidden_act", "silu"), getattr(hf_cfg, "hidden_act", "silu"))
     problems = []
     if getattr(hf_cfg, "model_type", "llama") not in MODEL_TYPES:
         problems.append(f"model_type {hf_cfg.model_type!r} (the family is {' or '.join(MODEL_TYPES)})")
@@ -122,19 +114,20 @@ def config_from_hf(hf_cfg):
         problems.append("head_dim x heads != hidden_size")
     if getattr(hf_cfg, "attention_bias", False) or getattr(hf_cfg, "mlp_bias", False):
         problems.append("biases")
+    if not getattr(hf_cfg, "tie_word_embeddings", False):
+        problems.append("untied input and output embeddings")
     if rope.get("rope_type", "default") != "default":
         problems.append(f"rope scaling {rope.get('rope_type')!r}")
     if getattr(hf_cfg, "use_sliding_window", False):
         problems.append("sliding-window attention")
-    if activation not in ("silu", "relu2"):  # SwiGLU's gate (swish is the same function), or ReLU^2's
-        problems.append(f"activation {hf_cfg.hidden_act!r} (the gated MLP takes silu or relu2)")
+    if getattr(hf_cfg, "hidden_act", "silu") not in ("silu", "swish"):  # SwiGLU's gate; the same function
+        problems.append(f"activation {hf_cfg.hidden_act!r} (SwiGLU needs silu)")
     if problems:
         raise ValueError("this Llama checkpoint is outside the tiny-llm family: " + ", ".join(problems))
     return ModelConfig(vocab_size=hf_cfg.vocab_size, dim=hf_cfg.hidden_size, n_layers=hf_cfg.num_hidden_layers,
                        n_heads=hf_cfg.num_attention_heads, hidden_dim=hf_cfg.intermediate_size,
                        max_seq_len=hf_cfg.max_position_embeddings, norm_eps=hf_cfg.rms_norm_eps,
-                       rope_theta=float(theta), qk_norm=hf_cfg.model_type == "qwen3", mlp_activation=activation,
-                       tie_embeddings=bool(getattr(hf_cfg, "tie_word_embeddings", False)))
+                       rope_theta=float(theta), qk_norm=hf_cfg.model_type == "qwen3")
 
 
 def from_hf(hf_model):
@@ -212,8 +205,7 @@ def weights_mismatch(hf_cfg, shapes):
     # weights; a tied LM head saved beside the embedding is checked against it by value (checkpoint.py) when its
     # shape is the embedding's
     held = {n: s for n, s in shapes.items() if not n.endswith("rotary_emb.inv_freq")
-            and not ("lm_head.weight" not in expected and n == "lm_head.weight"
-                     and s == expected["model.embed_tokens.weight"])}
+            and not (n == "lm_head.weight" and s == expected["model.embed_tokens.weight"])}
     if held == expected:
         return None
     said = {"num_hidden_layers": hf_cfg.num_hidden_layers, "vocab_size": hf_cfg.vocab_size,

@@ -8,14 +8,11 @@ each concern runs (the loss, the MLP, attention) is the choice kernels/registry.
 
 The architecture levers (ModelConfig's last fields, all off by default: then the model, its parameter names and
 its initialisation under a seed are the plain Llama's above) change the math, as modded-nanogpt's records did:
-qk_norm (Qwen3's per-head RMSNorm of q and k before the rotary embedding), mlp_activation relu2 (relu(gate)^2 in
-place of silu(gate)), zero_init_proj (attention's and the MLP's output projections start at zero), logit_softcap
-(c tanh(logits / c) before the cross-entropy), tie_embeddings False (a head of its own), value_embeddings and
-unet_skips (Transformer.through_blocks says their math).
+qk_norm (Qwen3's per-head RMSNorm of q and k before the rotary embedding) and value_embeddings
+(Transformer.through_blocks says its math). The levers that lost their screens left the code (REMOVED_LEVERS).
 
     python model.py      # the preset table
 """
-import functools
 import math
 from dataclasses import asdict, dataclass, fields, replace
 
@@ -24,11 +21,29 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.attention import causal_attention
-from kernels.cross_entropy import linear_cross_entropy_losses, softcapped
-from kernels.registry import ATTENTION, LOSS, MLP, lever_problem
+from kernels.cross_entropy import linear_cross_entropy_losses
+from kernels.registry import ATTENTION, LOSS, MLP
 
 
-MLP_ACTIVATIONS = ("silu", "relu2")  # the gated MLP's act(gate) * up: SwiGLU, or relu(gate)^2 (ReLU^2)
+# The time-to-quality levers that lost their screens (docs/TIME_TO_QUALITY.md, "Levers not kept"), the model's and
+# the recipe's, each with its off value, and the last commit whose code ran them. A model config saved while they
+# existed (a checkpoint's) may hold one off, which is the model as it is now; switched on, it is refused, as the
+# settings refuse the keys (configurator.py).
+REMOVED_LEVERS = {"mlp_activation": "silu", "zero_init_proj": False, "logit_softcap": 0.0, "tie_embeddings": True,
+                  "unet_skips": False, "batch_schedule": "", "muon_orthogonalizer": "newton_schulz",
+                  "cautious_weight_decay": False}
+REMOVED_IN = "94da7b6"
+
+
+class RemovedLever(ValueError):
+    """A saved model config with a removed lever switched on: the run needs the code of commit REMOVED_IN."""
+
+
+def removed_lever(key, value=None):
+    """The sentence that refuses a removed lever: `key`, or key=value when the value is known."""
+    named = key if value is None else f"{key}={value}"
+    return (f"{named} was a time-to-quality lever removed after its screen (docs/TIME_TO_QUALITY.md); the code "
+            f"that ran it is in commit {REMOVED_IN}")
 
 
 @dataclass(frozen=True)
@@ -43,12 +58,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     # architecture levers (#38), off by default (the module's docstring; settings.py's Recipe declares them)
     qk_norm: bool = False
-    mlp_activation: str = "silu"
-    zero_init_proj: bool = False
-    logit_softcap: float = 0.0
-    tie_embeddings: bool = True
     value_embeddings: int = 0
-    unet_skips: bool = False
 
     def __post_init__(self):
         for field in ("vocab_size", "dim", "n_layers", "n_heads", "hidden_dim", "max_seq_len"):
@@ -63,17 +73,10 @@ class ModelConfig:
         self.check_levers()
 
     def check_levers(self):
-        if self.mlp_activation not in MLP_ACTIVATIONS:
-            raise ValueError(f"unknown mlp_activation {self.mlp_activation!r}; valid: {', '.join(MLP_ACTIVATIONS)}")
-        if not (isinstance(self.logit_softcap, (int, float)) and 0 <= self.logit_softcap < math.inf):
-            raise ValueError(f"logit_softcap must be 0 (off) or a positive number, got {self.logit_softcap!r}")
         k = self.value_embeddings
         if not isinstance(k, int) or k < 0 or 2 * k > self.n_layers:
             raise ValueError(f"value_embeddings {k!r} needs 2 x {k!r} blocks (the first and last of them take a "
                              f"table each) and the model has {self.n_layers}; give 0 to {self.n_layers // 2}")
-        if self.unet_skips and self.n_layers < 2:
-            raise ValueError(f"unet_skips joins the first half of the blocks to the second, and the model has "
-                             f"{self.n_layers} block; give at least 2 layers or leave unet_skips off")
 
     @property
     def head_dim(self):
@@ -84,6 +87,15 @@ class ModelConfig:
         keeps, so that a run recorded before the levers existed keeps its identity (and ModelConfig(**d) of an
         old checkpoint's dict is the same model)."""
         return {k: v for k, v in asdict(self).items() if k not in LEVERS or v != LEVERS[k]}
+
+    @classmethod
+    def from_dict(cls, saved):
+        """The ModelConfig of a saved dict (to_dict's, a checkpoint's): a removed lever it holds at its off value is
+        dropped, as that is the model now; one switched on is a RemovedLever naming it."""
+        for key, value in saved.items():
+            if key in REMOVED_LEVERS and value != REMOVED_LEVERS[key]:
+                raise RemovedLever(removed_lever(key, value))
+        return cls(**{k: v for k, v in saved.items() if k not in REMOVED_LEVERS})
 
 
 # The architecture levers and their defaults (off): ModelConfig's fields from qk_norm on
@@ -119,9 +131,8 @@ def flops_per_token(config, seq_len):
     torchtitan do. Causal masking lets a flash kernel skip about half of that square; we do NOT halve it,
     so our MFU is comparable with theirs and slightly flatters attention-heavy shapes.
 
-    No architecture lever adds a matmul, so none changes the count: an untied head is the same vocab x width
-    matmul as the tied one, value embeddings are lookups, and the norms, gains, soft-cap and skips are
-    elementwise work that, like the RMSNorms and SwiGLU, is not counted.
+    No architecture lever adds a matmul, so none changes the count: value embeddings are lookups, and qk_norm's
+    norms and gains are elementwise work that, like the RMSNorms and SwiGLU, is not counted.
     """
     c = config
     per_layer = 4 * c.dim * c.dim + 3 * c.dim * c.hidden_dim
@@ -131,14 +142,13 @@ def flops_per_token(config, seq_len):
 
 
 def parameter_count(config):
-    """The model's parameters without building it: the embedding (and an untied head), each block's projections
-    and norms, the final norm, and the levers' own: q and k gains per block, the value embeddings' tables and
-    their two mixing weights in each block that takes one, and one weight per U-net skip."""
+    """The model's parameters without building it: the tied embedding, each block's projections and norms, the
+    final norm, and the levers' own: q and k gains per block, the value embeddings' tables and their two mixing
+    weights in each block that takes one."""
     c = config
     per_layer = 4 * c.dim * c.dim + 3 * c.dim * c.hidden_dim + 2 * c.dim + 2 * c.head_dim * c.qk_norm
-    tables = (1 + (not c.tie_embeddings) + c.value_embeddings) * c.vocab_size * c.dim
-    levers = 2 * (2 * c.value_embeddings) + unet_skip_count(c)
-    return tables + c.n_layers * per_layer + c.dim + levers
+    tables = (1 + c.value_embeddings) * c.vocab_size * c.dim
+    return tables + c.n_layers * per_layer + c.dim + 2 * (2 * c.value_embeddings)
 
 
 def value_embedding_layers(config):
@@ -146,11 +156,6 @@ def value_embedding_layers(config):
     n_layers - value_embeddings + i, the first k blocks and the last k in the same order, as modded-nanogpt."""
     k, n = config.value_embeddings, config.n_layers
     return [i if i < k else i - (n - k) if i >= n - k else None for i in range(n)]
-
-
-def unet_skip_count(config):
-    """The U-net skips: one per block of the first half (n_layers // 2), none without the lever."""
-    return config.n_layers // 2 if config.unet_skips else 0
 
 
 def rotary_tables(config, device=None):
@@ -209,22 +214,12 @@ class Attention(nn.Module):
         return self.wo(causal_attention(q, k, v, backends).reshape(B, T, C))
 
 
-def relu2_mlp(x, w13, w2):
-    """The gated MLP with ReLU^2 in place of SiLU: F.linear(relu(gate)^2 * up, w2), [gate; up] = F.linear(x, w13).
-    Plain torch (compiled, inductor fuses the product); the registry's MLP choices that run only SwiGLU are
-    refused with it (kernels/registry.py, lever_problem)."""
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)
-    return F.linear(F.relu(gate).square() * up, w2)
-
-
 class FeedForward(nn.Module):
     def __init__(self, config, impl="torch"):
         super().__init__()
         self.w13 = nn.Linear(config.dim, 2 * config.hidden_dim, bias=False)  # [gate; up]
         self.w2 = nn.Linear(config.hidden_dim, config.dim, bias=False)
-        # how it runs (kernels/registry.py), same math; relu2 has one form
-        self.impl = impl
-        self._forward = MLP[impl].forward if config.mlp_activation == "silu" else relu2_mlp
+        self.impl, self._forward = impl, MLP[impl].forward  # how it runs (kernels/registry.py), same math
 
     def forward(self, x):
         return self._forward(x, self.w13.weight, self.w2.weight)
@@ -265,12 +260,6 @@ class Transformer(nn.Module):
         # the declared FP8 head runs in training's loss only (kernels/linear_cross_entropy_fp8.py); the settings and
         # shapes that can run a choice are kernels/registry.py's to say, and settings.py's to check
         self._train_loss, self._losses_only = (loss.fp8 if lm_head_fp8 else loss.train), loss.losses_only
-        problem = lever_problem(dict(loss_impl=loss_impl, mlp_impl=mlp_impl, lm_head_fp8=lm_head_fp8), config)
-        if problem:
-            raise ValueError(problem)
-        self.softcap = config.logit_softcap
-        if self.softcap:
-            self._train_loss = functools.partial(self._train_loss, softcap=self.softcap)
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.blocks_compiled_once = False  # compile_scope "shared" (trainer.py) sets it: see Block
         # value_embeddings: tables apart from the blocks (an embedding's optimizer, AdamW, as optim.py splits them)
@@ -281,10 +270,7 @@ class Transformer(nn.Module):
                                     for table in self._value_embedding_of)
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight  # tied
-        if config.unet_skips:  # one weight per skip, 1 at first: the skip starts as modded-nanogpt's, a plain add
-            self.skip_weights = nn.Parameter(torch.ones(unet_skip_count(config)))
+        self.output.weight = self.tok_embeddings.weight  # tied
         # Computed once here and moved with the module: recomputed per forward, they are kernels in every update.
         cos, sin = rotary_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -298,17 +284,15 @@ class Transformer(nn.Module):
         self.attention_backend, self._sdpa_backends = name, choice.backends
 
     def reset_parameters(self):
-        """RMSNorm gains (qk_norm's too) and skip weights 1, value-embedding mixes 0.5 each; the output
-        projections N(0, 0.02 / sqrt(2 x layers)), or zero with zero_init_proj; every other matrix N(0, 0.02): the
-        embedding, the value embeddings' tables and an untied LM head (as the tied one is the embedding)."""
+        """RMSNorm gains (qk_norm's too) 1, value-embedding mixes 0.5 each; the output projections
+        N(0, 0.02 / sqrt(2 x layers)); every other matrix N(0, 0.02): the embedding (the tied LM head) and the value
+        embeddings' tables."""
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, p in self.named_parameters():
             if name.endswith("value_lambdas"):
                 nn.init.constant_(p, 0.5)
             elif p.dim() < 2:
-                nn.init.ones_(p)  # RMSNorm gains, skip weights
-            elif name.endswith(("wo.weight", "w2.weight")) and self.config.zero_init_proj:
-                nn.init.zeros_(p)
+                nn.init.ones_(p)  # RMSNorm gains
             elif name.endswith(("wo.weight", "w2.weight")):
                 nn.init.normal_(p, mean=0.0, std=residual_std)
             else:
@@ -352,26 +336,14 @@ class Transformer(nn.Module):
         return self.norm(self.through_blocks(x, idx, cos, sin))
 
     def through_blocks(self, x, idx, cos, sin):
-        """The blocks over the embedded x, with the levers that join them:
-
-        value_embeddings k: ve_j = value_embeds[j](idx); block i of the first k and block n - k + i of the last k
-            take ve_i into their values, v = value_lambdas[0] v + value_lambdas[1] ve_i (per head, the table's
-            width split as v is), both lambdas 0.5 at first.
-        unet_skips: with s = n_layers // 2, block i < s keeps its output out_i, and block n - s + j (j < s) takes
-            x + skip_weights[j] out_{s-1-j} as its input: the first half joined to the last in reverse order (an
-            odd middle block takes none), the weights 1 at first.
-        """
+        """The blocks over the embedded x, with the value_embeddings lever: for k tables, ve_j = value_embeds[j](idx);
+        block i of the first k and block n - k + i of the last k take ve_i into their values,
+        v = value_lambdas[0] v + value_lambdas[1] ve_i (per head, the table's width split as v is), both lambdas 0.5
+        at first."""
         ves = [table(idx) for table in self.value_embeds]
-        n, skips = len(self.layers), unet_skip_count(self.config)
         block = Block.forward_compiled_once if self.blocks_compiled_once else Block.__call__
-        kept = []
-        for i, layer in enumerate(self.layers):
-            if i >= n - skips:
-                x = x + self.skip_weights[i - (n - skips)].to(x.dtype) * kept.pop()
-            table = self._value_embedding_of[i]
+        for layer, table in zip(self.layers, self._value_embedding_of):
             x = block(layer, x, cos, sin, self._sdpa_backends, None if table is None else ves[table])
-            if i < skips:
-                kept.append(x)
         return x
 
     def forward(self, idx, targets=None, reduction="mean"):
@@ -385,7 +357,7 @@ class Transformer(nn.Module):
             self.check_input(idx, targets)
         h = self.hidden_states(idx)
         if targets is None:
-            return softcapped(self.output(h), self.softcap)
+            return self.output(h)
         return self.loss(h, targets, reduction)
 
     def loss(self, h, targets, reduction="mean"):
@@ -397,14 +369,12 @@ class Transformer(nn.Module):
         # evaluation (no gradient to compute) of the losses that make gradients in forward: each token's loss from
         # our losses-only op
         if self._losses_only and not torch.is_grad_enabled():
-            losses = linear_cross_entropy_losses(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens,
-                                                 self.softcap)
+            losses = linear_cross_entropy_losses(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
             if reduction == "none":
                 return losses
             total = losses.sum()
         elif reduction == "none":
-            return F.cross_entropy(softcapped(self.output(flat_h).float(), self.softcap), flat_targets,
-                                   ignore_index=-100, reduction="none")
+            return F.cross_entropy(self.output(flat_h).float(), flat_targets, ignore_index=-100, reduction="none")
         else:
             total = self._train_loss(flat_h, self.output.weight, flat_targets, self.loss_chunk_tokens)
         if reduction == "sum":

@@ -2,7 +2,7 @@
 
     lr_at(step, ...)                      the learning rate of one update: cosine (the default) or wsd
     Muon                                  torch.optim.Muon's update, batched over matrices of one shape (and its
-                                          levers: Polar Express, NorMuon, cautious weight decay)
+                                          lever, NorMuon)
     WeightAverage                         an exponential moving average of the weights (the ema key)
     build_optimizer(model, settings, dev) AdamW alone (the default), or Muon on the blocks' matrices + AdamW
     set_lr(optimizer, lr, learning_rate)  every group's learning rate for one update
@@ -21,20 +21,6 @@ MUON_ADJUST = ("original", "match_rms_adamw")
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
 
-ORTHOGONALIZERS = ("newton_schulz", "polar_express")
-# Polar Express (Amsel, Persson, Musco and Gower 2025, "The Polar Express: Optimal Matrix Sign Methods and Their
-# Application to the Muon Algorithm", arXiv:2505.16932, Algorithm 1): the degree-5 polynomial (a, b, c) of each
-# iteration, from the eighth on the last one again; each but the last divided by the safety factor 1.01 as
-# (a / 1.01, b / 1.01^3, c / 1.01^5), and the input scaled by 1.01 x its Frobenius norm, for bf16's rounding.
-POLAR_SAFETY = 1.01
-POLAR_EXPRESS = tuple((a / POLAR_SAFETY, b / POLAR_SAFETY ** 3, c / POLAR_SAFETY ** 5) for a, b, c in (
-    (8.28721201814563, -23.595886519098837, 17.300387312530933),
-    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
-    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
-    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248))) + ((1.875, -1.25, 0.375),)
 # NorMuon (Li et al. 2025, "NorMuon: Making Muon more efficient and scalable", arXiv:2510.05491): its reference
 # code's beta2 for the per-neuron second moment, and the epsilon beside its root and the norm it restores
 NORMUON_BETA2 = 0.95
@@ -74,38 +60,22 @@ def lr_at(step, total_updates, learning_rate, min_lr, warmup_updates, schedule="
 
 # ---------------------------------------------------------------- Muon
 
-def iteration_coefficients(orthogonalizer, ns_coefficients, steps):
-    """The (a, b, c) of each of `steps` iterations: Newton-Schulz's one triple every time, or Polar Express's own
-    for each (its last repeated past the eighth, as Algorithm 1 repeats it)."""
-    if orthogonalizer == "newton_schulz":
-        return (tuple(ns_coefficients),) * steps
-    if orthogonalizer == "polar_express":
-        return POLAR_EXPRESS[:steps] + POLAR_EXPRESS[-1:] * max(0, steps - len(POLAR_EXPRESS))
-    raise ValueError(f"unknown orthogonalizer {orthogonalizer!r}; valid: {', '.join(ORTHOGONALIZERS)}")
-
-
-def orthogonalize(grads, buffers, momentum, nesterov, coefficients, ns_steps, eps, orthogonalizer="newton_schulz",
-                  second_moments=None, dtype=torch.bfloat16):
-    """Momentum and the orthogonalization for matrices of one shape: the float32 updates, stacked (n, rows, cols).
+def orthogonalize(grads, buffers, momentum, nesterov, coefficients, ns_steps, eps, second_moments=None):
+    """Momentum and Newton-Schulz for matrices of one shape: the float32 updates, stacked (n, rows, cols).
 
     torch.optim.Muon's math (_single_tensor_muon and _zeropower_via_newtonschulz) with each matrix product
-    batched over the stack; polar_express runs Polar Express's Algorithm 1 in the same products (its own
-    polynomial each iteration, its normalization with the safety factor), and second_moments (each parameter's
-    (rows, 1) tensor) adds NorMuon's normalization. Updates the momentum buffers (and second moments) in place;
-    uses no learning rate, so that compiled it is one graph per shape whatever the schedule does. dtype: the
-    products' (bf16, torch's; a test runs float64 to check the polynomials without bf16's rounding)."""
+    batched over the stack; second_moments (each parameter's (rows, 1) tensor) adds NorMuon's normalization.
+    Updates the momentum buffers (and second moments) in place; uses no learning rate, so that compiled it is one
+    graph per shape whatever the schedule does."""
     torch._foreach_lerp_(buffers, grads, 1 - momentum)
     updates = torch._foreach_lerp(grads, buffers, momentum) if nesterov else buffers
-    x = torch.stack(updates).to(dtype)
+    x = torch.stack(updates).bfloat16()
     tall = x.size(-2) > x.size(-1)
     if tall:  # the Gram matrix of the short side: fewer FLOPs
         x = x.mT
-    # spectral norm at most 1, per matrix (Polar Express's a little below, by its safety factor)
-    if orthogonalizer == "polar_express":
-        x = x / (x.norm(dim=(-2, -1), keepdim=True) * POLAR_SAFETY + eps)
-    else:
-        x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
-    for a, b, c in iteration_coefficients(orthogonalizer, coefficients, ns_steps):  # x <- a x + b x^3 + c x^5
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # spectral norm at most 1, per matrix
+    a, b, c = coefficients
+    for _ in range(ns_steps):  # x <- a x + b x^3 + c x^5
         gram = x @ x.mT
         gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.baddbmm(x, gram_update, x, beta=a)
@@ -149,20 +119,13 @@ def adjusted_ratio(adjust_lr_fn, shape):
     return 1.0
 
 
-def apply_updates(params, updates, lr, weight_decay, ratio, cautious=False):
+def apply_updates(params, updates, lr, weight_decay, ratio):
     """Decoupled weight decay, then params -= lr x ratio x updates, with foreach ops over the shape group.
 
-    cautious: Cautious Weight Decay (Chen et al. 2025, arXiv:2510.12402), x <- x - lr (u + wd 1[u x >= 0] x): a
-    weight decays only where the update u (updates x ratio, the same sign: ratio > 0) and the weight share a
-    sign (or either is 0), i.e. where the update already moves it toward 0; elsewhere it keeps its value.
     lr may be a float or a 0-dim tensor: both take the same ops (the update scaled, then added), so they give
     the same bits when the tensor holds the float (a float64 tensor does exactly), and a tensor is never read
     on the host."""
-    if weight_decay != 0 and cautious:
-        agree = updates * torch.stack(params) >= 0
-        shrink = torch.where(agree, 1 - lr * weight_decay, 1.0).to(updates.dtype)
-        torch._foreach_mul_(params, shrink.unbind(0))
-    elif weight_decay != 0:
+    if weight_decay != 0:
         torch._foreach_mul_(params, 1 - lr * weight_decay)
     updates.mul_(-(lr * ratio))
     torch._foreach_add_(params, updates.unbind(0))
@@ -200,15 +163,14 @@ class Muon(torch.optim.Optimizer):
     (state[p]["momentum_buffer"], and NorMuon's state[p]["second_moment"]), so state_dict() and load_state_dict()
     are torch's, and a resumed run continues bit for bit.
 
-    The levers, each a group option off by default (off, the math above): orthogonalizer="polar_express",
-    normuon=True and cautious_weight_decay=True (orthogonalize, normalize_neurons and apply_updates say what each
+    The lever, a group option off by default (off, the math above): normuon=True (normalize_neurons says what it
     computes).
     """
-    LEVERS = dict(orthogonalizer="newton_schulz", normuon=False, cautious_weight_decay=False)  # off
+    LEVERS = dict(normuon=False)  # off
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=NS_COEFFICIENTS, eps=NS_EPS, ns_steps=5, adjust_lr_fn=None, compile=False,
-                 orthogonalizer="newton_schulz", normuon=False, cautious_weight_decay=False):
+                 normuon=False):
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError("Muon: a tensor lr must have one element")
         if not (lr >= 0 and momentum >= 0 and weight_decay >= 0):
@@ -219,12 +181,9 @@ class Muon(torch.optim.Optimizer):
         if not 1 <= ns_steps < 100 or len(ns_coefficients) != 3:
             raise ValueError(f"Muon: ns_steps must be in [1, 100) and ns_coefficients three numbers, got "
                              f"{ns_steps} and {ns_coefficients!r}")
-        if orthogonalizer not in ORTHOGONALIZERS:
-            raise ValueError(f"Muon: unknown orthogonalizer {orthogonalizer!r}; valid: {', '.join(ORTHOGONALIZERS)}")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
-                        adjust_lr_fn=adjust_lr_fn, orthogonalizer=orthogonalizer, normuon=bool(normuon),
-                        cautious_weight_decay=bool(cautious_weight_decay))
+                        adjust_lr_fn=adjust_lr_fn, normuon=bool(normuon))
         super().__init__(params, defaults)
         self.compile = compile  # not a group option: how the math runs, not what it is
         for group in self.param_groups:
@@ -243,7 +202,7 @@ class Muon(torch.optim.Optimizer):
         return list(by_shape.values())
 
     def __setstate__(self, state):
-        """A group saved before the levers existed holds none of their options: it ran with them off."""
+        """A group saved before the lever existed holds no normuon option: it ran with it off."""
         super().__setstate__(state)
         for group in self.param_groups:
             for key, off in self.LEVERS.items():
@@ -280,10 +239,9 @@ class Muon(torch.optim.Optimizer):
                 moments = self.state_of(params, "second_moment") if group["normuon"] else None
                 updates = self.orthogonalize_fn(params[0].device)(
                     [p.grad for p in params], self.state_of(params, "momentum_buffer"), group["momentum"],
-                    group["nesterov"], group["ns_coefficients"], group["ns_steps"], group["eps"],
-                    group["orthogonalizer"], moments)
+                    group["nesterov"], group["ns_coefficients"], group["ns_steps"], group["eps"], moments)
                 apply_updates(params, updates, group["lr"], group["weight_decay"],
-                              adjusted_ratio(group["adjust_lr_fn"], params[0].shape), group["cautious_weight_decay"])
+                              adjusted_ratio(group["adjust_lr_fn"], params[0].shape))
         return loss
 
 
@@ -354,8 +312,8 @@ def build_optimizer(model, settings, device):
         base_lr: set_lr needs none): the layout of an adamw checkpoint's optimizer state, which must keep loading.
     muon: MuonWithAdamW: Muon (lr muon_lr, Nesterov) on the 2-D weights of model.layers, AdamW (lr learning_rate,
         the same betas, eps and fused rule) on the rest: the tied embedding and LM head with weight decay, the
-        norms without. Muon's per-shape math is compiled when settings' compile is (on CUDA). Its levers
-        (muon_orthogonalizer, normuon, cautious_weight_decay) are Muon's alone: AdamW's decay stays plain.
+        norms without. Muon's per-shape math is compiled when settings' compile is (on CUDA). Its lever normuon
+        is Muon's alone.
     """
     get = lambda key: setting(settings, key)
     name = get("optimizer")
@@ -375,9 +333,7 @@ def build_optimizer(model, settings, device):
     muon = Muon([{"params": matrices, "base_lr": get("muon_lr")}], lr=group_lr(get("muon_lr"), graph, device),
                 weight_decay=get("weight_decay"), momentum=get("muon_momentum"), nesterov=True,
                 ns_steps=get("muon_ns_steps"), adjust_lr_fn=get("muon_adjust_lr"),
-                orthogonalizer=setting(settings, "muon_orthogonalizer", "newton_schulz"),
                 normuon=setting(settings, "normuon", False),
-                cautious_weight_decay=setting(settings, "cautious_weight_decay", False),
                 # compiled with the model: under CUDA graphs the host has time; inside the update's graph, the
                 # trainer's compile traces it whole
                 compile=bool(get("compile")) and not graph)

@@ -39,11 +39,9 @@ class Plan:
     initial: checkpoint.InitialWeights | None
     recipe: dict                    # everything that changes the math (settings.recipe)
     recipe_id: str
-    sequences_per_update: int       # of a full update (tokens_per_update's)
-    micro_steps: int                # of a full update, on each process
-    # the data schedules in sequences: ((sequences per update, until), ...) and ((context, until), ...)
-    batch_steps: tuple = ()
-    context_steps: tuple = ()
+    sequences_per_update: int
+    micro_steps: int                # on each process
+    context_steps: tuple = ()       # seq_len_schedule's ((context, until), ...)
 
     @property
     def main_process(self):
@@ -69,13 +67,8 @@ def resolve(cfg, cls=settings.TrainSettings, world=None, synthetic=False):
         check_validation(cfg, cache)
     rec = settings.recipe(cfg, mcfg, cache.identity if cache else None, initial.sha256 if initial else None)
     return Plan(cfg, rank, local_rank, world_size, device, attention, reason, cache, mcfg, initial, rec,
-                env.hash_json(rec), sequences, settings.micro_steps(cfg, world_size), **data_schedules(cfg))
-
-
-def data_schedules(cfg):
-    """batch_schedule and seq_len_schedule as the loader takes them: update sizes in sequences, not tokens."""
-    batch = tuple((tokens // cfg.seq_len, until) for tokens, until in settings.schedule_steps(cfg.batch_schedule))
-    return {"batch_steps": batch, "context_steps": settings.schedule_steps(cfg.seq_len_schedule)}
+                env.hash_json(rec), sequences, settings.micro_steps(cfg, world_size),
+                settings.schedule_steps(cfg.seq_len_schedule))
 
 
 # ---------------------------------------------------------------- the device
@@ -149,9 +142,8 @@ def model_config(cfg, vocab):
 
 def initial_model_config(cfg, initial):
     """With init_from, the model's shape and architecture levers are the weights' own; a shape key, or a lever set
-    off its default, that contradicts them is refused. zero_init_proj is off: those weights are not initialised."""
-    # rotary tables are not weights
-    mcfg = dataclasses.replace(initial.config, max_seq_len=cfg.seq_len, zero_init_proj=False)
+    off its default, that contradicts them is refused."""
+    mcfg = dataclasses.replace(initial.config, max_seq_len=cfg.seq_len)  # rotary tables are not weights
     contradicted = [f"{k}={cfg[k]} (the weights have {getattr(mcfg, k)})" for k in settings.MODEL_SHAPE_KEYS
                     if cfg[k] and cfg[k] != getattr(mcfg, k)]
     contradicted += [f"{k}={cfg[k]} (the weights' model has {getattr(mcfg, k)})" for k, off in model_lib.LEVERS.items()
@@ -206,11 +198,11 @@ def check_validation(cfg, cache):
 # ---------------------------------------------------------------- what a run reads and writes
 
 def training_data(plan):
-    """The fixed training subset of the cache, cut into the run's updates over its epochs, with its data schedules
+    """The fixed training subset of the cache, cut into the run's updates over its epochs, with its context schedule
     (train.py trains it, bench.py times it)."""
     cfg = plan.cfg
     return TrainData(plan.cache.train, cfg.seq_len, plan.sequences_per_update, cfg.seed, cfg.train_subset_tokens,
-                     cfg.epochs, plan.batch_steps, plan.context_steps)
+                     cfg.epochs, plan.context_steps)
 
 
 def run_dir(cfg):

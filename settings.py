@@ -22,7 +22,7 @@ import os
 import model as model_lib
 from configurator import ConfigError
 from kernels import registry
-from optim import MUON_ADJUST, OPTIMIZERS, ORTHOGONALIZERS, SCHEDULES
+from optim import MUON_ADJUST, OPTIMIZERS, SCHEDULES
 from results import SECTIONS
 
 RECIPE, MODEL, WEIGHTS, EXECUTION, RUN = "recipe", "model", "weights", "execution", "run"
@@ -165,24 +165,13 @@ class Recipe:
                                          "a linear cooldown to min_lr", RECIPE, choices=SCHEDULES)
     cooldown_fraction: float = setting(0.2, "wsd: the share of the updates that decay to min_lr", RECIPE,
                                        bounds="[0, 1]")
-    # the optimizer levers (#38), each off by default: Muon's refinements and the weights' average
-    muon_orthogonalizer: str = setting("newton_schulz", "newton_schulz: torch.optim.Muon's quintic, the same "
-                                                        "polynomial each iteration; polar_express: Polar Express's "
-                                                        "own polynomial per iteration (muon_ns_steps of either)",
-                                       RECIPE, choices=ORTHOGONALIZERS)
+    # the optimizer levers (#38), each off by default: a refinement of Muon's update and the weights' average
     normuon: bool = setting(False, "NorMuon: each output neuron's row of Muon's update divided by the root of its "
                                    "second moment, the update's norm kept", RECIPE)
-    cautious_weight_decay: bool = setting(False, "Muon's weight decay only where the update and the weight share a "
-                                                 "sign (Cautious Weight Decay); AdamW's decay stays plain", RECIPE)
     ema: float = setting(0.0, "the weights' exponential moving average with this decay (0: none), debiased: "
                               "validated, evaluated, sampled and exported in place of the trained weights", RECIPE,
                          bounds="[0, 1)")
-    # the data schedules (#38): what an update holds grows during the run; off ("") by default
-    batch_schedule: str = setting("", 'smaller updates first, as TOKENS:UNTIL steps: "8192:0.1,16384:0.3" gives '
-                                      'updates of 8,192 tokens until 10% of the run\'s tokens, 16,384 until 30%, then '
-                                      'tokens_per_update (sizes multiples of seq_len, growing; the learning rate '
-                                      'schedule counts these updates)', RECIPE,
-                                  rule=schedule_rule("batch_schedule", "TOKENS:UNTIL"))
+    # the data schedule (#38): an update's context grows during the run; off ("") by default
     seq_len_schedule: str = setting("", 'shorter contexts first, as CONTEXT:UNTIL steps: "256:0.3,512:0.6" splits '
                                         'each sequence into windows of 256 until 30% of the run\'s tokens, 512 until '
                                         '60%, then seq_len: the same targets, a shorter attention context (contexts '
@@ -191,18 +180,8 @@ class Recipe:
     # architecture levers (#38): each off by default, each a field of the model config (model.py says the math)
     qk_norm: bool = setting(False, "RMSNorm over each head's q and k, with a gain per head dimension (Qwen3's), "
                                    "before the rotary embedding", RECIPE)
-    mlp_activation: str = setting("silu", "the gated MLP's act(gate) x up: silu (SwiGLU) or relu2 (relu(gate)^2)",
-                                  RECIPE, choices=model_lib.MLP_ACTIVATIONS)
-    zero_init_proj: bool = setting(False, "attention's output and the MLP's down projections start at zero (only "
-                                          "the initialisation changes)", RECIPE)
-    logit_softcap: float = setting(0.0, "c > 0: logits = c tanh(logits / c) before the cross-entropy and in the "
-                                        "logits returned (0: off)", RECIPE, bounds=">= 0")
-    tie_embeddings: bool = setting(True, "the LM head is the embedding matrix; False: a head of its own, "
-                                         "initialised as the embedding is", RECIPE)
     value_embeddings: int = setting(0, "k > 0: k more embedding tables, table i added to the values of block i "
                                        "and of block n_layers - k + i (at most n_layers / 2)", RECIPE, bounds=">= 0")
-    unet_skips: bool = setting(False, "the first half's block outputs added, each times a learnt weight (1 at "
-                                      "first), to the second half's inputs in reverse order", RECIPE)
 
 
 @dataclasses.dataclass
@@ -420,14 +399,6 @@ def _whole_sequences(cfg):
                 f"a whole number of sequences")
 
 
-@combination("batch_schedule", "tokens_per_update", "seq_len")
-def _batch_schedule(cfg):
-    for tokens, _ in schedule_steps(cfg.batch_schedule):
-        if tokens % cfg.seq_len or tokens >= cfg.tokens_per_update:
-            return (f"batch_schedule's {tokens}-token updates must be a whole number of sequences of seq_len "
-                    f"{cfg.seq_len} below tokens_per_update {cfg.tokens_per_update}, which the last step grows to")
-
-
 @combination("seq_len_schedule", "seq_len")
 def _seq_len_schedule(cfg):
     for context, _ in schedule_steps(cfg.seq_len_schedule):
@@ -437,14 +408,12 @@ def _seq_len_schedule(cfg):
                     f"{[c for c in range(1, cfg.seq_len) if cfg.seq_len % c == 0]}")
 
 
-@combination("batch_schedule", "seq_len_schedule", "windows")
-def _schedules_in_bench(cfg):
+@combination("seq_len_schedule", "windows")
+def _schedule_in_bench(cfg):
     """bench.py (and tune.py, which runs it) times updates of tokens_per_update at seq_len, one shape."""
-    scheduled = [k for k in ("batch_schedule", "seq_len_schedule") if cfg[k]]
-    if scheduled:
-        return (f"{' and '.join(scheduled)} make updates of other sizes or shapes than the one bench.py times; bench "
-                f"each step alone without them (a batch step: --tokens_per_update=TOKENS; a context C: --seq_len=C "
-                f"--micro_batch_size=micro_batch_size x seq_len / C)")
+    if cfg.seq_len_schedule:
+        return ("seq_len_schedule makes updates of other shapes than the one bench.py times; bench each context C "
+                "alone without it (--seq_len=C --micro_batch_size=micro_batch_size x seq_len / C)")
 
 
 @combination("epochs", "init_from")
@@ -470,30 +439,18 @@ def _cooldown(cfg):
                 f"would ignore it; set lr_schedule=wsd or leave cooldown_fraction at its default")
 
 
-@combination("optimizer", "muon_orthogonalizer", "normuon", "cautious_weight_decay", "weight_decay")
+@combination("optimizer", "normuon")
 def _muon_levers(cfg):
-    """The optimizer levers of #38 that refine Muon: Muon's alone, and cautious decay needs a decay."""
-    levers = [k for k in ("muon_orthogonalizer", "normuon", "cautious_weight_decay")
-              if cfg[k] != field_of(Recipe, k).default]
-    if levers and cfg.optimizer != "muon":
-        return (f"{', '.join(levers)} refine Muon's update and optimizer is {cfg.optimizer!r}; set optimizer=muon "
-                f"or leave them at their defaults")
-    if cfg.cautious_weight_decay and not cfg.weight_decay:
-        return "cautious_weight_decay decides where the weight decay applies and weight_decay is 0; give a " \
-               "weight_decay above 0, or leave cautious_weight_decay off"
+    """normuon, the optimizer lever of #38 that refines Muon: Muon's alone."""
+    if cfg.normuon and cfg.optimizer != "muon":
+        return (f"normuon refines Muon's update and optimizer is {cfg.optimizer!r}; set optimizer=muon or leave "
+                f"normuon off")
 
 
 @combination("ema", "epochs")
 def _ema(cfg):
     if cfg.ema and not cfg.epochs:
         return f"ema {cfg.ema} averages the weights of the updates and epochs 0 makes none; train, or leave ema at 0"
-
-
-@combination("zero_init_proj", "init_from")
-def _zero_init_from(cfg):
-    if cfg.zero_init_proj and cfg.init_from:
-        return (f"zero_init_proj sets how the weights start, and init_from {cfg.init_from} gives them; drop one of "
-                f"them")
 
 
 @combination("update_graph", "compile")
@@ -577,23 +534,19 @@ def check(cls, cfg):
 
 
 def sequences_per_update(cfg, world_size=1):
-    """The sequences of a full update; a micro-batch that does not divide them (nor those of each batch_schedule
-    step) on world_size processes is a ConfigError listing the sizes that do."""
+    """The sequences of one update; a micro-batch that does not divide them on world_size processes is a
+    ConfigError listing the sizes that do."""
     sequences = cfg.tokens_per_update // cfg.seq_len
-    sizes = [tokens // cfg.seq_len for tokens, _ in schedule_steps(cfg.batch_schedule)] + [sequences]
-    for size in sizes:
-        if size % (cfg.micro_batch_size * world_size):
-            valid = [m for m in range(1, sizes[0] + 1) if all(n % (m * world_size) == 0 for n in sizes)]
-            what = ("an update (tokens_per_update / seq_len)" if size == sequences
-                    else f"batch_schedule's {size * cfg.seq_len}-token updates")
-            raise ConfigError(f"micro_batch_size {cfg.micro_batch_size} on {world_size} process(es) does not divide "
-                              f"the {size} sequences of {what}; valid sizes: {valid}")
+    if sequences % (cfg.micro_batch_size * world_size):
+        valid = [m for m in range(1, sequences + 1) if sequences % (m * world_size) == 0]
+        raise ConfigError(
+            f"micro_batch_size {cfg.micro_batch_size} on {world_size} process(es) does not divide the "
+            f"{sequences} sequences of an update (tokens_per_update / seq_len); valid sizes: {valid}")
     return sequences
 
 
 def micro_steps(cfg, world_size=1):
-    """Micro-batches per full update on each process: the gradient accumulation count (the most of the run's: a
-    batch_schedule's smaller updates take fewer)."""
+    """Micro-batches per update on each process: the gradient accumulation count."""
     return max(1, cfg.tokens_per_update // cfg.seq_len // (cfg.micro_batch_size * world_size))
 
 

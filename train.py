@@ -106,7 +106,7 @@ class Run:
         self.main_process, self.world_size = plan.main_process, plan.world_size
         self.stop = None  # the StopRequest, from the loop's start
         self.data = training_data(plan)
-        self.total_updates = self.data.total_updates()  # a batch schedule's smaller updates are more of them
+        self.total_updates = self.data.updates_per_epoch * self.cfg.epochs
         for line in settings.doubtful_values(self.cfg, self.total_updates) if self.main_process else ():
             print(f"warning: {line}")
         # after every check, so that a refused run leaves no folder
@@ -162,26 +162,21 @@ class Run:
         checkpoint.set_rng_state(ckpt["rng"])
         self.metrics.restore(ckpt)
         print(f"resumed {self.ckpt_path} at update {self.trainer.step} (epoch {self.state.epoch + 1}, "
-              f"update {self.state.update_in_epoch} of {self.data.updates_in(self.state.epoch)})")
+              f"update {self.state.update_in_epoch} of {self.data.updates_per_epoch})")
 
     def announce(self):
         if not self.main_process:
             return
         cfg, data, facts, plan = self.cfg, self.data, self.metrics.facts, self.plan
         compiles = cfg.compile and self.state.first_update_seconds is None
-        if plan.batch_steps:  # the early epochs hold more, smaller updates, with fewer micro-steps
-            updates = f"{self.total_updates} updates over {cfg.epochs} epochs (batch_schedule {cfg.batch_schedule})"
-            accumulation = f"up to {plan.micro_steps}"
-        else:
-            updates = f"{data.updates_per_epoch} updates per epoch x {cfg.epochs} epochs"
-            accumulation = plan.micro_steps
         contexts = (f", contexts {data.contexts()} (seq_len_schedule {cfg.seq_len_schedule})" if plan.context_steps
                     else "")
         print(f"{cfg.name}: {facts['parameters']:,} parameters, {data.n_sequences:,} sequences of {cfg.seq_len} per "
-              f"epoch, {updates}, micro-batch {cfg.micro_batch_size} x {accumulation} accumulation x "
-              f"{self.world_size} process(es), {plan.device}, attention {plan.attention} ({plan.attention_reason}), "
-              f"optimizer {cfg.optimizer}, recipe {plan.recipe_id[:12]}{contexts}"
-              + ("; the first update compiles the model" if compiles else ""), flush=True)
+              f"epoch, {data.updates_per_epoch} updates per epoch x {cfg.epochs} epochs, micro-batch "
+              f"{cfg.micro_batch_size} x {plan.micro_steps} accumulation x {self.world_size} process(es), "
+              f"{plan.device}, attention {plan.attention} ({plan.attention_reason}), optimizer {cfg.optimizer}, "
+              f"recipe {plan.recipe_id[:12]}{contexts}" + ("; the first update compiles the model" if compiles else ""),
+              flush=True)
 
     # -- the updates
 
@@ -192,7 +187,7 @@ class Run:
         while self.state.epoch < cfg.epochs:
             epoch, start = self.state.epoch, self.state.update_in_epoch
             make = lambda u: self.data.micro_batches(epoch, u, cfg.micro_batch_size, self.plan.rank, self.world_size)
-            for _, micro_batches, n_tokens in Prefetcher(make, range(start, self.data.updates_in(epoch)),
+            for _, micro_batches, n_tokens in Prefetcher(make, range(start, self.data.updates_per_epoch),
                                                          self.plan.device):
                 yield micro_batches, n_tokens
             if self.state.epoch == epoch:  # the epoch's validation did not end (a stop): nothing follows
@@ -208,7 +203,7 @@ class Run:
 
     def epoch_done(self):
         """The epoch's updates are done and its validation has not yet counted it."""
-        return self.state.update_in_epoch == self.data.updates_in(self.state.epoch)
+        return self.state.update_in_epoch == self.data.updates_per_epoch
 
     # -- what is due
 

@@ -4,11 +4,9 @@ A training sequence i is tokens[i*T : i*T + T + 1] (inputs are the first T, targ
 sequences of an epoch step by T and every token after the first is a target exactly once, up to the last
 whole sequence: the (N - 1) % T tokens after it are never targets (639 of the reference recipe's 10M-token
 subset), since a partial sequence would give one update another shape or padding. The order of an
-epoch's sequences depends only on (seed, epoch), and each update takes the next sequences of that order:
-sequences_per_update of them, or with a batch schedule as many as its step gives at the run's tokens before the
-update, so that no sequence is skipped or repeated; an epoch's last update takes what is left. Two runs with the
-same seed see the same tokens in the same updates whatever their micro-batch, accumulation or number of GPUs.
-Only how an update's sequences are split into micro-batches depends on those.
+epoch's sequences depends only on (seed, epoch), and update u takes the u-th slice of that order: two runs
+with the same seed see the same tokens in the same updates whatever their micro-batch, accumulation or
+number of GPUs. Only how an update's sequences are split into micro-batches depends on those.
 
 A sequence-length schedule keeps each update's tokens, targets and order: a micro-batch's rows of T + 1 tokens are
 cut into windows of C + 1 tokens that overlap by one (a reshape of the inputs and of the targets to rows of C), so
@@ -184,12 +182,10 @@ def split_context(x, y, context):
 class TrainData:
     """The fixed training subset, cut into sequences and grouped into updates, over `epochs` epochs.
 
-    batch_steps ((sequences, until), ...) and context_steps ((context, until), ...) are the data schedules in
-    sequences: an update holds `sequences` (else sequences_per_update), in windows of `context` (else seq_len),
-    while the run's sequences before it are below `until` of its epochs x n_sequences."""
+    context_steps ((context, until), ...) is the sequence-length schedule: an update's micro-batches are in windows
+    of `context` (else seq_len) while the run's sequences before it are below `until` of its epochs x n_sequences."""
 
-    def __init__(self, tokens, seq_len, sequences_per_update, seed, subset_tokens=0, epochs=1, batch_steps=(),
-                 context_steps=()):
+    def __init__(self, tokens, seq_len, sequences_per_update, seed, subset_tokens=0, epochs=1, context_steps=()):
         if subset_tokens:
             if subset_tokens > len(tokens):
                 raise CacheError(f"train_subset_tokens {subset_tokens:,} exceeds the {len(tokens):,} training "
@@ -201,42 +197,15 @@ class TrainData:
         if self.n_sequences == 0:
             raise CacheError(f"the training subset ({len(tokens)} tokens) is shorter than one sequence of "
                              f"{seq_len + 1} tokens")
-        self.epochs, self.batch_steps, self.context_steps = epochs, tuple(batch_steps), tuple(context_steps)
+        self.epochs, self.context_steps = epochs, tuple(context_steps)
+        self.updates_per_epoch = math.ceil(self.n_sequences / sequences_per_update)
         self.tokens_per_epoch = self.n_sequences * seq_len
-        self._order_cache = self._layout_cache = (None, None)
+        self._order_cache = (None, None)
 
-    def epoch_updates(self, epoch):
-        """(first position in the epoch's order, sequences, context) of each of the epoch's updates. The training
-        loop and the prefetching thread both ask: each gets the layout it computed or one whole cached pair."""
-        cached, layout = self._layout_cache
-        if cached != epoch:
-            run, done = max(self.epochs, 1) * self.n_sequences, epoch * self.n_sequences
-            layout, start = [], 0
-            while start < self.n_sequences:
-                at = (done + start) / run
-                per = step_value(self.batch_steps, at, self.sequences_per_update)
-                layout.append((start, min(per, self.n_sequences - start),
-                               step_value(self.context_steps, at, self.seq_len)))
-                start += per
-            self._layout_cache = (epoch, layout)
-        return layout
-
-    def updates_in(self, epoch):
-        """The updates of an epoch (a batch schedule gives its early epochs more)."""
-        if not self.batch_steps:
-            return math.ceil(self.n_sequences / self.sequences_per_update)
-        return len(self.epoch_updates(epoch))
-
-    @property
-    def updates_per_epoch(self):
-        """Every epoch's updates, where they are the same in every epoch (no batch schedule)."""
-        if self.batch_steps:
-            raise ValueError("a batch schedule gives epochs different numbers of updates: ask updates_in(epoch)")
-        return self.updates_in(0)
-
-    def total_updates(self):
-        """The updates of the run's epochs: the length of the learning rate's schedule."""
-        return sum(self.updates_in(epoch) for epoch in range(self.epochs))
+    def context(self, epoch, update):
+        """The context of an update's micro-batches: the schedule's step at the run's sequences before it."""
+        done = epoch * self.n_sequences + update * self.sequences_per_update
+        return step_value(self.context_steps, done / (max(self.epochs, 1) * self.n_sequences), self.seq_len)
 
     def contexts(self):
         """The contexts the run's micro-batches may take (one shape each), in order."""
@@ -244,11 +213,11 @@ class TrainData:
 
     def update_sequences(self, epoch, update):
         cached, order = self._order_cache
-        if cached != epoch:
+        if cached != epoch:  # the training loop and the prefetching thread both ask: each gets one whole pair
             order = epoch_order(self.n_sequences, self.seed, epoch)
             self._order_cache = (epoch, order)
-        start, count, _ = self.epoch_updates(epoch)[update]
-        return order[start:start + count]
+        per = self.sequences_per_update
+        return order[update * per:(update + 1) * per]
 
     def micro_batches(self, epoch, update, micro_batch_size, rank=0, world_size=1):
         """This rank's micro-batches of one update, each padded to micro_batch_size rows (in windows of the
@@ -258,7 +227,7 @@ class TrainData:
         of micro-steps (so gradient syncs line up); a short share is padded with ignored rows, which keeps
         one batch shape per context for the whole run and so never triggers a recompile.
         """
-        context = self.epoch_updates(epoch)[update][2]
+        context = self.context(epoch, update)
         batches, n_tokens = self.batches_of(self.update_sequences(epoch, update), micro_batch_size, rank, world_size)
         return [split_context(x, y, context) for x, y in batches], n_tokens
 

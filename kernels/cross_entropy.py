@@ -5,18 +5,10 @@ import torch.nn.functional as F
 
 from kernels import in_autocast_dtype, uses_triton
 
-def softcapped(logits, softcap):
-    """The logit_softcap lever: softcap x tanh(logits / softcap), every logit in (-softcap, softcap); 0 is off (the
-    logits as they are)."""
-    return softcap * torch.tanh(logits / softcap) if softcap else logits
-
-
-def full_cross_entropy(h, weight, targets, chunk_tokens=None, softcap=0.0):
-    """Sum of cross-entropy of (h @ weight.T), soft-capped by softcap (0: not), against targets (-100 ignored) from
-    all logits at once, float32 inside: the plain torch reference (loss_impl "full"). chunk_tokens, the other
-    losses' slice, is not used."""
-    return F.cross_entropy(softcapped(F.linear(h, weight).float(), softcap), targets, ignore_index=-100,
-                           reduction="sum")
+def full_cross_entropy(h, weight, targets, chunk_tokens=None):
+    """Sum of cross-entropy of (h @ weight.T) against targets (-100 ignored) from all logits at once, float32 inside:
+    the plain torch reference (loss_impl "full"). chunk_tokens, the other losses' slice, is not used."""
+    return F.cross_entropy(F.linear(h, weight).float(), targets, ignore_index=-100, reduction="sum")
 
 
 # ---------------------------------------------------------------- fused LM head + cross-entropy
@@ -28,20 +20,15 @@ def full_cross_entropy(h, weight, targets, chunk_tokens=None, softcap=0.0):
 # input (512 tokens at width 320), 64 small matmuls per call. The loss here is a plain sum, so no count is
 # needed, the upstream gradient scales the two small gradients instead of the logits, and the slice is ours.
 
-def _cross_entropy_rows_torch(logits, targets, write_grad=True, grad=None, grad_scale=1.0, softcap=0.0):
+def _cross_entropy_rows_torch(logits, targets, write_grad=True, grad=None, grad_scale=1.0):
     """Per-row loss (float32) and, with write_grad, d(loss)/d(logits) written over `logits`; rows with
     target -100 get 0. With `grad` (a tensor of the logits' shape), the gradient times grad_scale is written
     there instead, in its dtype (the FP8 head's, kernels/linear_cross_entropy_fp8.py), and the logits are kept.
-    With softcap c > 0 the loss is that of the capped logits z = c tanh(x / c), and the gradient
-    (softmax(z) - onehot) x dz/dx, dz/dx = 1 - tanh(x / c)^2.
 
     The reference for the Triton kernel below (which does the same in one read of each row), and the
     path on CPUs and on GPUs without Triton."""
     counted = targets != -100
     x = logits.float()
-    if softcap:
-        tanh = torch.tanh(x / softcap)
-        x = softcap * tanh
     lse = torch.logsumexp(x, dim=-1)
     safe_targets = targets.clamp(min=0)
     target_logit = x.gather(1, safe_targets[:, None]).squeeze(1)
@@ -50,8 +37,6 @@ def _cross_entropy_rows_torch(logits, targets, write_grad=True, grad=None, grad_
         return losses
     p = torch.exp(x - lse[:, None])
     p[torch.arange(len(targets), device=logits.device), safe_targets] -= 1.0
-    if softcap:
-        p *= 1 - tanh * tanh
     (logits if grad is None else grad).copy_(p * counted[:, None] * grad_scale)
     return losses
 
@@ -64,10 +49,9 @@ ROWS_BLOCK, ROWS_NUM_WARPS = 8192, 8
 
 
 def _cross_entropy_rows_triton(logits, targets, write_grad=True, block=None, num_warps=None, grad=None,
-                               grad_scale=1.0, softcap=0.0):
+                               grad_scale=1.0):
     """The Triton kernel: one program per row, logits read once, the gradient stored in their place (or, times
-    grad_scale, into `grad` in its dtype, as _cross_entropy_rows_torch), from the logits soft-capped when softcap
-    is not 0 (tanh(y) as 2 sigmoid(2y) - 1; a cap of 0 compiles the kernel without it).
+    grad_scale, into `grad` in its dtype, as _cross_entropy_rows_torch).
 
     Built on first use so that importing this file never needs Triton (the CPU build has none)."""
     import triton
@@ -78,7 +62,7 @@ def _cross_entropy_rows_triton(logits, targets, write_grad=True, block=None, num
         @triton.jit
         def cross_entropy_rows_kernel(logits_ptr, row_stride, targets_ptr, losses_ptr, grad_ptr, grad_stride,
                                       n_cols, GRAD_SCALE: tl.constexpr, BLOCK: tl.constexpr,
-                                      ONE_BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr, SOFTCAP: tl.constexpr):
+                                      ONE_BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr):
             row = tl.program_id(0).to(tl.int64)
             base = logits_ptr + row * row_stride
             grad_base = grad_ptr + row * grad_stride
@@ -87,33 +71,23 @@ def _cross_entropy_rows_triton(logits, targets, write_grad=True, block=None, num
             # Read before any gradient is stored over it: the block-wide max below waits for every warp,
             # so no warp can overwrite the target's column before all have read it.
             target_logit = tl.load(base + tl.maximum(target, 0)).to(tl.float32)
-            if SOFTCAP > 0:  # the capped logit, as each row's below: SOFTCAP tanh(x / SOFTCAP)
-                target_logit = SOFTCAP * (2.0 * tl.sigmoid(target_logit * (2.0 / SOFTCAP)) - 1.0)
             if ONE_BLOCK:  # the row stays in registers: read once, written once, one exp per element
                 cols = tl.arange(0, BLOCK)
                 mask = cols < n_cols
                 x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
-                if SOFTCAP > 0:  # masked columns stay -inf (a capped -inf would be -SOFTCAP)
-                    tanh = 2.0 * tl.sigmoid(x * (2.0 / SOFTCAP)) - 1.0
-                    x = tl.where(mask, SOFTCAP * tanh, float("-inf"))
                 row_max = tl.max(x, axis=0)
                 e = tl.exp(x - row_max)
                 total = tl.sum(e, axis=0)
                 lse = row_max + tl.log(total)
                 if WRITE_GRAD:
                     grad = (e * (1.0 / total) - tl.where(cols == target, 1.0, 0.0)) * GRAD_SCALE
-                    if SOFTCAP > 0:
-                        grad = grad * (1.0 - tanh * tanh)
                     tl.store(grad_base + cols, tl.where(counted, grad, 0.0).to(grad_ptr.dtype.element_ty), mask=mask)
             else:  # online log-sum-exp over blocks of the row, then a second pass for the gradient
                 running_max = float("-inf")
                 running_sum = 0.0
                 for start in range(0, n_cols, BLOCK):
                     cols = start + tl.arange(0, BLOCK)
-                    mask = cols < n_cols
-                    x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
-                    if SOFTCAP > 0:
-                        x = tl.where(mask, SOFTCAP * (2.0 * tl.sigmoid(x * (2.0 / SOFTCAP)) - 1.0), float("-inf"))
+                    x = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
                     new_max = tl.maximum(running_max, tl.max(x, axis=0))
                     running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
                     running_max = new_max
@@ -122,12 +96,7 @@ def _cross_entropy_rows_triton(logits, targets, write_grad=True, block=None, num
                     cols = start + tl.arange(0, BLOCK)
                     mask = cols < n_cols
                     x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-                    if SOFTCAP > 0:
-                        tanh = 2.0 * tl.sigmoid(x * (2.0 / SOFTCAP)) - 1.0
-                        x = SOFTCAP * tanh
                     grad = (tl.exp(x - lse) - tl.where(cols == target, 1.0, 0.0)) * GRAD_SCALE
-                    if SOFTCAP > 0:
-                        grad = grad * (1.0 - tanh * tanh)
                     tl.store(grad_base + cols, tl.where(counted, grad, 0.0).to(grad_ptr.dtype.element_ty), mask=mask)
             tl.store(losses_ptr + row, tl.where(counted, lse - target_logit, 0.0))
 
@@ -139,7 +108,7 @@ def _cross_entropy_rows_triton(logits, targets, write_grad=True, block=None, num
     grad = logits if grad is None else grad
     _triton_rows[(n_rows,)](logits, logits.stride(0), targets, losses, grad, grad.stride(0), n_cols,
                             GRAD_SCALE=float(grad_scale), BLOCK=block, ONE_BLOCK=n_cols <= block,
-                            WRITE_GRAD=write_grad, SOFTCAP=float(softcap), num_warps=num_warps)
+                            WRITE_GRAD=write_grad, num_warps=num_warps)
     return losses
 
 
@@ -148,9 +117,8 @@ def _cross_entropy_rows(device):
     return _cross_entropy_rows_triton if uses_triton(device) else _cross_entropy_rows_torch
 
 
-def _linear_cross_entropy_impl(h, weight, targets, chunk_tokens, softcap=0.0):
-    """(sum of token losses, d sum / d h, d sum / d weight), computed slice by slice of tokens, of the logits
-    soft-capped by softcap (0: not).
+def _linear_cross_entropy_impl(h, weight, targets, chunk_tokens):
+    """(sum of token losses, d sum / d h, d sum / d weight), computed slice by slice of tokens.
 
     The logits are in h's dtype (the autocast dtype on the GPU) and exist one slice at a time. Both
     gradients leave the matmuls in float32 (bf16 products, float32 sums), so that backward scales them
@@ -164,7 +132,7 @@ def _linear_cross_entropy_impl(h, weight, targets, chunk_tokens, softcap=0.0):
     for start in range(0, h.shape[0], chunk_tokens):
         h_slice, grad_h_slice = h[start:start + chunk_tokens], grad_h[start:start + chunk_tokens]
         logits = h_slice @ w.t()
-        total += rows(logits, targets[start:start + chunk_tokens], softcap=softcap).sum()
+        total += rows(logits, targets[start:start + chunk_tokens]).sum()
         if float32_out:
             torch.mm(logits, w, out_dtype=torch.float32, out=grad_h_slice)
             torch.addmm(grad_w, logits.t(), h_slice, out_dtype=torch.float32, out=grad_w)
@@ -178,61 +146,59 @@ def _linear_cross_entropy_impl(h, weight, targets, chunk_tokens, softcap=0.0):
 
 
 @torch.library.custom_op("tiny_llm::linear_cross_entropy", mutates_args=())
-def _linear_cross_entropy_op(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
-                             softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _linear_cross_entropy_impl(h, weight, targets, chunk_tokens, softcap)
+def _linear_cross_entropy_op(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                             chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _linear_cross_entropy_impl(h, weight, targets, chunk_tokens)
 
 
 @_linear_cross_entropy_op.register_fake
-def _linear_cross_entropy_fake(h, weight, targets, chunk_tokens, softcap=0.0):
+def _linear_cross_entropy_fake(h, weight, targets, chunk_tokens):
     # contiguous, as the real op allocates them (empty_like would copy a non-contiguous h's strides)
     return (h.new_empty((), dtype=torch.float32), h.new_empty(h.shape, dtype=torch.float32),
             weight.new_empty(weight.shape, dtype=torch.float32))
 
 
 def _linear_cross_entropy_setup(ctx, inputs, output):
-    h, weight = inputs[:2]
-    ctx.dtypes, ctx.other_inputs = (h.dtype, weight.dtype), len(inputs) - 2  # targets, chunk_tokens (, softcap)
+    h, weight, _, _ = inputs
+    ctx.dtypes = h.dtype, weight.dtype
     ctx.save_for_backward(*output[1:])
 
 
 def _linear_cross_entropy_backward(ctx, grad_total, _grad_h, _grad_w):
     grad_h, grad_w = ctx.saved_tensors
     h_dtype, weight_dtype = ctx.dtypes
-    return ((grad_h * grad_total).to(h_dtype), (grad_w * grad_total).to(weight_dtype)) + (None,) * ctx.other_inputs
+    return (grad_h * grad_total).to(h_dtype), (grad_w * grad_total).to(weight_dtype), None, None
 
 
 _linear_cross_entropy_op.register_autograd(_linear_cross_entropy_backward, setup_context=_linear_cross_entropy_setup)
 
 
 @torch.library.custom_op("tiny_llm::linear_cross_entropy_losses", mutates_args=())
-def _linear_cross_entropy_losses_op(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
-                                    softcap: float = 0.0) -> torch.Tensor:
+def _linear_cross_entropy_losses_op(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                                    chunk_tokens: int) -> torch.Tensor:
     w = weight.to(h.dtype)
     rows = _cross_entropy_rows(h.device)
-    return torch.cat([rows(h[start:start + chunk_tokens] @ w.t(), targets[start:start + chunk_tokens], write_grad=False,
-                           softcap=softcap) for start in range(0, h.shape[0], chunk_tokens)])
+    return torch.cat([rows(h[start:start + chunk_tokens] @ w.t(), targets[start:start + chunk_tokens], write_grad=False)
+                      for start in range(0, h.shape[0], chunk_tokens)])
 
 
 @_linear_cross_entropy_losses_op.register_fake
-def _(h, weight, targets, chunk_tokens, softcap=0.0):
+def _(h, weight, targets, chunk_tokens):
     return h.new_empty(h.shape[:1], dtype=torch.float32)
 
 
-def linear_cross_entropy_losses(h, weight, targets, chunk_tokens, softcap=0.0):
-    """Each token's cross-entropy of (h @ weight.T), soft-capped by softcap (0: not), 0 where the target is -100,
-    without gradients: evaluation's path, with the logits in the autocast dtype one slice at a time, never in
-    float32."""
-    return _linear_cross_entropy_losses_op(in_autocast_dtype(h), weight, targets, int(chunk_tokens), float(softcap))
+def linear_cross_entropy_losses(h, weight, targets, chunk_tokens):
+    """Each token's cross-entropy of (h @ weight.T) (0 where the target is -100), without gradients:
+    evaluation's path, with the logits in the autocast dtype one slice at a time, never in float32."""
+    return _linear_cross_entropy_losses_op(in_autocast_dtype(h), weight, targets, int(chunk_tokens))
 
 
-def linear_cross_entropy(h, weight, targets, chunk_tokens, softcap=0.0):
-    """Sum of cross-entropy of (h @ weight.T) against targets (-100 ignored), its gradients computed in forward;
-    softcap c > 0 caps the logits first, c tanh(logits / c) (the logit_softcap lever).
+def linear_cross_entropy(h, weight, targets, chunk_tokens):
+    """Sum of cross-entropy of (h @ weight.T) against targets (-100 ignored), its gradients computed in forward.
 
     h: (N, C), weight: (V, C), targets: (N,). One custom op, opaque to torch.compile: it runs the LM head
     matmul, the Triton loss-and-gradient kernel and the two gradient matmuls one slice of tokens at a time,
     so neither float32 logits nor more than one slice of logits ever exist, and backward only scales the
     stored gradients. Under autocast, h and the logits are in the autocast dtype, as F.linear's would be.
     """
-    return _linear_cross_entropy_op(in_autocast_dtype(h), weight, targets, int(chunk_tokens), float(softcap))[0]
+    return _linear_cross_entropy_op(in_autocast_dtype(h), weight, targets, int(chunk_tokens))[0]

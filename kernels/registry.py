@@ -44,20 +44,16 @@ class LossChoice(Choice):
     """train(h, weight, targets, chunk_tokens): the sum of the token losses of h @ weight.T (targets of -100
     ignored), with autograd. losses_only: evaluation without gradients takes cross_entropy.linear_cross_entropy_losses,
     for a loss that makes its gradients in forward. fp8: train with the declared FP8 head (lm_head_fp8), where the
-    loss has that form. softcap: train (and losses_only's op) take softcap=c, the logit_softcap lever's
-    c tanh(logits / c) before the cross-entropy (the FP8 form does not)."""
+    loss has that form."""
     train: Callable
     losses_only: bool = False
     fp8: Optional[Callable] = None
-    softcap: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MLPChoice(Choice):
-    """forward(x, w13, w2): F.linear(silu(gate) * up, w2) with [gate; up] = F.linear(x, w13). relu2: whether a model
-    of mlp_activation relu2 may be built with it (model.relu2_mlp, plain torch, runs that activation)."""
+    """forward(x, w13, w2): F.linear(silu(gate) * up, w2) with [gate; up] = F.linear(x, w13)."""
     forward: Callable
-    relu2: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -151,12 +147,11 @@ def fa4_device_problem(device):
 LOSS = Registry(
     "loss_impl", "the LM head and its cross-entropy, same math",
     LossChoice(name="full", help="all logits at once, float32 inside cross-entropy, the plain torch reference",
-               train=cross_entropy.full_cross_entropy, softcap=True),
+               train=cross_entropy.full_cross_entropy),
     LossChoice(name="fused", help="our op, which makes the loss and its gradients in forward one slice of "
                                   "loss_chunk_tokens at a time in bf16 (kernels/cross_entropy.py) and runs the FP8 "
                                   "head",
-               train=cross_entropy.linear_cross_entropy, losses_only=True, fp8=fp8.linear_cross_entropy_fp8,
-               softcap=True),
+               train=cross_entropy.linear_cross_entropy, losses_only=True, fp8=fp8.linear_cross_entropy_fp8),
     LossChoice(name="quack_chunked", help="fused's slices through quack-kernels' cross-entropy and autotuned weight "
                                           "gradient (Hopper), with a higher peak memory (docs/PERFORMANCE.md)",
                train=quack_ops.linear_cross_entropy, losses_only=True, device_problem=quack_ops.device_problem,
@@ -166,7 +161,7 @@ LOSS = Registry(
 MLP = Registry(
     "mlp_impl", "the SwiGLU MLP, same math and parameters",
     MLPChoice(name="torch", help="the w13 matmul, then SwiGLU and the down projection as one op (kernels/swiglu.py)",
-              forward=swiglu.swiglu_mlp, relu2=True),
+              forward=swiglu.swiglu_mlp),
     MLPChoice(name="quack", help="quack-kernels' gated matmuls, SwiGLU in their epilogues (Hopper, "
                                  "kernels/quack_ops.py)",
               forward=quack_ops.swiglu_mlp, device_problem=quack_ops.device_problem,
@@ -204,32 +199,13 @@ def fp8_problem(cfg, device=None, model_config=None):
     return f"lm_head_fp8 {why}; set lm_head_fp8=False" if why else None
 
 
-def lever_problem(cfg, model_config=None):
-    """Why the configured loss (and FP8 head) cannot soft-cap the model's logits, or its MLP choice cannot run its
-    activation (the architecture levers logit_softcap and mlp_activation of a ModelConfig), or None."""
-    if model_config is None:
-        return None
-    softcap, loss = model_config.logit_softcap, LOSS[cfg["loss_impl"]]
-    with_softcap = [name for name in LOSS if LOSS[name].softcap]
-    if softcap and not loss.softcap:
-        return (f"loss_impl {loss.name} does not soft-cap the logits (logit_softcap {softcap}); set loss_impl to "
-                f"{listed(with_softcap)}, or logit_softcap=0")
-    if softcap and cfg["lm_head_fp8"]:
-        return f"lm_head_fp8 does not soft-cap the logits (logit_softcap {softcap}); set lm_head_fp8=False"
-    mlp = MLP[cfg["mlp_impl"]]
-    if model_config.mlp_activation == "relu2" and not mlp.relu2:
-        return (f"mlp_impl {mlp.name} runs only SwiGLU, not mlp_activation relu2; set mlp_impl to "
-                f"{listed(name for name in MLP if MLP[name].relu2)}")
-    return None
-
-
 def problem(cfg, device=None, model_config=None):
     """The first reason the configured loss_impl, mlp_impl and attention_backend (and lm_head_fp8) cannot run, as
     the one line a user sees, or None. cfg: the settings (a mapping). Without device or model_config, the settings'
     own numbers only (settings.check, before the data gives the vocabulary); with a torch.device, what it can run;
-    with a ModelConfig, the shapes the kernels take and the levers they run."""
+    with a ModelConfig, the shapes the kernels take."""
     for registry in REGISTRIES:
         why = registry.problem(cfg, device, model_config)
         if why:
             return why
-    return fp8_problem(cfg, device, model_config) or lever_problem(cfg, model_config)
+    return fp8_problem(cfg, device, model_config)

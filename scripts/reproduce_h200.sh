@@ -5,7 +5,8 @@
 # Parts, in the document's order, with their time on one H200 (warm compiler caches; cold adds about 20 s per
 # compiled shape): ceilings (1 min), current (8 min), accumulation (2 min), loss (2 min), matched (5 min, then
 # compare.py with no GPU), tune (15 min), levers (9 min), quack (6 min), push (10 min), cold (6 min; a fresh
-# machine for its first profile), speedrun (12 min: docs/TIME_TO_QUALITY.md's lever screens), all (about 76 min).
+# machine for its first profile), speedrun (about 5 min: docs/TIME_TO_QUALITY.md's screens of the kept levers), all
+# (about 69 min).
 # Merge the results file into results/h200.json with scripts/merge_results.py (parts quack's and push's into
 # results/h200-levers.json). Needs data/cache/gutenberg; requirements-gpu.txt for the fa4 and quack rows, which
 # are skipped without it. The rows of choices no longer in the code (docs/PERFORMANCE.md, "Levers tried and not
@@ -135,25 +136,18 @@ cold() {  # "Cold start": the first update by phase, then each compile scope col
     --warmup=3 --steps=5 --windows=1
   bench $REF --cold=True --compile_scope=shared --compile_cache=$caches/20m.compile --name=cache-load-20m-shared
 }
-speedrun() {  # TIME_TO_QUALITY.md's "The speedrun's levers, screened": each lever on the shipped recipe, then its cost
+speedrun() {  # TIME_TO_QUALITY.md's "The speedrun's levers, screened": each kept lever on the shipped recipe, then its
+  # cost; the levers not kept left the code, and their rows ran this part at commit 94da7b6
   local recipe=config/20m_muon_wsd.py name args
   while read -r name args; do
     timeout 300 python train.py $recipe $args --name=screen-$name --results_file="$R" --overwrite=True
-    case $name in batch-ramp|context-ramp) ;; *) bench $recipe $args --name=cost-$name --warmup=10 --steps=50 --windows=3 ;; esac
+    case $name in context-ramp) ;; *) bench $recipe $args --name=cost-$name --warmup=10 --steps=50 --windows=3 ;; esac
   done <<'LEVERS'
 base
 qk-norm --qk_norm=True
-relu2 --mlp_activation=relu2
-zero-init --zero_init_proj=True
-softcap15 --logit_softcap=15
-untied --tie_embeddings=False
 value-emb2 --value_embeddings=2
-unet --unet_skips=True
-polar-express --muon_orthogonalizer=polar_express
 normuon --normuon=True
-cautious-wd --cautious_weight_decay=True
 ema-0.98 --ema=0.98
-batch-ramp --batch_schedule=8192:0.1,16384:0.3 --micro_batch_size=8
 context-ramp --seq_len_schedule=256:0.3,512:0.6
 LEVERS
 }

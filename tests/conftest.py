@@ -14,19 +14,17 @@ sys.path.insert(0, str(REPO))
 SHARED_CORPUS = REPO.parent / "shared" / "data" / "gutenberg"
 
 
-def assert_loss_and_gradients_match_cross_entropy(loss_of, h, w, targets, softcap=0.0):
+def assert_loss_and_gradients_match_cross_entropy(loss_of, h, w, targets):
     """loss_of(h, w, targets) (a sum over tokens), and h's and w's gradients through autograd with the loss
-    scaled as the trainer scales it, against F.cross_entropy on the full logits (soft-capped, softcap x
-    tanh(logits / softcap), when softcap is not 0). The fused ops store their gradients in forward, so the scale
-    must reach them in backward."""
+    scaled as the trainer scales it, against F.cross_entropy on the full logits. The fused ops store their
+    gradients in forward, so the scale must reach them in backward."""
     def run(loss_fn):
         h.grad = w.grad = None
         loss = loss_fn()
         (loss * 0.25).backward()
         return loss.detach(), h.grad.clone(), w.grad.clone()
     got = run(lambda: loss_of(h, w, targets))
-    capped = (lambda z: softcap * torch.tanh(z / softcap)) if softcap else (lambda z: z)
-    expected = run(lambda: torch.nn.functional.cross_entropy(capped(h @ w.t()), targets, reduction="sum"))
+    expected = run(lambda: torch.nn.functional.cross_entropy(h @ w.t(), targets, reduction="sum"))
     for name, a, b in zip(("loss", "grad_h", "grad_w"), got, expected):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), name
 

@@ -1,7 +1,7 @@
-"""The architecture levers (#38, model.py): each one's math against a plain reference written here (the soft-cap
-through the full and fused losses), its parameters and FLOPs, training with a bitwise resume, compilation, DDP, the
-combinations refused, and the export rule (hf.py). tests/test_model.py holds the fused op's soft-cap (its torch and
-Triton rows) and the exported levers' parity with transformers."""
+"""The architecture levers (#38, model.py): each one's math against a plain reference written here (through the full
+and fused losses), its parameters and FLOPs, training with a bitwise resume, compilation, DDP, the combinations
+refused, and the export rule (hf.py); and the levers removed after their screens, refused by name.
+tests/test_model.py holds the exported lever's parity with transformers."""
 import dataclasses
 import math
 
@@ -17,14 +17,10 @@ import plan
 import settings
 import train
 from configurator import ConfigError
-from kernels import registry
 from tests.test_train import assert_ddp_update_equals_one_process, checkpoint_parameters, small_config
 
-# each lever on, as a recipe sets it (a cap of 3 bites on the logits of random weights)
-LEVERS = {"qk_norm": dict(qk_norm=True), "relu2": dict(mlp_activation="relu2"),
-          "zero_init_proj": dict(zero_init_proj=True), "logit_softcap": dict(logit_softcap=3.0),
-          "untied": dict(tie_embeddings=False), "value_embeddings": dict(value_embeddings=1),
-          "unet_skips": dict(unet_skips=True)}
+# each lever on, as a recipe sets it
+LEVERS = {"qk_norm": dict(qk_norm=True), "value_embeddings": dict(value_embeddings=1)}
 ALL = {k: v for lever in LEVERS.values() for k, v in lever.items()}
 
 
@@ -34,8 +30,8 @@ def tiny(n_layers=2, **levers):
 
 
 def perturbed(config, **kwargs):
-    """A model whose every parameter is random (gains, mixes and skip weights too, and the projections that
-    zero_init_proj would start at zero), so that every lever's parameter takes part in the comparison."""
+    """A model whose every parameter is random (gains and mixes too), so that every lever's parameter takes part in
+    the comparison."""
     torch.manual_seed(0)
     m = model.Transformer(config, **kwargs)
     with torch.no_grad():
@@ -79,13 +75,9 @@ def reference_logits(m, idx):
     c, (B, T) = m.config, idx.shape
     x, eps = m.tok_embeddings.weight[idx], c.norm_eps
     ves = [table.weight[idx] for table in m.value_embeds]
-    n, k, s = c.n_layers, c.value_embeddings, c.n_layers // 2 if c.unet_skips else 0
-    firsts = []
+    n, k = c.n_layers, c.value_embeddings
     for i, layer in enumerate(m.layers):
         a, ff = layer.attention, layer.feed_forward
-        if i >= n - s:  # block n - s + j takes out_{s-1-j}
-            j = i - (n - s)
-            x = x + m.skip_weights[j] * firsts[s - 1 - j]
         h = rms(x, layer.attention_norm.weight, eps)
         q, kk, v = (t.reshape(B, T, c.n_heads, c.head_dim) for t in (h @ a.wqkv.weight.t()).split(c.dim, -1))
         if c.qk_norm:
@@ -95,19 +87,13 @@ def reference_logits(m, idx):
             v = a.value_lambdas[0] * v + a.value_lambdas[1] * ves[table].reshape(v.shape)
         x = x + attend(rotate(q, c.rope_theta), rotate(kk, c.rope_theta), v).reshape(B, T, c.dim) @ a.wo.weight.t()
         gate, up = (rms(x, layer.ffn_norm.weight, eps) @ ff.w13.weight.t()).chunk(2, -1)
-        act = F.silu(gate) if c.mlp_activation == "silu" else torch.relu(gate) ** 2
-        x = x + (act * up) @ ff.w2.weight.t()
-        if i < s:
-            firsts.append(x)
-    head = m.tok_embeddings.weight if c.tie_embeddings else m.output.weight
-    logits = rms(x, m.norm.weight, eps) @ head.t()
-    return c.logit_softcap * torch.tanh(logits / c.logit_softcap) if c.logit_softcap else logits
+        x = x + (F.silu(gate) * up) @ ff.w2.weight.t()
+    return rms(x, m.norm.weight, eps) @ m.tok_embeddings.weight.t()
 
 
-# (blocks, levers): each lever but zero_init_proj (only an initialisation: below), and all of them over 5 blocks (an
-# odd middle block, which takes neither a skip nor a value embedding)
-MATH_CASES = {name: (2, lever) for name, lever in LEVERS.items() if name != "zero_init_proj"}
-MATH_CASES["all"] = (5, dict(ALL, zero_init_proj=False, value_embeddings=2))
+# (blocks, levers): each lever, and both over 5 blocks (an odd middle block, which takes no value embedding)
+MATH_CASES = {name: (2, lever) for name, lever in LEVERS.items()}
+MATH_CASES["all"] = (5, dict(ALL, value_embeddings=2))
 
 
 @pytest.mark.parametrize("n_layers, levers", MATH_CASES.values(), ids=MATH_CASES.keys())
@@ -124,25 +110,10 @@ def test_each_lever_computes_its_declared_math(n_layers, levers):
         assert torch.allclose(m(x, y), loss, rtol=1e-5), impl  # training's loss, with gradients
 
 
-def test_zero_init_proj_starts_every_block_as_the_identity():
-    """wo and w2 start at zero (every other matrix as without the lever), so each block adds nothing: the logits are
-    the final norm of the embedding times the head."""
-    m = model.Transformer(tiny(**LEVERS["zero_init_proj"]))
-    projections = [p for n, p in m.named_parameters() if n.endswith(("wo.weight", "w2.weight"))]
-    assert len(projections) == 4 and all(not p.any() for p in projections)
-    assert m.layers[0].attention.wqkv.weight.std().item() == pytest.approx(0.02, rel=0.1)
-    x, _ = batch(m.config)
-    with torch.no_grad():
-        by_hand = rms(m.tok_embeddings.weight[x], m.norm.weight, m.config.norm_eps) @ m.tok_embeddings.weight.t()
-        assert torch.allclose(m(x), by_hand, rtol=1e-5, atol=1e-6)
-
-
 def test_the_levers_own_parameters_and_their_start():
     m = model.Transformer(tiny(n_layers=4, **dict(ALL, value_embeddings=2)))
     names = dict(m.named_parameters())
-    assert m.output.weight is not m.tok_embeddings.weight
-    assert names["output.weight"].std().item() == pytest.approx(0.02, rel=0.1)
-    assert torch.equal(names["skip_weights"], torch.ones(2))  # 4 blocks: 2 skips, plain adds at first
+    assert m.output.weight is m.tok_embeddings.weight and "output.weight" not in names  # tied: counted once
     mixes = [f"layers.{i}.attention.value_lambdas" for i in range(4)]
     assert [n for n in names if n.endswith("value_lambdas")] == mixes
     assert all(torch.equal(names[f"layers.{i}.attention.value_lambdas"], torch.full((2,), 0.5)) for i in range(4))
@@ -207,7 +178,7 @@ def test_a_lever_trains_and_resumes_bitwise(text_cache, tmp_path, levers):
 
 
 def test_all_levers_compile_to_the_eager_loss_and_gradients():
-    """Every lever on, the fused loss's soft-cap too, under torch.compile in one graph (fullgraph). aot_eager: the
+    """Every lever on, with the fused loss, under torch.compile in one graph (fullgraph). aot_eager: the
     capture and autograd that a lever could break; inductor's own code is the same on every model (and takes a
     minute on 2 CPU cores)."""
     config = tiny(**ALL)
@@ -249,29 +220,8 @@ def test_all_levers_under_ddp_equal_one_process(text_cache, tmp_path):
 # ---------------------------------------------------------------- combinations refused, and the export rule
 
 @pytest.mark.parametrize("change, words", [
-    (dict(logit_softcap=3.0, loss_impl="quack_chunked"), "loss_impl quack_chunked does not soft-cap the logits "
-                                                         "(logit_softcap 3.0); set loss_impl to full or fused, or "
-                                                         "logit_softcap=0"),
-    (dict(logit_softcap=3.0, loss_impl="fused", lm_head_fp8=True), "lm_head_fp8 does not soft-cap the logits "
-                                                                    "(logit_softcap 3.0); set lm_head_fp8=False"),
-    (dict(mlp_activation="relu2", mlp_impl="quack"), "mlp_impl quack runs only SwiGLU, not mlp_activation relu2; "
-                                                     "set mlp_impl to torch")])
-def test_kernels_without_a_lever_are_refused_in_one_line(change, words):
-    """By plan.py (the registry's problem, given the model config) before any work, and by the model itself."""
-    cfg = settings.Config(settings.defaults(settings.TrainSettings), **change)
-    assert registry.problem(cfg, model_config=plan.model_config(cfg, 256)) == words
-    with pytest.raises(ValueError) as refused:
-        model.Transformer(tiny(**{k: v for k, v in change.items() if k in model.LEVERS}),
-                          **{k: v for k, v in change.items() if k not in model.LEVERS})
-    assert str(refused.value) == words
-
-
-@pytest.mark.parametrize("change, words", [
     (dict(value_embeddings=2, n_layers=3), "value_embeddings 2 needs 2 x 2 blocks"),
-    (dict(unet_skips=True, n_layers=1), "unet_skips joins the first half"),
-    (dict(zero_init_proj=True, init_from="out/x"), "zero_init_proj sets how the weights start"),
-    (dict(logit_softcap=-1.0), "logit_softcap must be 0 or more"),
-    (dict(mlp_activation="gelu"), "mlp_activation 'gelu' is not one of silu, relu2")])
+    (dict(value_embeddings=-1), "value_embeddings must be 0 or more")])
 def test_a_lever_that_cannot_be_right_is_one_config_error(change, words):
     cfg = settings.Config(settings.defaults(settings.TrainSettings), **change)
     with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
@@ -280,15 +230,14 @@ def test_a_lever_that_cannot_be_right_is_one_config_error(change, words):
 
 
 def test_init_from_takes_the_weights_levers_and_refuses_a_contradiction(tmp_path):
-    """The weights' levers are the run's (those the settings leave off, and zero_init_proj off: the weights are
-    given, not initialised); a lever set to another value than theirs is refused."""
-    weights = tiny(qk_norm=True, tie_embeddings=False, zero_init_proj=True)
+    """The weights' levers are the run's (those the settings leave off too); a lever set to another value than
+    theirs is refused."""
+    weights = tiny(qk_norm=True, value_embeddings=1)
     initial = checkpoint.InitialWeights(weights, {}, "sha", "checkpoint")
     cfg = small_config(tmp_path, tmp_path, dim=0, n_layers=0, n_heads=0, hidden_dim=0, qk_norm=True)
-    assert plan.initial_model_config(cfg, initial) == dataclasses.replace(weights, max_seq_len=cfg.seq_len,
-                                                                          zero_init_proj=False)
-    with pytest.raises(ConfigError, match=r"mlp_activation=relu2 \(the weights' model has silu\)"):
-        plan.initial_model_config(settings.Config(cfg, mlp_activation="relu2"), initial)
+    assert plan.initial_model_config(cfg, initial) == dataclasses.replace(weights, max_seq_len=cfg.seq_len)
+    with pytest.raises(ConfigError, match=r"value_embeddings=2 \(the weights' model has 1\)"):
+        plan.initial_model_config(settings.Config(cfg, value_embeddings=2), initial)
 
 
 @pytest.mark.parametrize("lever", hf.NOT_EXPORTED)
@@ -298,3 +247,46 @@ def test_export_refuses_a_lever_no_transformers_class_computes(tmp_path, lever):
     with pytest.raises(sample.SampleError, match=f"--export_hf cannot export {lever}=") as refused:
         sample.export(m, None, tmp_path / "hf")
     assert "\n" not in str(refused.value) and not (tmp_path / "hf").exists()
+
+
+# ---------------------------------------------------------------- the levers removed after their screens
+
+REMOVED_ON = {"mlp_activation": "relu2", "zero_init_proj": True, "logit_softcap": 15.0, "tie_embeddings": False,
+              "unet_skips": True}
+
+
+def removed_sentence(named):
+    return (f"{named} was a time-to-quality lever removed after its screen (docs/TIME_TO_QUALITY.md); the code that "
+            f"ran it is in commit 94da7b6")
+
+
+def test_a_checkpoint_with_a_removed_lever_off_loads_and_one_on_is_refused_naming_it(tmp_path):
+    """A model config saved while the removed levers existed may hold them at their off values: it is the model as
+    it is now, and loads; one switched on is refused in one sentence naming the lever and the commit that ran it."""
+    saved = dict(tiny(qk_norm=True).to_dict(), **{k: model.REMOVED_LEVERS[k] for k in REMOVED_ON})
+    assert model.ModelConfig.from_dict(saved) == tiny(qk_norm=True)
+    for key, on in REMOVED_ON.items():
+        with pytest.raises(ValueError) as refused:
+            model.ModelConfig.from_dict(dict(saved, **{key: on}))
+        assert str(refused.value) == removed_sentence(f"{key}={on}")
+    weights, path = model.Transformer(tiny(qk_norm=True)), tmp_path / "ckpt.pt"
+    save = lambda config: torch.save(dict(model=weights.state_dict(), model_config=config, step=1,
+                                          config={"data_dir": "data"}), path)
+    save(saved)
+    loaded, _ = checkpoint.load_model(path)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), weights.state_dict().values()))
+    save(dict(saved, logit_softcap=15.0))
+    with pytest.raises(ValueError) as refused:
+        checkpoint.load_model(path)
+    assert str(refused.value) == f"checkpoint {path}: " + removed_sentence("logit_softcap=15.0")
+
+
+@pytest.mark.parametrize("key", model.REMOVED_LEVERS)
+def test_a_removed_lever_s_key_is_refused_naming_the_commit_that_ran_it(tmp_path, key):
+    config_file = tmp_path / "recipe.py"
+    config_file.write_text(f"{key} = {model.REMOVED_LEVERS[key]!r}\n")
+    for args, where in (([f"--{key}=1"], f"--{key}"), ([str(config_file)], f"config file {config_file}")):
+        with pytest.raises(ConfigError) as refused:
+            settings.load(settings.TrainSettings, args)
+        assert str(refused.value) == (f"{where}: {removed_sentence(key)}; leave the key out (the run is then the "
+                                      f"lever off)")

@@ -1,6 +1,5 @@
 """model.py: preset sizes, exact parity with transformers' Llama (and Qwen3, for qk_norm), loss variants, FLOPs and
 input errors."""
-import dataclasses
 import os
 import re
 import subprocess
@@ -17,7 +16,7 @@ from kernels import cross_entropy
 from kernels import registry, swiglu
 import hf
 import model
-from tests.conftest import assert_loss_and_gradients_match_cross_entropy, flash_attn_4_installed
+from tests.conftest import flash_attn_4_installed
 
 
 def tiny_config(**overrides):
@@ -77,31 +76,21 @@ def test_loss_and_gradients_match_transformers_llama(name, overrides):
     assert_loss_and_gradients_match_transformers(model.get_preset(name, **overrides), 1024)
 
 
-# The architecture levers that export and change the function (hf.py), each alone and all together; zero_init_proj,
-# only an initialisation, exports as the weights it gave (below)
-EXPORTED_LEVERS = {"qk_norm": dict(qk_norm=True), "relu2": dict(mlp_activation="relu2"),
-                   "untied": dict(tie_embeddings=False),
-                   "all": dict(qk_norm=True, mlp_activation="relu2", tie_embeddings=False)}
+def test_qk_norm_matches_transformers_qwen3():
+    """The architecture lever that exports (hf.py): qk_norm as Qwen3ForCausalLM (q_norm and k_norm per head before
+    the rotary embedding, the embeddings tied): loss and every gradient."""
+    reference = assert_loss_and_gradients_match_transformers(tiny_config(qk_norm=True), 64)
+    assert type(reference).__name__ == "Qwen3ForCausalLM"
+    assert reference.config.hidden_act == "silu" and reference.config.tie_word_embeddings
 
 
-@pytest.mark.parametrize("levers", EXPORTED_LEVERS.values(), ids=EXPORTED_LEVERS.keys())
-def test_exported_levers_match_transformers_llama_and_qwen3(levers):
-    """Llama's levers as LlamaForCausalLM (hidden_act relu2, tie_word_embeddings False), qk_norm as
-    Qwen3ForCausalLM (q_norm and k_norm per head before the rotary embedding): loss and every gradient."""
-    config = tiny_config(**levers)
-    reference = assert_loss_and_gradients_match_transformers(config, 64)
-    assert type(reference).__name__ == ("Qwen3ForCausalLM" if config.qk_norm else "LlamaForCausalLM")
-    assert reference.config.hidden_act == config.mlp_activation
-    assert reference.config.tie_word_embeddings == config.tie_embeddings
-
-
-def test_an_export_with_levers_loads_in_transformers_and_comes_back_through_init_from(tmp_path):
+def test_an_export_with_qk_norm_loads_in_transformers_and_comes_back_through_init_from(tmp_path):
     """save_pretrained's folder: AutoModelForCausalLM's logits are ours; read as init_from reads one, the same
-    levers (zero_init_proj aside: the weights are what they are) and every weight."""
+    lever and every weight."""
     import checkpoint
     import sample
     from transformers import AutoModelForCausalLM
-    config = tiny_config(**EXPORTED_LEVERS["all"], zero_init_proj=True)
+    config = tiny_config(qk_norm=True)
     ours = seeded_model(config).eval()
     hf.to_hf(ours).save_pretrained(tmp_path / "hf")
     x, _ = random_batch(config, 2, 40)
@@ -110,7 +99,7 @@ def test_an_export_with_levers_loads_in_transformers_and_comes_back_through_init
         assert torch.allclose(loaded(input_ids=x).logits, ours(x), rtol=0, atol=1e-5)
     sample.check_export_folder(tmp_path / "hf")  # an earlier export, which --export_hf may replace
     initial = checkpoint.initial_weights(tmp_path / "hf")
-    assert initial.config == dataclasses.replace(config, zero_init_proj=False) and initial.source == "transformers"
+    assert initial.config == config and initial.source == "transformers"
     assert all(torch.equal(initial.state[k], v) for k, v in ours.state_dict().items())
 
 
@@ -161,7 +150,9 @@ def test_from_hf_round_trip_and_save_pretrained(tmp_path):
 @pytest.mark.parametrize("field, value, words", [
     ("num_key_value_heads", 1, "grouped-query"),
     # it loaded, and its logits differed from transformers' by 1e-2
-    ("hidden_act", "gelu", "activation 'gelu' (the gated MLP takes silu or relu2)")])
+    ("hidden_act", "gelu", "activation 'gelu' (SwiGLU needs silu)"),
+    ("hidden_act", "relu2", "activation 'relu2' (SwiGLU needs silu)"),
+    ("tie_word_embeddings", False, "untied input and output embeddings")])
 def test_from_hf_refuses_checkpoints_outside_the_family(field, value, words):
     reference = hf.to_hf(model.Transformer(tiny_config()))
     setattr(reference.config, field, value)
@@ -235,8 +226,7 @@ def test_custom_ops_pass_torch_library_opcheck():
     weight = torch.randn(config.vocab_size, config.dim, generator=g, requires_grad=True) * 0.1
     targets = torch.randint(0, config.vocab_size, (50,), generator=g)
     targets[3] = -100
-    for args in ((h.requires_grad_(), weight, targets, 16), (h.detach(), weight.detach(), targets, 64),
-                 (h, weight, targets, 16, 1.5)):  # logit_softcap's cap
+    for args in ((h.requires_grad_(), weight, targets, 16), (h.detach(), weight.detach(), targets, 64)):
         torch.library.opcheck(cross_entropy._linear_cross_entropy_op, args)
         torch.library.opcheck(cross_entropy._linear_cross_entropy_losses_op, tuple(a.detach() if torch.is_tensor(a) else a
                                                                            for a in args))
@@ -302,34 +292,6 @@ def test_fused_loss_traces_under_torch_compile():
         assert relative_error(q.grad, p.grad) < 1e-6, name
 
 
-# The fused op (both gradients) and the losses-only op with the logit_softcap lever's cap, over 70 tokens in slices of
-# 32, 32 and 6, with whatever rows kernel cross_entropy._cross_entropy_rows gives: run here with the torch rows, and
-# in Triton's interpreter with the kernel's (TRITON_ROWS_CHECK).
-SOFTCAPPED_OP_CHECK = """
-import torch, torch.nn.functional as F
-from kernels import cross_entropy
-from tests.conftest import assert_loss_and_gradients_match_cross_entropy
-torch.manual_seed(0)
-h, w = torch.randn(70, 16, requires_grad=True), torch.randn(300, 16).requires_grad_()  # logits the cap bends
-targets = torch.randint(0, 300, (70,))
-targets[5] = -100
-assert_loss_and_gradients_match_cross_entropy(lambda h, w, t: cross_entropy.linear_cross_entropy(h, w, t, 32, 2.0),
-                                              h, w, targets, softcap=2.0)
-expected = F.cross_entropy(2.0 * torch.tanh(h @ w.t() / 2.0), targets, reduction="none").detach()
-got = cross_entropy.linear_cross_entropy_losses(h.detach(), w.detach(), targets, 32, 2.0)
-assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
-"""
-
-
-def test_the_fused_and_full_losses_soft_cap_their_loss_and_gradients():
-    """logit_softcap c: the loss of c tanh(logits / c), and the gradient through it, against autograd."""
-    exec(SOFTCAPPED_OP_CHECK, {})  # the fused op with its torch rows (the CPU's)
-    h, w = torch.randn(40, 16, requires_grad=True), torch.randn(300, 16).requires_grad_()
-    targets = torch.randint(0, 300, (40,))
-    full = lambda h, w, t: cross_entropy.full_cross_entropy(h, w, t, softcap=1.5)
-    assert_loss_and_gradients_match_cross_entropy(full, h, w, targets, softcap=1.5)
-
-
 TRITON_ROWS_CHECK = """
 import torch, torch.nn.functional as F, model
 from kernels import cross_entropy, swiglu
@@ -366,30 +328,13 @@ assert_loss_and_gradients_match_cross_entropy(lambda h, w, t: cross_entropy.line
                                               h, w, targets)
 assert torch.allclose(cross_entropy.linear_cross_entropy_losses(h.detach(), w.detach(), targets, 32),
                       F.cross_entropy(h @ w.t(), targets, reduction="none"), rtol=1e-5, atol=1e-6)
-# the rows soft-capped (logit_softcap): loss of c tanh(x / c), gradient through it, in registers and in pieces of 64
-cap = 2.0
-for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 4e-3)):
-    for block in (None, 64):
-        logits = (torch.randn(6, 300) * 4).to(dtype)
-        targets = torch.randint(0, 300, (6,))
-        targets[1] = -100
-        reference = logits.float().requires_grad_()
-        F.cross_entropy(cap * torch.tanh(reference / cap), targets, reduction="sum").backward()
-        expected = F.cross_entropy(cap * torch.tanh(reference.detach() / cap), targets, reduction="none")
-        kept = logits.clone()
-        assert torch.allclose(cross_entropy._cross_entropy_rows_triton(kept, targets, write_grad=False, block=block,
-                                                                       softcap=cap), expected, rtol=1e-5, atol=1e-5)
-        losses = cross_entropy._cross_entropy_rows_triton(logits, targets, block=block, softcap=cap)
-        assert torch.allclose(losses, expected, rtol=1e-5, atol=1e-5), (dtype, block, cap)
-        assert (logits.float() - reference.grad).abs().max() < tolerance, (dtype, block, cap)
-""" + SOFTCAPPED_OP_CHECK + """
 print("ok")
 """
 
 
 def test_triton_cross_entropy_kernel_in_the_interpreter():
     """The GPU kernel itself, run on the CPU by Triton's interpreter (TRITON_INTERPRET is read when the
-    kernel is defined, hence a fresh process), plain and soft-capped."""
+    kernel is defined, hence a fresh process)."""
     pytest.importorskip("triton")
     root = Path(model.__file__).parent
     result = subprocess.run([sys.executable, "-c", TRITON_ROWS_CHECK], cwd=root, capture_output=True, text=True,

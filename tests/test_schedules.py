@@ -1,7 +1,6 @@
-"""The data schedules (#38): a batch size and a context that grow during the run. Every target stays scored once
-per epoch, an update takes the next sequences of its epoch's order, the same seed gives the same updates on any
-micro-batch or number of processes, a stopped run resumes bitwise, two processes train as one, and each shape
-compiles once."""
+"""The data schedule (#38): a context that grows during the run. Every target stays scored once per epoch, each update
+keeps its tokens and targets, a stopped run resumes bitwise, two processes train as one, and each shape compiles
+once."""
 import os
 
 import numpy as np
@@ -12,18 +11,17 @@ import configurator
 import plan
 import settings
 import train
-from data.loader import IGNORE, TokenCache, TrainData, epoch_order
+from data.loader import IGNORE, TokenCache, TrainData
 from tests.test_train import (assert_close_parameters, checkpoint_parameters, free_port, make_trainer,
                               parameters, recipe_id, small_config)
 from tests.test_train import restore_threads  # noqa: F401 (autouse: the trainer's cpu_threads=1 is undone)
 
 T = 32
-N = 45          # sequences of the training subset
-BATCH = "64:0.2,128:0.5"    # 2 sequences an update until 20% of the run's tokens, 4 until 50%, then 8
-CONTEXT = "8:0.3,16:0.6"    # windows of 8 targets until 30%, 16 until 60%, then 32
-# the batch ramp over 2 epochs of 45 sequences (90 in all), by hand: 2s until 18 sequences, 4s until 45 (the last
-# takes the 3 left), then all 8s (the last takes 5)
-RAMP_SIZES = [[2] * 9 + [4] * 6 + [3], [8] * 5 + [5]]
+N = 45          # sequences of the training subset: 6 updates of 8 an epoch, the last of 5
+CONTEXT = "8:0.3,16:0.6"    # windows of 8 targets until 30% of the run's tokens, 16 until 60%, then 32
+# each update's context over 2 epochs (90 sequences), by hand: 8 while the sequences before it are below 27, 16
+# below 54, then 32
+CONTEXTS = [8] * 4 + [16] * 4 + [32] * 4
 
 
 def config(cache, tmp_path, **overrides):
@@ -34,11 +32,10 @@ def config(cache, tmp_path, **overrides):
                                                    warmup_updates=2), **overrides})
 
 
-def positions_data(batch="", context="", seed=0):
-    """TrainData over tokens whose values are their positions, with the schedules in sequences as plan.py gives."""
-    cfg = settings.Config(seq_len=T, batch_schedule=batch, seq_len_schedule=context)
+def positions_data(context="", seed=0):
+    """TrainData over tokens whose values are their positions, with the schedule's steps as plan.py gives them."""
     tokens = np.arange(N * T + 8, dtype=np.int64)
-    return TrainData(tokens, T, 8, seed, epochs=2, **plan.data_schedules(cfg))
+    return TrainData(tokens, T, 8, seed, epochs=2, context_steps=settings.schedule_steps(context))
 
 
 def sequences_of(batches):
@@ -52,14 +49,13 @@ def sequences_of(batches):
     return found
 
 
-@pytest.mark.parametrize("batch, context", [(BATCH, ""), ("", CONTEXT), (BATCH, CONTEXT)],
-                         ids=["batch", "seq_len", "both"])
-def test_every_token_after_the_first_is_a_target_once_per_epoch_under_each_schedule(batch, context):
-    data = positions_data(batch, context)
+@pytest.mark.parametrize("context", ["", CONTEXT], ids=["none", "seq_len"])
+def test_every_token_after_the_first_is_a_target_once_per_epoch_under_the_schedule(context):
+    data = positions_data(context)
     for epoch in range(2):
         for micro in (1, 2):
             targets, shapes = [], set()
-            for u in range(data.updates_in(epoch)):
+            for u in range(data.updates_per_epoch):
                 batches, n_tokens = data.micro_batches(epoch, u, micro)
                 got = [int(t) for _, y in batches for t in y.flatten() if t != IGNORE]
                 assert n_tokens == len(got)
@@ -71,12 +67,12 @@ def test_every_token_after_the_first_is_a_target_once_per_epoch_under_each_sched
 
 
 def test_the_context_split_leaves_each_update_s_tokens_and_targets_as_without_it():
-    plain, split = positions_data(BATCH), positions_data(BATCH, CONTEXT)
-    # each update's context is the step at the run's sequences before it: below 27 of 90 windows of 8, below 54 of 16
-    assert [c for e in range(2) for _, _, c in split.epoch_updates(e)] == [8] * 12 + [16] * 6 + [32] * 4
+    plain, split = positions_data(), positions_data(CONTEXT)
+    assert [split.context(e, u) for e in range(2) for u in range(split.updates_per_epoch)] == CONTEXTS
     for epoch in range(2):
-        assert plain.epoch_updates(epoch) == [u[:2] + (T,) for u in split.epoch_updates(epoch)]
-        for u in range(plain.updates_in(epoch)):
+        for u in range(plain.updates_per_epoch):
+            assert plain.context(epoch, u) == T
+            assert np.array_equal(plain.update_sequences(epoch, u), split.update_sequences(epoch, u))
             (a, n_a), (b, n_b) = plain.micro_batches(epoch, u, 2), split.micro_batches(epoch, u, 2)
             assert n_a == n_b and len(a) == len(b)
             for (xa, ya), (xb, yb) in zip(a, b):  # the same targets in the same order, and the same inputs
@@ -90,36 +86,13 @@ def test_the_context_split_leaves_each_update_s_tokens_and_targets_as_without_it
                         assert xb[i + 1, 0] == yb[i, -1]
 
 
-def test_the_batch_ramp_takes_sequences_cumulatively_the_same_on_any_micro_batch_or_world_size():
-    data = positions_data(BATCH)
-    assert [[n for _, n, _ in data.epoch_updates(e)] for e in range(2)] == RAMP_SIZES
-    assert data.total_updates() == sum(map(len, RAMP_SIZES)) == 22
-    for epoch in range(2):
-        taken = np.concatenate([data.update_sequences(epoch, u) for u in range(data.updates_in(epoch))])
-        assert taken.tolist() == epoch_order(N, 0, epoch).tolist()  # in order: none skipped, none repeated
-        for u in range(data.updates_in(epoch)):
-            reference = list(data.update_sequences(epoch, u))
-            for micro, world_size in ((1, 1), (2, 1), (1, 2)):
-                fresh = positions_data(BATCH)  # another process with the same seed
-                shares = [fresh.micro_batches(epoch, u, micro, rank, world_size) for rank in range(world_size)]
-                assert len({len(b) for b, _ in shares}) == 1 and {n for _, n in shares} == {len(reference) * T}
-                assert sorted(sum((sequences_of(b) for b, _ in shares), [])) == sorted(reference)
-    assert positions_data(BATCH, seed=1).update_sequences(0, 0).tolist() != data.update_sequences(0, 0).tolist()
-    with pytest.raises(ValueError, match="updates_in"):
-        data.updates_per_epoch
-
-
 @pytest.mark.parametrize("change, words", [
-    (dict(batch_schedule="64-0.2"), "is not VALUE:UNTIL"),
-    (dict(batch_schedule="128:0.2,64:0.5"), "must be positive and grow, got 64 after 128"),
-    (dict(batch_schedule="64:0.5,128:0.2"), "must grow within (0, 1), got 0.2 after 0.5"),
+    (dict(seq_len_schedule="8-0.2"), "is not VALUE:UNTIL"),
+    (dict(seq_len_schedule="16:0.2,8:0.5"), "must be positive and grow, got 8 after 16"),
+    (dict(seq_len_schedule="8:0.5,16:0.2"), "must grow within (0, 1), got 0.2 after 0.5"),
     (dict(seq_len_schedule="8:1.0"), "must grow within (0, 1), got 1"),
-    (dict(batch_schedule="48:0.2"), "48-token updates must be a whole number of sequences of seq_len 32"),
-    (dict(batch_schedule="256:0.2"), "below tokens_per_update 256"),
     (dict(seq_len_schedule="12:0.2"), "context 12 must divide seq_len 32"),
-    (dict(seq_len_schedule="1:0.1,2:0.2,4:0.3,8:0.4,16:0.5"), "has 5 steps; at most 4"),
-    (dict(batch_schedule="64:0.2", micro_batch_size=4), "does not divide the 2 sequences of batch_schedule's "
-                                                         "64-token updates; valid sizes: [1, 2]")])
+    (dict(seq_len_schedule="1:0.1,2:0.2,4:0.3,8:0.4,16:0.5"), "has 5 steps; at most 4")])
 def test_a_schedule_that_cannot_be_right_is_one_line_before_any_work(text_cache, tmp_path, capsys, change, words):
     cfg = config(text_cache, tmp_path, **change)
     with pytest.raises(configurator.ConfigError) as info:
@@ -129,36 +102,36 @@ def test_a_schedule_that_cannot_be_right_is_one_line_before_any_work(text_cache,
     assert not (tmp_path / "out").exists()
 
 
-def test_the_schedules_are_recipe_keys_that_leave_an_unscheduled_run_s_identity_as_it_was(text_cache, tmp_path):
+def test_the_schedule_is_a_recipe_key_that_leaves_an_unscheduled_run_s_identity_as_it_was(text_cache, tmp_path):
     cfg = config(text_cache, tmp_path)
-    changes = ({}, dict(batch_schedule=BATCH), dict(seq_len_schedule=CONTEXT), dict(seq_len_schedule="8:0.3"))
+    changes = ({}, dict(seq_len_schedule=CONTEXT), dict(seq_len_schedule="8:0.3"))
     assert len({recipe_id(settings.Config(cfg, **change)) for change in changes}) == len(changes)
     mcfg = plan.model_config(cfg, 256)
-    assert not {"batch_schedule", "seq_len_schedule"} & set(settings.recipe(cfg, mcfg, "cache"))
+    assert "seq_len_schedule" not in settings.recipe(cfg, mcfg, "cache")
 
 
-def test_bench_refuses_the_schedules_it_would_not_time():
+def test_bench_refuses_the_schedule_it_would_not_time():
     cfg = settings.Config(settings.defaults(settings.BenchSettings), seq_len_schedule="256:0.5")
-    with pytest.raises(configurator.ConfigError, match="seq_len_schedule make updates of other sizes or shapes"):
+    with pytest.raises(configurator.ConfigError, match="seq_len_schedule makes updates of other shapes"):
         settings.check(settings.BenchSettings, cfg)
 
 
-def test_stop_and_resume_mid_ramp_is_bitwise_identical(text_cache, tmp_path):
-    """Stopped in the ramp's first step, resumed across both schedules' step changes, finished: the uninterrupted
-    run's curve and weights, bit for bit; the learning rate's schedule spans the 22 updates the ramp makes."""
-    recipe = dict(batch_schedule=BATCH, seq_len_schedule=CONTEXT, lr_schedule="wsd", cooldown_fraction=0.5)
+def test_stop_and_resume_across_the_context_steps_is_bitwise_identical(text_cache, tmp_path):
+    """Stopped in the first context, resumed across both step changes, finished: the uninterrupted run's curve and
+    weights, bit for bit; the learning rate's schedule spans the run's 12 updates."""
+    recipe = dict(seq_len_schedule=CONTEXT, lr_schedule="wsd", cooldown_fraction=0.5)
     full = train.train(config(text_cache, tmp_path, name="straight", out_dir=str(tmp_path / "straight"), **recipe))
-    assert full["step"] == full["total_updates"] == 22 and full["tokens"] == 2 * N * T
+    assert full["step"] == full["total_updates"] == 12 and full["tokens"] == 2 * N * T
     curve = lambda entry: [(p["update"], p["tokens"], p["loss"], p["lr"], p["grad_norm"])
                            for p in entry["training_curve"]]
-    assert curve(full)[-1][3] == full["config"]["min_lr"]  # wsd reaches its floor at the ramp's last update
-    assert [p[1] for p in curve(full)][:10] == [2 * T * (u + 1) for u in range(9)] + [(18 + 4) * T]
+    assert curve(full)[-1][3] == full["config"]["min_lr"]  # wsd reaches its floor at the run's last update
+    assert [p[1] for p in curve(full)][:7] == [8 * T * (u + 1) for u in range(5)] + [N * T, (N + 8) * T]
 
     cfg = config(text_cache, tmp_path, name="resumed", out_dir=str(tmp_path / "resumed"), **recipe)
-    first = train.train(settings.Config(cfg, stop_after_updates=5))
-    assert first["status"] == "interrupted" and first["tokens"] == 5 * 2 * T
-    second = train.train(settings.Config(cfg, resume=True, stop_after_updates=8))
-    assert second["status"] == "interrupted" and second["step"] == 13
+    first = train.train(settings.Config(cfg, stop_after_updates=3))
+    assert first["status"] == "interrupted" and first["tokens"] == 3 * 8 * T
+    second = train.train(settings.Config(cfg, resume=True, stop_after_updates=6))
+    assert second["status"] == "interrupted" and second["step"] == 9
     last = train.train(settings.Config(cfg, resume=True))
     assert last["status"] == "complete" and last["sessions"] == 3
     assert curve(last) == curve(full)
@@ -167,15 +140,15 @@ def test_stop_and_resume_mid_ramp_is_bitwise_identical(text_cache, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-# a 2-sequence update in windows of 8, a 4-sequence one in windows of 16, the 3-sequence last of epoch 0 (padded on
-# one rank), and the 5-sequence last of the run in windows of 32
-UPDATES = ((0, 0), (0, 12), (0, 15), (1, 5))
+# an 8-sequence update in windows of 8, the 5-sequence last of epoch 0 (padded on one rank) in windows of 16, and an
+# 8-sequence one in windows of 32
+UPDATES = ((0, 0), (0, 5), (1, 3))
 
 
 def run_data(cfg):
     cache = TokenCache(cfg.data_dir)
     return TrainData(cache.train, cfg.seq_len, cfg.tokens_per_update // cfg.seq_len, cfg.seed,
-                     cfg.train_subset_tokens, cfg.epochs, **plan.data_schedules(cfg))
+                     cfg.train_subset_tokens, cfg.epochs, settings.schedule_steps(cfg.seq_len_schedule))
 
 
 def ddp_worker(rank, cfg, port, out):
@@ -199,9 +172,9 @@ def ddp_worker(rank, cfg, port, out):
     torch.distributed.destroy_process_group()
 
 
-def test_ddp_with_the_schedules_equals_one_process(text_cache, tmp_path):
+def test_ddp_with_the_schedule_equals_one_process(text_cache, tmp_path):
     import multiprocessing
-    cfg = config(text_cache, tmp_path, micro_batch_size=1, batch_schedule=BATCH, seq_len_schedule=CONTEXT)
+    cfg = config(text_cache, tmp_path, micro_batch_size=1, seq_len_schedule=CONTEXT)
     port, out, fork = free_port(), tmp_path / "ddp.pt", multiprocessing.get_context("fork")
     procs = [fork.Process(target=ddp_worker, args=(r, cfg, port, out)) for r in range(2)]
     for p in procs:
@@ -214,7 +187,7 @@ def test_ddp_with_the_schedules_equals_one_process(text_cache, tmp_path):
     ddp = torch.load(out, weights_only=False)
 
     data, trainer, losses = run_data(cfg), make_trainer(cfg), []
-    assert [data.epoch_updates(e)[u][1:] for e, u in UPDATES] == [(2, 8), (4, 16), (3, 16), (5, 32)]
+    assert [(len(data.update_sequences(e, u)), data.context(e, u)) for e, u in UPDATES] == [(8, 8), (5, 16), (8, 32)]
     for epoch, u in UPDATES:
         batches, n_tokens = data.micro_batches(epoch, u, 4)
         losses.append(trainer.update(batches, n_tokens)[0].item() / n_tokens)
@@ -222,7 +195,7 @@ def test_ddp_with_the_schedules_equals_one_process(text_cache, tmp_path):
     assert_close_parameters(ddp["params"], parameters(trainer.raw_model), 1e-5)
 
 
-def test_a_run_with_the_schedules_compiles_each_shape_once(text_cache, tmp_path, monkeypatch):
+def test_a_run_with_the_schedule_compiles_each_shape_once(text_cache, tmp_path, monkeypatch):
     """Under torch.compile (dynamic=False) each new shape is a compile: the run's three contexts and the validation
     batch compile once each, with the recompile limit raised to what the run needs (set below it here)."""
     shapes, compile_ = [], torch.compile
