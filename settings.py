@@ -192,6 +192,9 @@ class Execution:
     micro_batch_size: int = setting(8, "sequences per forward pass; an update accumulates the rest", bounds=">= 1")
     compile: bool = setting(False, "torch.compile the model")
     compile_mode: str = setting("default", "torch.compile's mode", choices=COMPILE_MODES)
+    warm_kernels: bool = setting(True, "compiled, on a GPU: a child process compiles the kernels that compile at "
+                                       "their first call (flash-attn-4's backward, the fused loss) while the model "
+                                       "compiles (kernels/first_calls.py)")
     compile_scope: str = setting("model", "model: one graph, each block compiled in it; shared: one graph in which "
                                           "the identical blocks are traced and compiled once (a nested compile "
                                           "region); blocks: each block and the loss head a graph of its own, "

@@ -14,7 +14,10 @@ import env
 import model as model_lib
 import optim
 from distributed import all_reduce_sum
+from kernels import first_calls
 from kernels.attention import resolve_backend
+import settings
+from data.loader import sequence_lengths
 from settings import micro_steps
 
 
@@ -54,6 +57,11 @@ class Trainer:
         if cfg.cpu_threads:
             torch.set_num_threads(cfg.cpu_threads)
         self.attention, self.attention_reason = attention or resolve_backend(cfg.attention_backend, self.device)
+        self.compile_cache = self.load_compile_cache(cfg.get("compile_cache") if cfg.compile else None)
+        # cold, the kernels that compile at their first call are compiled by a child while this process builds and
+        # compiles the model (kernels/first_calls.py)
+        first_calls.start(first_calls.spec(cfg, mcfg, self.device, self.attention, sequence_lengths(
+            cfg.seq_len, settings.schedule_steps(cfg.get("seq_len_schedule", ""))), env.compiler_cache_state()[1]))
         torch.manual_seed(cfg.seed)
         # the backend resolved here, once: "auto" inside compiled code would trace the package lookup
         self.raw_model = model_lib.Transformer(mcfg, attention_backend=self.attention, loss_impl=cfg.loss_impl,
@@ -62,7 +70,6 @@ class Trainer:
                                                lm_head_fp8=cfg.lm_head_fp8, mlp_impl=cfg.mlp_impl).to(self.device)
         if initial_state is not None:  # init_from: the weights a run starts from, in place of the seed's
             self.raw_model.load_state_dict(initial_state)
-        self.compile_cache = self.load_compile_cache(cfg.get("compile_cache") if cfg.compile else None)
         self.cudagraphs = uses_cudagraphs(cfg)
         self.stable_grads = self.cudagraphs and micro_steps(cfg, world_size) > 1
         if self.stable_grads:

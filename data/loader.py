@@ -179,6 +179,11 @@ def split_context(x, y, context):
     return x.view(-1, context), y.view(-1, context)
 
 
+def sequence_lengths(seq_len, context_steps):
+    """The contexts a run's micro-batches may take (one shape each), in order: seq_len and its schedule's."""
+    return sorted({value for value, _ in context_steps} | {seq_len})
+
+
 class TrainData:
     """The fixed training subset, cut into sequences and grouped into updates, over `epochs` epochs.
 
@@ -209,7 +214,7 @@ class TrainData:
 
     def contexts(self):
         """The contexts the run's micro-batches may take (one shape each), in order."""
-        return sorted({value for value, _ in self.context_steps} | {self.seq_len})
+        return sequence_lengths(self.seq_len, self.context_steps)
 
     def update_sequences(self, epoch, update):
         cached, order = self._order_cache

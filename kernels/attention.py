@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
+from kernels import first_calls
+
 
 def fa4_problem(device):
     """Why fa4 cannot run on `device` (a torch.device), or None when it can: flash-attn-4's backward needs
@@ -102,6 +104,7 @@ def _flash_attention_4_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Te
                                    lse: torch.Tensor, grad_out: torch.Tensor
                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = _flash_attention_4_gradients(q, k, v)
+    first_calls.wait("attention")  # a child compiling the backward for this run (kernels/first_calls.py)
     flash_attn_4()._flash_attn_bwd(q, k, v, out, grad_out, lse, causal=True, dq=dq, dk=dk, dv=dv)
     return dq, dk, dv
 

@@ -3,7 +3,7 @@ choices)."""
 import torch
 import torch.nn.functional as F
 
-from kernels import in_autocast_dtype, uses_triton
+from kernels import first_calls, in_autocast_dtype, uses_triton
 
 def full_cross_entropy(h, weight, targets, chunk_tokens=None):
     """Sum of cross-entropy of (h @ weight.T) against targets (-100 ignored) from all logits at once, float32 inside:
@@ -55,6 +55,7 @@ def _cross_entropy_rows_triton(logits, targets, write_grad=True, block=None, num
 
     Built on first use so that importing this file never needs Triton (the CPU build has none)."""
     import triton
+    first_calls.wait("loss")  # a child compiling this kernel for the run (kernels/first_calls.py)
     global _triton_rows
     if _triton_rows is None:
         import triton.language as tl

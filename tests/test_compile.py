@@ -141,3 +141,89 @@ def test_a_compile_cache_path_of_a_users_file_or_without_compile_is_one_line_bef
     err = capsys.readouterr().err.strip()
     assert words in err and len(err.splitlines()) == 1 and "Traceback" not in err
     assert mine.read_bytes() == b"a user's file" and not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- kernels compiled by a child (kernels/first_calls.py)
+
+def first_calls_cfg(**changes):
+    import settings
+    return settings.Config(dict(compile=True, loss_impl="fused", lm_head_fp8=False, micro_batch_size=8, seq_len=512,
+                                warm_kernels=True), **changes)
+
+
+def test_the_child_compiles_each_sequence_length_and_nothing_when_no_kernel_would_compile():
+    from kernels import first_calls
+    mcfg = model_lib.ModelConfig(vocab_size=32000, dim=320, n_layers=2, n_heads=5, hidden_dim=64, max_seq_len=512)
+    cuda = torch.device("cuda", 0)
+    job = first_calls.spec(first_calls_cfg(), mcfg, cuda, "fa4", [512, 256], True)
+    # windows of 256 hold twice the rows of the micro-batch's 512-token sequences
+    assert job == {"device": "cuda:0", "attention": [[16, 256, 5, 64], [8, 512, 5, 64]], "backends": "fa4",
+                   "vocab_size": 32000}
+    assert first_calls.spec(first_calls_cfg(), mcfg, cuda, "sdpa", [512], True)["attention"] == []
+    assert first_calls.spec(first_calls_cfg(lm_head_fp8=True), mcfg, cuda, "fa4", [512], True)["vocab_size"] == 0
+    for cfg, device, attention in ((first_calls_cfg(compile=False), cuda, "fa4"),  # eager: nothing compiles beside
+                                   (first_calls_cfg(warm_kernels=False), cuda, "fa4"),
+                                   (first_calls_cfg(), torch.device("cpu"), "fa4"),
+                                   (first_calls_cfg(loss_impl="full"), cuda, "sdpa")):
+        assert first_calls.spec(cfg, mcfg, device, attention, [512], True) is None
+    assert first_calls.spec(first_calls_cfg(), mcfg, cuda, "fa4", [512], False) is None  # warm caches
+
+
+def stand_in_child(tmp_path, after_loss):
+    """A child that prints "loss", then runs after_loss (Python source), then prints "attention"."""
+    return [sys.executable, "-c", f"print('loss', flush=True)\n{after_loss}\nprint('attention', flush=True)"]
+
+
+def test_a_first_call_waits_for_its_own_kernel_only(tmp_path):
+    from kernels import first_calls
+    flag = tmp_path / "go"
+    first_calls.start({}, stand_in_child(tmp_path, f"import os, time\nwhile not os.path.exists({str(flag)!r}): "
+                                                   f"time.sleep(0.01)"))
+    try:
+        first_calls.wait("loss")
+        assert first_calls._child["process"].poll() is None  # still compiling the attention
+        flag.touch()
+        first_calls.wait("attention")
+        assert first_calls._child["process"] is None and first_calls._child["done"] == {"loss", "attention"}
+        first_calls.wait("attention")  # no child: at once
+    finally:
+        first_calls.stop()
+
+
+def test_a_failed_child_says_so_in_one_line_and_the_run_compiles_itself(tmp_path, capsys):
+    from kernels import first_calls
+    first_calls.start({}, stand_in_child(tmp_path, "raise SystemExit('no GPU here')"))
+    first_calls.wait("attention")
+    err = capsys.readouterr().err
+    assert "exited with 1 (no GPU here); compiling them in this process" in err and len(err.splitlines()) == 1
+    assert first_calls._child["process"] is None
+
+
+def test_fa4s_backward_starts_after_the_child_compiled_it(flash_attn_4_stand_in, tmp_path):
+    from kernels import attention, first_calls
+    from tests.conftest import attention_backward_by_hand
+    seen = []
+
+    def backward(*args, **kwargs):
+        seen.append(sorted(first_calls._child["done"]))
+        return attention_backward_by_hand(*args, **kwargs)
+
+    flash_attn_4_stand_in._flash_attn_bwd = backward
+    q, k, v = (torch.randn(1, 8, 2, 16, requires_grad=True) for _ in range(3))
+    first_calls.start({}, stand_in_child(tmp_path, "import time; time.sleep(0.2)"))
+    try:
+        attention.flash_attention_4(q, k, v).sum().backward()
+    finally:
+        first_calls.stop()
+    assert seen == [["attention", "loss"]]
+
+
+def test_the_real_child_calls_each_kernel_at_the_runs_shapes(tmp_path):
+    """On the CPU: the torch loss rows and SDPA, at two sequence lengths (on the GPU: the Triton rows and fa4)."""
+    from kernels import first_calls
+    first_calls.start({"device": "cpu", "attention": [[2, 16, 2, 8], [1, 32, 2, 8]], "backends": None,
+                       "vocab_size": 64})
+    process = first_calls._child["process"]
+    first_calls.wait("attention")
+    assert process.returncode == 0 and first_calls._child["done"] == {"loss", "attention"}
+    assert first_calls._child["process"] is None  # reaped
