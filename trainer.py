@@ -18,7 +18,6 @@ from kernels import first_calls
 from kernels.attention import resolve_backend
 import settings
 from data.loader import sequence_lengths
-from settings import micro_steps
 
 
 def peak_memory_bytes(device):
@@ -71,7 +70,7 @@ class Trainer:
         if initial_state is not None:  # init_from: the weights a run starts from, in place of the seed's
             self.raw_model.load_state_dict(initial_state)
         self.cudagraphs = uses_cudagraphs(cfg)
-        self.stable_grads = self.cudagraphs and micro_steps(cfg, world_size) > 1
+        self.stable_grads = self.cudagraphs and settings.micro_steps(cfg, world_size) > 1
         if self.stable_grads:
             self.allocate_gradients()
         self.model = self.compiled(self.raw_model) if cfg.compile else self.raw_model

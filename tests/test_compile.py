@@ -218,6 +218,22 @@ def test_fa4s_backward_starts_after_the_child_compiled_it(flash_attn_4_stand_in,
     assert seen == [["attention", "loss"]]
 
 
+def test_the_loss_kernel_waits_for_the_child_before_it_is_built(monkeypatch):
+    """The Triton rows' first step is the wait (the kernel itself needs a GPU: the wait stops it here)."""
+    pytest.importorskip("triton")
+    from kernels import cross_entropy, first_calls
+    waited = []
+
+    def wait(kernel):
+        waited.append(kernel)
+        raise RuntimeError("stop before the kernel")
+
+    monkeypatch.setattr(first_calls, "wait", wait)
+    with pytest.raises(RuntimeError, match="stop before the kernel"):
+        cross_entropy._cross_entropy_rows_triton(torch.zeros(2, 8), torch.zeros(2, dtype=torch.long))
+    assert waited == ["loss"]
+
+
 def test_the_real_child_calls_each_kernel_at_the_runs_shapes(tmp_path):
     """On the CPU: the torch loss rows and SDPA, at two sequence lengths (on the GPU: the Triton rows and fa4)."""
     from kernels import first_calls
