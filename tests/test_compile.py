@@ -169,53 +169,67 @@ def test_the_child_compiles_each_sequence_length_and_nothing_when_no_kernel_woul
     assert first_calls.spec(first_calls_cfg(), mcfg, cuda, "fa4", [512], False) is None  # warm caches
 
 
-def stand_in_child(tmp_path, after_loss):
-    """A child that prints "loss", then runs after_loss (Python source), then prints "attention"."""
-    return [sys.executable, "-c", f"print('loss', flush=True)\n{after_loss}\nprint('attention', flush=True)"]
+JOB = {"device": "cpu", "attention": [[2, 16, 2, 8]], "backends": None, "vocab_size": 64}
 
 
-def test_a_first_call_waits_for_its_own_kernel_only(tmp_path):
+def stand_in_children(sources):
+    """Children that run sources[kernel] (Python source, "" for none) and then print their kernel's line."""
+    return lambda kernel, job: [sys.executable, "-c", f"{sources.get(kernel, '')}\nprint({kernel!r}, 1.5, flush=True)"]
+
+
+def test_each_kernel_has_a_child_and_a_first_call_waits_for_its_own_only(tmp_path):
     from kernels import first_calls
     flag = tmp_path / "go"
-    first_calls.start({}, stand_in_child(tmp_path, f"import os, time\nwhile not os.path.exists({str(flag)!r}): "
-                                                   f"time.sleep(0.01)"))
+    first_calls.start(JOB, stand_in_children({"loss": f"import os, time\nwhile not os.path.exists({str(flag)!r}): "
+                                                      f"time.sleep(0.01)"}))
     try:
-        first_calls.wait("loss")
-        assert first_calls._child["process"].poll() is None  # still compiling the attention
+        loss_child = first_calls._children["loss"]["process"]
+        first_calls.wait("attention")  # the attention's child does not wait for the loss's compile
+        assert loss_child.poll() is None and set(first_calls.timings()) == {"attention"}
         flag.touch()
-        first_calls.wait("attention")
-        assert first_calls._child["process"] is None and first_calls._child["done"] == {"loss", "attention"}
-        first_calls.wait("attention")  # no child: at once
+        first_calls.wait("loss")
+        assert first_calls._children == {} and loss_child.returncode is not None  # reaped
+        assert first_calls.timings()["loss"]["ready_seconds"] == 1.5
+        assert first_calls.timings()["loss"]["waited_seconds"] > 0
+        first_calls.wait("loss")  # no child: at once
     finally:
         first_calls.stop()
 
 
-def test_a_failed_child_says_so_in_one_line_and_the_run_compiles_itself(tmp_path, capsys):
+def test_a_job_starts_children_for_its_kernels_only():
     from kernels import first_calls
-    first_calls.start({}, stand_in_child(tmp_path, "raise SystemExit('no GPU here')"))
+    assert first_calls.kernels_of(JOB) == ["loss", "attention"]
+    assert first_calls.kernels_of(dict(JOB, vocab_size=0)) == ["attention"]
+    assert first_calls.kernels_of(dict(JOB, attention=[])) == ["loss"]
+
+
+def test_a_failed_child_says_so_in_one_line_and_the_run_compiles_itself(capsys):
+    from kernels import first_calls
+    first_calls.start(dict(JOB, vocab_size=0), stand_in_children({"attention": "raise SystemExit('no GPU here')"}))
     first_calls.wait("attention")
     err = capsys.readouterr().err
-    assert "exited with 1 (no GPU here); compiling them in this process" in err and len(err.splitlines()) == 1
-    assert first_calls._child["process"] is None
+    assert ("the attention kernel exited with 1 (no GPU here); compiling it in this process" in err
+            and len(err.splitlines()) == 1)
+    assert first_calls._children == {} and first_calls.timings() == {}
 
 
-def test_fa4s_backward_starts_after_the_child_compiled_it(flash_attn_4_stand_in, tmp_path):
+def test_fa4s_backward_starts_after_the_child_compiled_it(flash_attn_4_stand_in):
     from kernels import attention, first_calls
     from tests.conftest import attention_backward_by_hand
     seen = []
 
     def backward(*args, **kwargs):
-        seen.append(sorted(first_calls._child["done"]))
+        seen.append(sorted(first_calls.timings()))
         return attention_backward_by_hand(*args, **kwargs)
 
     flash_attn_4_stand_in._flash_attn_bwd = backward
     q, k, v = (torch.randn(1, 8, 2, 16, requires_grad=True) for _ in range(3))
-    first_calls.start({}, stand_in_child(tmp_path, "import time; time.sleep(0.2)"))
+    first_calls.start(dict(JOB, vocab_size=0), stand_in_children({"attention": "import time; time.sleep(0.2)"}))
     try:
         attention.flash_attention_4(q, k, v).sum().backward()
     finally:
         first_calls.stop()
-    assert seen == [["attention", "loss"]]
+    assert seen == [["attention"]]
 
 
 def test_the_loss_kernel_waits_for_the_child_before_it_is_built(monkeypatch):
@@ -234,12 +248,12 @@ def test_the_loss_kernel_waits_for_the_child_before_it_is_built(monkeypatch):
     assert waited == ["loss"]
 
 
-def test_the_real_child_calls_each_kernel_at_the_runs_shapes(tmp_path):
+def test_the_real_children_call_each_kernel_at_the_runs_shapes():
     """On the CPU: the torch loss rows and SDPA, at two sequence lengths (on the GPU: the Triton rows and fa4)."""
     from kernels import first_calls
-    first_calls.start({"device": "cpu", "attention": [[2, 16, 2, 8], [1, 32, 2, 8]], "backends": None,
-                       "vocab_size": 64})
-    process = first_calls._child["process"]
-    first_calls.wait("attention")
-    assert process.returncode == 0 and first_calls._child["done"] == {"loss", "attention"}
-    assert first_calls._child["process"] is None  # reaped
+    first_calls.start(dict(JOB, attention=[[2, 16, 2, 8], [1, 32, 2, 8]]))
+    children = [first_calls._children[k]["process"] for k in first_calls.KERNELS]
+    for kernel in first_calls.KERNELS:
+        first_calls.wait(kernel)
+    assert set(first_calls.timings()) == {"loss", "attention"} and first_calls._children == {}
+    assert all(child.returncode is not None for child in children)  # reaped
