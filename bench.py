@@ -21,7 +21,7 @@ import settings
 from configurator import ConfigError
 from data.loader import batch_stream, synthetic_batches
 from distributed import all_reduce_sum
-from kernels import first_calls
+from model_kernels import first_calls
 from plan import USER_ERRORS
 from plots import fmt
 from profiling import kernel_breakdown, profiled_kernels

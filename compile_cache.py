@@ -75,7 +75,7 @@ def read(path):
 
 def kernel_folder():
     """flash-attn-4's folder of compiled CuTe kernels (flash_attn.cute.cache_utils.get_cache_path's), or None when
-    its on-disk cache is off (kernels/attention.py turns it on)."""
+    its on-disk cache is off (model_kernels/attention.py turns it on)."""
     if os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0") != "1":
         return None
     folder = os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR")

@@ -40,7 +40,7 @@ import settings
 import trainer
 from configurator import ConfigError
 from data.loader import TokenCache, eval_batch_count, eval_batches
-from kernels.attention import resolve_backend
+from model_kernels.attention import resolve_backend
 from settings import MODEL, RUN, WEIGHTS, Execution, ModelShape, Paths, setting
 
 SECTION = "evaluation"  # results[SECTION][name]

@@ -3,8 +3,8 @@
 Layout follows transformers' LlamaForCausalLM exactly (RMSNorm before attention and MLP, rotary positions
 with the rotate-half convention, SwiGLU, tied embeddings, no biases), so weights map one to one (hf.py). Two
 projections are stored fused for speed at small widths, with the same math: q, k, v as one matrix
-(`wqkv`) and the SwiGLU gate and up projections as one (`w13`). The kernels it calls live in kernels/, and how
-each concern runs (the loss, the MLP, attention) is the choice kernels/registry.py declares.
+(`wqkv`) and the SwiGLU gate and up projections as one (`w13`). The kernels it calls live in model_kernels/, and how
+each concern runs (the loss, the MLP, attention) is the choice model_kernels/registry.py declares.
 
 The architecture levers (ModelConfig's last fields, all off by default: then the model, its parameter names and
 its initialisation under a seed are the plain Llama's above) change the math, as modded-nanogpt's records did:
@@ -20,9 +20,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.attention import causal_attention
-from kernels.cross_entropy import linear_cross_entropy_losses
-from kernels.registry import ATTENTION, LOSS, MLP
+from model_kernels.attention import causal_attention
+from model_kernels.cross_entropy import linear_cross_entropy_losses
+from model_kernels.registry import ATTENTION, LOSS, MLP
 
 
 # The time-to-quality levers that lost their screens (docs/TIME_TO_QUALITY.md, "Levers not kept"), the model's and
@@ -219,7 +219,7 @@ class FeedForward(nn.Module):
         super().__init__()
         self.w13 = nn.Linear(config.dim, 2 * config.hidden_dim, bias=False)  # [gate; up]
         self.w2 = nn.Linear(config.hidden_dim, config.dim, bias=False)
-        self.impl, self._forward = impl, MLP[impl].forward  # how it runs (kernels/registry.py), same math
+        self.impl, self._forward = impl, MLP[impl].forward  # how it runs (model_kernels/registry.py), same math
 
     def forward(self, x):
         return self._forward(x, self.w13.weight, self.w2.weight)
@@ -257,8 +257,8 @@ class Transformer(nn.Module):
             raise ValueError(f"unknown residual_dtype {residual_dtype!r}; valid: {', '.join(RESIDUAL_DTYPES)}")
         self.residual_dtype = RESIDUAL_DTYPES[residual_dtype]
         self.loss_impl, self.loss_chunk_tokens, self.lm_head_fp8 = loss_impl, loss_chunk_tokens, lm_head_fp8
-        # the declared FP8 head runs in training's loss only (kernels/linear_cross_entropy_fp8.py); the settings and
-        # shapes that can run a choice are kernels/registry.py's to say, and settings.py's to check
+        # the declared FP8 head runs in training's loss only (model_kernels/linear_cross_entropy_fp8.py); the
+        # settings and shapes that can run a choice are model_kernels/registry.py's to say, and settings.py's to check
         self._train_loss, self._losses_only = (loss.fp8 if lm_head_fp8 else loss.train), loss.losses_only
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.blocks_compiled_once = False  # compile_scope "shared" (trainer.py) sets it: see Block

@@ -15,7 +15,7 @@ import settings
 from configurator import ConfigError
 from data.loader import CacheError, TokenCache, TrainData
 from distributed import distributed
-from kernels import registry
+from model_kernels import registry
 from results import ResultsFileError, check_writable
 
 USER_ERRORS = (ConfigError, ResultsFileError, CacheError, checkpoint.CheckpointError)  # one line, never a traceback
@@ -86,9 +86,9 @@ def resolve_device(cfg, local_rank=None):
 
 
 def check_device(cfg, device):
-    """What the machine decides: each execution choice (and the FP8 head) where it cannot run (kernels/registry.py),
-    and the profiler without a GPU. device: the torch.device the run will use. Returns (attention backend, why)."""
-    from kernels.attention import resolve_backend
+    """What the machine decides: each execution choice (and the FP8 head) where it cannot run
+    (model_kernels/registry.py), and the profiler without a GPU. device: the torch.device the run will use. Returns (attention backend, why)."""
+    from model_kernels.attention import resolve_backend
     problem = registry.problem(cfg, device)
     if problem:
         raise ConfigError(problem)

@@ -21,7 +21,7 @@ import os
 
 import model as model_lib
 from configurator import ConfigError
-from kernels import registry
+from model_kernels import registry
 from optim import MUON_ADJUST, OPTIMIZERS, SCHEDULES
 from results import SECTIONS
 
@@ -194,7 +194,7 @@ class Execution:
     compile_mode: str = setting("default", "torch.compile's mode", choices=COMPILE_MODES)
     warm_kernels: bool = setting(True, "compiled, on a GPU: a child process compiles the kernels that compile at "
                                        "their first call (flash-attn-4's backward, the fused loss) while the model "
-                                       "compiles (kernels/first_calls.py)")
+                                       "compiles (model_kernels/first_calls.py)")
     compile_scope: str = setting("model", "model: one graph, each block compiled in it; shared: one graph in which "
                                           "the identical blocks are traced and compiled once (a nested compile "
                                           "region); blocks: each block and the loss head a graph of its own, "
@@ -486,7 +486,7 @@ def _resume_or_overwrite(cfg):
 @combination("loss_impl", "mlp_impl", "attention_backend", "lm_head_fp8", "loss_chunk_tokens", "micro_batch_size",
              "seq_len")
 def _execution_choices(cfg):
-    """The execution choices' (and the FP8 head's) rules on these numbers (kernels/registry.py)."""
+    """The execution choices' (and the FP8 head's) rules on these numbers (model_kernels/registry.py)."""
     return registry.problem(cfg)
 
 

@@ -14,8 +14,8 @@ import env
 import model as model_lib
 import optim
 from distributed import all_reduce_sum
-from kernels import first_calls
-from kernels.attention import resolve_backend
+from model_kernels import first_calls
+from model_kernels.attention import resolve_backend
 import settings
 from data.loader import sequence_lengths
 
@@ -58,7 +58,7 @@ class Trainer:
         self.attention, self.attention_reason = attention or resolve_backend(cfg.attention_backend, self.device)
         self.compile_cache = self.load_compile_cache(cfg.get("compile_cache") if cfg.compile else None)
         # cold, the kernels that compile at their first call are compiled by a child while this process builds and
-        # compiles the model (kernels/first_calls.py)
+        # compiles the model (model_kernels/first_calls.py)
         first_calls.start(first_calls.spec(cfg, mcfg, self.device, self.attention, sequence_lengths(
             cfg.seq_len, settings.schedule_steps(cfg.get("seq_len_schedule", ""))), env.compiler_cache_state()[1]))
         torch.manual_seed(cfg.seed)

@@ -26,7 +26,7 @@ import results
 import settings
 from configurator import ConfigError, write_config_file
 from data.loader import CacheError, TokenCache
-from kernels import attention
+from model_kernels import attention
 from plan import USER_ERRORS
 from plots import finite_number, fmt
 from settings import BENCH_GROUPS, BenchSettings, TrainSettings, setting

@@ -12,7 +12,7 @@ min_lr = 2e-4
 warmup_updates = 100
 micro_batch_size = 32
 compile = True
-# Fused LM head + cross-entropy (kernels/cross_entropy.py): the same math as the full loss, faster and with less
+# Fused LM head + cross-entropy (model_kernels/cross_entropy.py): the same math as the full loss, faster and with less
 # memory on the H200 (docs/PERFORMANCE.md, "Levers tried and not kept": `lever-full-loss`).
 loss_impl = "fused"
 # CUDA graphs for the whole compiled model: faster than the plain compile (docs/PERFORMANCE.md, "Levers tried and

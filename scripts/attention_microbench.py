@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import env  # noqa: E402
 from results import record  # noqa: E402
 import common  # noqa: E402
-from kernels.attention import causal_attention  # noqa: E402
-from kernels.registry import ATTENTION  # noqa: E402
+from model_kernels.attention import causal_attention  # noqa: E402
+from model_kernels.registry import ATTENTION  # noqa: E402
 from model import PRESETS, get_preset  # noqa: E402
 
 

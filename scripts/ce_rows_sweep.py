@@ -1,6 +1,6 @@
 """The fused loss's Triton kernel alone, on the GPU, at several launch shapes: microseconds per call on one
 slice of logits, the bandwidth that is, and the error of the loss and gradient against float32 torch.
-Picks kernels.cross_entropy.ROWS_BLOCK and ROWS_NUM_WARPS; recorded under NAME in the results file.
+Picks model_kernels.cross_entropy.ROWS_BLOCK and ROWS_NUM_WARPS; recorded under NAME in the results file.
 
     python scripts/ce_rows_sweep.py [--rows=8192] [--vocab=32000] [--name=ce-rows-sweep]
 """
@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import env  # noqa: E402
 from results import record  # noqa: E402
 import common  # noqa: E402
-from kernels import cross_entropy  # noqa: E402
+from model_kernels import cross_entropy  # noqa: E402
 
 LAUNCHES = [(32768, 32), (32768, 16), (16384, 16), (16384, 8), (8192, 16), (8192, 8), (8192, 4), (4096, 8),
             (4096, 4), (2048, 4)]

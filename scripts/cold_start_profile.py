@@ -25,8 +25,8 @@ import env  # noqa: E402
 import plan as plan_lib  # noqa: E402
 import settings  # noqa: E402
 from data.loader import batch_stream, synthetic_batches  # noqa: E402
-from kernels import cross_entropy  # noqa: E402
-from kernels.attention import causal_attention  # noqa: E402
+from model_kernels import cross_entropy  # noqa: E402
+from model_kernels.attention import causal_attention  # noqa: E402
 from plan import USER_ERRORS  # noqa: E402
 from results import record  # noqa: E402
 from trainer import Trainer  # noqa: E402

@@ -3,10 +3,10 @@ replaces (full logits, eager and compiled) and against the two libraries made fo
 Liger-Kernel's fused linear cross-entropy and Apple's Cut Cross-Entropy (CCE, which never writes the logits
 to memory; "cce" with its gradient filter off, the same math, and "cce-filtered" with its default filter,
 which skips softmax entries below bf16's resolution and so changes the gradient slightly). Also the declared FP8
-head ("fused-fp8", kernels/linear_cross_entropy_fp8.py, a change of math whose gradient errors say by how much);
+head ("fused-fp8", model_kernels/linear_cross_entropy_fp8.py, a change of math whose gradient errors say by how much);
 the floor: "matmuls-alone", the fused op's three matmuls of the same shapes and slices with no loss between them
 (its loss is 0 and its gradient errors mean nothing); and, on a Hopper GPU with quack-kernels, loss_impl
-"quack_chunked" (kernels/quack_ops.py) as "quack-chunked". Same inputs for all; each one's loss and the relative
+"quack_chunked" (model_kernels/quack_ops.py) as "quack-chunked". Same inputs for all; each one's loss and the relative
 error of both gradients against the eager full loss are recorded beside its time, under NAME in the results file
 (with the fingerprint).
 
@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import env  # noqa: E402
 from results import record  # noqa: E402
 import common  # noqa: E402
-from kernels import in_autocast_dtype  # noqa: E402
-from kernels import quack_ops  # noqa: E402
-from kernels.cross_entropy import linear_cross_entropy  # noqa: E402
-from kernels.linear_cross_entropy_fp8 import linear_cross_entropy_fp8  # noqa: E402
+from model_kernels import in_autocast_dtype  # noqa: E402
+from model_kernels import quack_ops  # noqa: E402
+from model_kernels.cross_entropy import linear_cross_entropy  # noqa: E402
+from model_kernels.linear_cross_entropy_fp8 import linear_cross_entropy_fp8  # noqa: E402
 
 
 def full_loss(h, weight, targets):

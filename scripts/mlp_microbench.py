@@ -1,7 +1,7 @@
 """The SwiGLU MLP alone, forward and backward, on the GPU, mlp_impl "torch" against "quack", at each preset's shape.
 
-"torch" (the w13 matmul, then SwiGLU and the down projection as one op, kernels/swiglu.py) eager and compiled (its
-Triton kernels run only compiled, as in training); "quack" (quack-kernels' gated matmuls, kernels/quack_ops.py)
+"torch" (the w13 matmul, then SwiGLU and the down projection as one op, model_kernels/swiglu.py) eager and compiled (its
+Triton kernels run only compiled, as in training); "quack" (quack-kernels' gated matmuls, model_kernels/quack_ops.py)
 eager, compiled, and untuned (quack's default tiles instead of its autotuned ones), where quack can run. x is
 (batch, seq_len, width) in float32 with float32 weights under bf16 autocast, as in training.
 For each: the milliseconds of a forward and backward (CUDA events, as scripts/loss_microbench.py times), its GPU
@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import env  # noqa: E402
 from results import record  # noqa: E402
 import common  # noqa: E402
-from kernels import quack_ops  # noqa: E402
-from kernels.swiglu import swiglu_down  # noqa: E402
+from model_kernels import quack_ops  # noqa: E402
+from model_kernels.swiglu import swiglu_down  # noqa: E402
 from model import PRESETS, get_preset  # noqa: E402
 
 

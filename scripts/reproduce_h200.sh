@@ -31,9 +31,9 @@ mkdir -p "$(dirname "$R")"
 REF=config/20m_gh200.py
 bench() { timeout 300 python bench.py "$@" --results_file="$R"; }
 has_quack() {  # quack's kernels run here; else why not, on stderr
-  python -c "from kernels.quack_ops import quack_problem; import torch, sys; p = quack_problem(torch.device('cuda')); sys.exit(p and f'quack-kernels cannot run here ({p}): its rows are skipped')"
+  python -c "from model_kernels.quack_ops import quack_problem; import torch, sys; p = quack_problem(torch.device('cuda')); sys.exit(p and f'quack-kernels cannot run here ({p}): its rows are skipped')"
 }
-has_fa4() { python -c "from kernels.attention import fa4_problem; import torch, sys; sys.exit(fa4_problem(torch.device('cuda')) is not None)"; }
+has_fa4() { python -c "from model_kernels.attention import fa4_problem; import torch, sys; sys.exit(fa4_problem(torch.device('cuda')) is not None)"; }
 
 ceilings() {
   python scripts/ceilings.py --name=ceilings --results_file="$R"

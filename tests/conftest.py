@@ -68,7 +68,8 @@ def causal_scores(q, k):
 
 
 def attention_forward_by_hand(q, k, v):
-    """kernels.attention.cudnn_attention_forward in plain torch: the output (B, T, H, D) and the log-sum-exp (B, H, T)."""
+    """model_kernels.attention.cudnn_attention_forward in plain torch: the output (B, T, H, D) and the log-sum-exp
+    (B, H, T)."""
     scores = causal_scores(q, k)
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.einsum("bhts,bshd->bthd", torch.exp(scores - lse[..., None]), v.float())
@@ -106,7 +107,7 @@ def flash_attn_4_stand_in(monkeypatch):
     they return. That the two kernels agree on the log-sum-exp is a GPU fact: scripts/attention_microbench.py
     checks the gradients against float32 math there."""
     import types
-    from kernels import attention
+    from model_kernels import attention
     interface = types.ModuleType("flash_attn.cute.interface")
     interface._flash_attn_bwd = attention_backward_by_hand
     for name in ("flash_attn", "flash_attn.cute"):

@@ -143,7 +143,7 @@ def test_a_compile_cache_path_of_a_users_file_or_without_compile_is_one_line_bef
     assert mine.read_bytes() == b"a user's file" and not (tmp_path / "out").exists()
 
 
-# ---------------------------------------------------------------- kernels compiled by a child (kernels/first_calls.py)
+# ---------------------------------------------------------------- kernels compiled by a child (model_kernels/first_calls.py)
 
 def first_calls_cfg(**changes):
     import settings
@@ -152,7 +152,7 @@ def first_calls_cfg(**changes):
 
 
 def test_the_child_compiles_each_sequence_length_and_nothing_when_no_kernel_would_compile():
-    from kernels import first_calls
+    from model_kernels import first_calls
     mcfg = model_lib.ModelConfig(vocab_size=32000, dim=320, n_layers=2, n_heads=5, hidden_dim=64, max_seq_len=512)
     cuda = torch.device("cuda", 0)
     job = first_calls.spec(first_calls_cfg(), mcfg, cuda, "fa4", [512, 256], True)
@@ -178,7 +178,7 @@ def stand_in_children(sources):
 
 
 def test_each_kernel_has_a_child_and_a_first_call_waits_for_its_own_only(tmp_path):
-    from kernels import first_calls
+    from model_kernels import first_calls
     flag = tmp_path / "go"
     first_calls.start(JOB, stand_in_children({"loss": f"import os, time\nwhile not os.path.exists({str(flag)!r}): "
                                                       f"time.sleep(0.01)"}))
@@ -197,14 +197,14 @@ def test_each_kernel_has_a_child_and_a_first_call_waits_for_its_own_only(tmp_pat
 
 
 def test_a_job_starts_children_for_its_kernels_only():
-    from kernels import first_calls
+    from model_kernels import first_calls
     assert first_calls.kernels_of(JOB) == ["loss", "attention"]
     assert first_calls.kernels_of(dict(JOB, vocab_size=0)) == ["attention"]
     assert first_calls.kernels_of(dict(JOB, attention=[])) == ["loss"]
 
 
 def test_a_failed_child_says_so_in_one_line_and_the_run_compiles_itself(capsys):
-    from kernels import first_calls
+    from model_kernels import first_calls
     first_calls.start(dict(JOB, vocab_size=0), stand_in_children({"attention": "raise SystemExit('no GPU here')"}))
     first_calls.wait("attention")
     err = capsys.readouterr().err
@@ -214,7 +214,7 @@ def test_a_failed_child_says_so_in_one_line_and_the_run_compiles_itself(capsys):
 
 
 def test_fa4s_backward_starts_after_the_child_compiled_it(flash_attn_4_stand_in):
-    from kernels import attention, first_calls
+    from model_kernels import attention, first_calls
     from tests.conftest import attention_backward_by_hand
     seen = []
 
@@ -235,7 +235,7 @@ def test_fa4s_backward_starts_after_the_child_compiled_it(flash_attn_4_stand_in)
 def test_the_loss_kernel_waits_for_the_child_before_it_is_built(monkeypatch):
     """The Triton rows' first step is the wait (the kernel itself needs a GPU: the wait stops it here)."""
     pytest.importorskip("triton")
-    from kernels import cross_entropy, first_calls
+    from model_kernels import cross_entropy, first_calls
     waited = []
 
     def wait(kernel):
@@ -250,7 +250,7 @@ def test_the_loss_kernel_waits_for_the_child_before_it_is_built(monkeypatch):
 
 def test_the_real_children_call_each_kernel_at_the_runs_shapes():
     """On the CPU: the torch loss rows and SDPA, at two sequence lengths (on the GPU: the Triton rows and fa4)."""
-    from kernels import first_calls
+    from model_kernels import first_calls
     first_calls.start(dict(JOB, attention=[[2, 16, 2, 8], [1, 32, 2, 8]]))
     children = [first_calls._children[k]["process"] for k in first_calls.KERNELS]
     for kernel in first_calls.KERNELS:

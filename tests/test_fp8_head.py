@@ -1,4 +1,4 @@
-"""kernels/linear_cross_entropy_fp8.py, the declared lm_head_fp8: the op is exactly the arithmetic of its FP8
+"""model_kernels/linear_cross_entropy_fp8.py, the declared lm_head_fp8: the op is exactly the arithmetic of its FP8
 operands, close to the bf16 loss, scaled in backward as "fused"; its Triton kernels in the interpreter; and the
 settings it cannot run with refused before any work."""
 import os
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import model
 import train
 from configurator import ConfigError
-from kernels import linear_cross_entropy_fp8 as fp8
+from model_kernels import linear_cross_entropy_fp8 as fp8
 import settings
 import plan
 from tests.conftest import check_execution, setup
@@ -149,7 +149,7 @@ TRITON_FP8_CHECK = """
 import numpy as np, torch
 import triton.language as tl
 from triton.runtime import interpreter
-from kernels import cross_entropy, linear_cross_entropy_fp8 as fp8
+from model_kernels import cross_entropy, linear_cross_entropy_fp8 as fp8
 
 fp_to_fp = interpreter.InterpreterBuilder.create_fp_to_fp
 def fp_to_fp_rounding(self, src, dst_type, rounding_mode):

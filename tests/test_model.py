@@ -11,9 +11,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels import attention
-from kernels import cross_entropy
-from kernels import registry, swiglu
+from model_kernels import attention
+from model_kernels import cross_entropy
+from model_kernels import registry, swiglu
 import hf
 import model
 from tests.conftest import flash_attn_4_installed
@@ -294,7 +294,7 @@ def test_fused_loss_traces_under_torch_compile():
 
 TRITON_ROWS_CHECK = """
 import torch, torch.nn.functional as F, model
-from kernels import cross_entropy, swiglu
+from model_kernels import cross_entropy, swiglu
 from tests.conftest import assert_loss_and_gradients_match_cross_entropy
 torch.manual_seed(0)
 for dtype in (torch.float32, torch.bfloat16):
@@ -344,7 +344,7 @@ def test_triton_cross_entropy_kernel_in_the_interpreter():
 
 SWIGLU_CHECK = """
 import torch, torch.nn.functional as F, model
-from kernels import cross_entropy, swiglu
+from model_kernels import cross_entropy, swiglu
 torch.manual_seed(0)
 def run(fn, x, weight, grad_out):
     x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
@@ -705,7 +705,7 @@ def test_auto_attention_is_fa4_where_it_runs_and_sdpa_elsewhere_saying_why(flash
 
 
 def test_auto_attention_on_the_cpu_computes_what_sdpa_does():
-    from kernels.attention import resolve_backend
+    from model_kernels.attention import resolve_backend
     assert resolve_backend("auto", "cpu")[0] == "sdpa"  # the choice itself: math computes the same on a CPU
     config = tiny_config()
     x, y = random_batch(config, 2, 24)

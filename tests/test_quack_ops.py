@@ -1,4 +1,4 @@
-"""kernels/quack_ops.py: loss_impl "quack_chunked" and mlp_impl "quack". quack's kernels need a Hopper GPU, so the
+"""model_kernels/quack_ops.py: loss_impl "quack_chunked" and mlp_impl "quack". quack's kernels need a Hopper GPU, so the
 CPU tests what runs without them: the refusal elsewhere, the declaration, the shape rules, and the layout mapping, against quack's reference functions (quack/gemm_interface.py: gemm_ref, gemm_gated_ref,
 gemm_dgated_ref; quack/linear_cross_entropy.py: linear_cross_entropy_func_ref) written out here in plain torch."""
 import os
@@ -17,8 +17,8 @@ import model as model_lib
 import settings
 import train
 from configurator import ConfigError
-from kernels import quack_ops, registry
-from kernels.swiglu import swiglu_down
+from model_kernels import quack_ops, registry
+from model_kernels.swiglu import swiglu_down
 from settings import TrainSettings
 from trainer import Trainer
 from tests.test_model import random_batch, relative_error, seeded_model, tiny_config

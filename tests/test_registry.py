@@ -1,4 +1,4 @@
-"""kernels/registry.py: each execution choice declared once. A choice added in one entry (here for the length of a
+"""model_kernels/registry.py: each execution choice declared once. A choice added in one entry (here for the length of a
 test) is in --help, passes and fails the settings' checks as its entry says, trains in the model and is one of
 tune.py's candidates; and what the registries declare is what the settings, the model and the help read."""
 import pytest
@@ -10,7 +10,7 @@ import settings
 import train
 import tune
 from configurator import ConfigError
-from kernels import registry
+from model_kernels import registry
 from settings import TrainSettings
 from tests.test_model import random_batch, seeded_model, tiny_config
 import plan

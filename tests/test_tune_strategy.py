@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-import kernels.attention
+import model_kernels.attention
 import settings
 import sweep as sweep_lib
 import train
@@ -170,7 +170,7 @@ def test_the_backend_the_incumbent_runs_is_not_screened_again(monkeypatch, capsy
                                                               incumbent, left_out):
     """auto is fa4 where flash-attn-4 can run, else SDPA: the one of them that auto is here, or auto beside it,
     would measure the incumbent under another name."""
-    monkeypatch.setattr(kernels.attention, "fa4_problem", lambda device: None if fa4_runs else "no flash-attn-4")
+    monkeypatch.setattr(model_kernels.attention, "fa4_problem", lambda device: None if fa4_runs else "no flash-attn-4")
     backends = lambda cfg: [lever_and_c[1]["attention_backend"] for lever_and_c in tune.plan(
         cfg, tune.lever_choices(cfg, cuda=True), torch.device("cuda"))[1] if lever_and_c[0] == "attention_backend"]
     screened = backends(tune_cfg(attention_backend=incumbent))
@@ -182,7 +182,8 @@ def test_the_backend_the_incumbent_runs_is_not_screened_again(monkeypatch, capsy
 
 
 def test_fa4_is_a_lever_where_it_can_run_and_named_where_it_cannot_is_refused(monkeypatch):
-    monkeypatch.setattr(kernels.attention, "fa4_problem", lambda device: None if device.type == "cuda" else "no GPU")
+    monkeypatch.setattr(model_kernels.attention, "fa4_problem",
+                        lambda device: None if device.type == "cuda" else "no GPU")
     # a config that pins SDPA (with auto, fa4 is the incumbent's own attention where it runs)
     assert "fa4" in tune.lever_choices(tune_cfg(attention_backend="sdpa"), cuda=True)["attention_backend"]
     with pytest.raises(tune.ConfigError, match="tune_backends names fa4, but no GPU"):

@@ -13,8 +13,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch.nn.attention import SDPBackend
 
-from kernels import attention, cross_entropy, quack_ops, swiglu
-from kernels import linear_cross_entropy_fp8 as fp8
+from model_kernels import attention, cross_entropy, quack_ops, swiglu
+from model_kernels import linear_cross_entropy_fp8 as fp8
 
 
 def runs_anywhere(device):
@@ -58,7 +58,7 @@ class MLPChoice(Choice):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AttentionChoice(Choice):
-    """backends: what kernels.attention.causal_attention runs: "auto", "fa4", None (SDPA's own pick) or one SDPA
+    """backends: what model_kernels.attention.causal_attention runs: "auto", "fa4", None (SDPA's own pick) or one SDPA
     kernel."""
     backends: Any
 
@@ -138,7 +138,7 @@ def cuda_only(device):
 
 
 def fa4_device_problem(device):
-    """flash-attn-4 first (the package a user can install), then the GPU as kernels.attention.fa4_problem says it
+    """flash-attn-4 first (the package a user can install), then the GPU as model_kernels.attention.fa4_problem says it
     (looked up at each call, so that tests can stand in for it)."""
     problem = attention.flash_attn_4_problem() or attention.fa4_problem(device)
     return problem and problem.removeprefix("fa4 ")
@@ -149,8 +149,8 @@ LOSS = Registry(
     LossChoice(name="full", help="all logits at once, float32 inside cross-entropy, the plain torch reference",
                train=cross_entropy.full_cross_entropy),
     LossChoice(name="fused", help="our op, which makes the loss and its gradients in forward one slice of "
-                                  "loss_chunk_tokens at a time in bf16 (kernels/cross_entropy.py) and runs the FP8 "
-                                  "head",
+                                  "loss_chunk_tokens at a time in bf16 (model_kernels/cross_entropy.py) and runs "
+                                  "the FP8 head",
                train=cross_entropy.linear_cross_entropy, losses_only=True, fp8=fp8.linear_cross_entropy_fp8),
     LossChoice(name="quack_chunked", help="fused's slices through quack-kernels' cross-entropy and autotuned weight "
                                           "gradient (Hopper), with a higher peak memory (docs/PERFORMANCE.md)",
@@ -160,10 +160,11 @@ LOSS = Registry(
 
 MLP = Registry(
     "mlp_impl", "the SwiGLU MLP, same math and parameters",
-    MLPChoice(name="torch", help="the w13 matmul, then SwiGLU and the down projection as one op (kernels/swiglu.py)",
+    MLPChoice(name="torch", help="the w13 matmul, then SwiGLU and the down projection as one op "
+                                 "(model_kernels/swiglu.py)",
               forward=swiglu.swiglu_mlp),
     MLPChoice(name="quack", help="quack-kernels' gated matmuls, SwiGLU in their epilogues (Hopper, "
-                                 "kernels/quack_ops.py)",
+                                 "model_kernels/quack_ops.py)",
               forward=quack_ops.swiglu_mlp, device_problem=quack_ops.device_problem,
               shape_problem=quack_ops.mlp_shape_problem),
 )

@@ -3,7 +3,7 @@
 A change of math, off by default (train.py's lm_head_fp8; compare.py --allow_recipe_change judges its loss).
 Why: at width 320 the head's three matmuls are most of the LM head and loss's time in bf16 (loss-microbench-320,
 "matmuls-alone"), and Hopper's FP8 tensor cores run twice bf16's rate. The op keeps the
-"fused" op's contract and slices (kernels/cross_entropy.py); per slice of tokens:
+"fused" op's contract and slices (model_kernels/cross_entropy.py); per slice of tokens:
 
   logits  = h8 @ w8.T       scaled matmul, out in bf16 (h8, w8: e4m3 with one scale each per call)
   P8      = P * 2**15       the row kernel: the loss from the bf16 logits in float32, as "fused", and the softmax
@@ -24,9 +24,9 @@ transposed copies cost a pass of their own (20m-fast-track-profile).
 """
 import torch
 
-from kernels import in_autocast_dtype, uses_triton
-from kernels.cross_entropy import (_cross_entropy_rows, _linear_cross_entropy_backward, _linear_cross_entropy_fake,
-                                   _linear_cross_entropy_setup)
+from model_kernels import in_autocast_dtype, uses_triton
+from model_kernels.cross_entropy import (_cross_entropy_rows, _linear_cross_entropy_backward,
+                                         _linear_cross_entropy_fake, _linear_cross_entropy_setup)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 E4M3_MAX = torch.finfo(E4M3).max  # 448
@@ -140,5 +140,5 @@ _linear_cross_entropy_fp8_op.register_autograd(_linear_cross_entropy_backward,
 
 
 def linear_cross_entropy_fp8(h, weight, targets, chunk_tokens):
-    """"fused"'s contract (kernels/cross_entropy.linear_cross_entropy) with the head's matmuls in FP8."""
+    """"fused"'s contract (model_kernels/cross_entropy.linear_cross_entropy) with the head's matmuls in FP8."""
     return _linear_cross_entropy_fp8_op(in_autocast_dtype(h), weight, targets, int(chunk_tokens))[0]

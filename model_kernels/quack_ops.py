@@ -4,7 +4,7 @@ are mostly matmuls, and quack carries the work between them in the matmuls' epil
 measured against the default is in docs/PERFORMANCE.md, "quack-kernels' loss and MLP".
 
 The loss: quack.linear_cross_entropy.chunked_linear_cross_entropy with use_scaled_exp=False, the fused op's
-structure (kernels/cross_entropy.py): per slice of tokens torch.mm for the logits, quack's cross-entropy kernel
+structure (model_kernels/cross_entropy.py): per slice of tokens torch.mm for the logits, quack's cross-entropy kernel
 writing the gradient over them, torch.mm for dx and quack's autotuned matmul for dw. Both gradients are made in
 forward and backward scales them; dw accumulates in float32 and comes back in the weight's dtype from before
 autocast's cast, so our float32 weight gets a float32 gradient.
@@ -90,7 +90,7 @@ def _bf16(device):
 
 
 def linear_cross_entropy(h, weight, targets, chunk_tokens):
-    """Sum of the cross-entropy of (h @ weight.T) against targets (-100 ignored), as kernels/cross_entropy.py's
+    """Sum of the cross-entropy of (h @ weight.T) against targets (-100 ignored), as model_kernels/cross_entropy.py's
     losses return it, through quack's chunked linear cross-entropy over slices of chunk_tokens tokens. h: (N, C),
     weight: (V, C), targets: (N,)."""
     # imported here, on first use (quack loads CUDA and CuTe as it imports), by an import statement, which

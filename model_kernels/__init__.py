@@ -2,6 +2,10 @@
 apart from the model): the LM head with its cross-entropy (and its declared FP8 form), SwiGLU with its down
 projection, and the attention backends. Each has a plain-torch path with the same math for CPUs and GPUs
 without Triton. registry.py declares the execution choices among them, once each.
+
+Named model_kernels, not kernels: that is the import name of Hugging Face's `kernels` package, which
+transformers (5.25 and later) installs and imports, and a folder of that name beside train.py would be found
+first (tests/test_imports.py).
 """
 import importlib.util
 

@@ -3,15 +3,15 @@ builds and compiles its model: flash-attn-4's CuTe backward (attention "fa4") an
 
 Cold, they compile in series with Inductor's code generation, 5 and 2 s of the first update on the H200
 (docs/PERFORMANCE.md, "Cold start"). Both keep what they compile on disk (flash-attn-4's CuTe cache, which
-kernels/attention.py turns on, and Triton's cache), and the children inherit the run's cache folders. So a child
+model_kernels/attention.py turns on, and Triton's cache), and the children inherit the run's cache folders. So a child
 per kernel (in parallel: neither waits for the other's compile) calls it once at the run's shapes and prints its
 name and its seconds since the run started it; the run's own first call of a kernel waits for that line (wait) and
 then loads the kernel from disk instead of compiling it again. A child that fails or exits early costs the run
 nothing but that wait: the first call compiles the kernel itself, as it would have without a child. timings() says
 when each was ready and how long the run waited for it (bench.py records them).
 
-    python -m kernels.first_calls KERNEL '{"device": "cuda:0", "attention": [[B, T, H, D], ...], "backends": "fa4",
-                                           "vocab_size": V, "started": UNIX_SECONDS}'
+    python -m model_kernels.first_calls KERNEL '{"device": "cuda:0", "attention": [[B, T, H, D], ...],
+                                                 "backends": "fa4", "vocab_size": V, "started": UNIX_SECONDS}'
 """
 import atexit
 import json
@@ -65,7 +65,7 @@ def start(job, command=None):
 
 
 def _command(kernel, job):
-    return [sys.executable, "-m", "kernels.first_calls", kernel, json.dumps(job)]
+    return [sys.executable, "-m", "model_kernels.first_calls", kernel, json.dumps(job)]
 
 
 def wait(kernel):
@@ -115,13 +115,13 @@ def compile_kernel(kernel, job):
     import torch
     device = torch.device(job["device"])
     if kernel == "loss":
-        from kernels.cross_entropy import _cross_entropy_rows
+        from model_kernels.cross_entropy import _cross_entropy_rows
         logits = torch.randn(4, job["vocab_size"], device=device, dtype=torch.bfloat16)
         targets = torch.zeros(4, dtype=torch.long, device=device)
         for write_grad in (True, False):  # training's loss writes the gradient; evaluation's only the losses
             _cross_entropy_rows(device)(logits.clone(), targets, write_grad=write_grad)
     else:
-        from kernels.attention import causal_attention
+        from model_kernels.attention import causal_attention
         for shape in job["attention"]:
             q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
             causal_attention(q, k, v, job["backends"]).sum().backward()

@@ -1,9 +1,9 @@
-"""The LM head and its cross-entropy: the plain torch loss and our fused op (kernels/registry.py declares the
+"""The LM head and its cross-entropy: the plain torch loss and our fused op (model_kernels/registry.py declares the
 choices)."""
 import torch
 import torch.nn.functional as F
 
-from kernels import first_calls, in_autocast_dtype, uses_triton
+from model_kernels import first_calls, in_autocast_dtype, uses_triton
 
 def full_cross_entropy(h, weight, targets, chunk_tokens=None):
     """Sum of cross-entropy of (h @ weight.T) against targets (-100 ignored) from all logits at once, float32 inside:
@@ -23,7 +23,7 @@ def full_cross_entropy(h, weight, targets, chunk_tokens=None):
 def _cross_entropy_rows_torch(logits, targets, write_grad=True, grad=None, grad_scale=1.0):
     """Per-row loss (float32) and, with write_grad, d(loss)/d(logits) written over `logits`; rows with
     target -100 get 0. With `grad` (a tensor of the logits' shape), the gradient times grad_scale is written
-    there instead, in its dtype (the FP8 head's, kernels/linear_cross_entropy_fp8.py), and the logits are kept.
+    there instead, in its dtype (the FP8 head's, model_kernels/linear_cross_entropy_fp8.py), and the logits are kept.
 
     The reference for the Triton kernel below (which does the same in one read of each row), and the
     path on CPUs and on GPUs without Triton."""
@@ -55,7 +55,7 @@ def _cross_entropy_rows_triton(logits, targets, write_grad=True, block=None, num
 
     Built on first use so that importing this file never needs Triton (the CPU build has none)."""
     import triton
-    first_calls.wait("loss")  # a child compiling this kernel for the run (kernels/first_calls.py)
+    first_calls.wait("loss")  # a child compiling this kernel for the run (model_kernels/first_calls.py)
     global _triton_rows
     if _triton_rows is None:
         import triton.language as tl

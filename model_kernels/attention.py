@@ -1,5 +1,5 @@
 """Causal attention for training and evaluation: SDPA's kernels, or "fa4", our op pair of cuDNN's forward and
-flash-attn-4's backward (flash-attn-4 is installed apart: requirements-gpu.txt). kernels/registry.py declares the
+flash-attn-4's backward (flash-attn-4 is installed apart: requirements-gpu.txt). model_kernels/registry.py declares the
 backends; "auto", the default, is fa4 wherever it can run and SDPA's own pick elsewhere (resolve_backend)."""
 import contextlib
 import functools
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
-from kernels import first_calls
+from model_kernels import first_calls
 
 
 def fa4_problem(device):
@@ -104,7 +104,7 @@ def _flash_attention_4_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Te
                                    lse: torch.Tensor, grad_out: torch.Tensor
                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = _flash_attention_4_gradients(q, k, v)
-    first_calls.wait("attention")  # a child compiling the backward for this run (kernels/first_calls.py)
+    first_calls.wait("attention")  # a child compiling the backward for this run (model_kernels/first_calls.py)
     flash_attn_4()._flash_attn_bwd(q, k, v, out, grad_out, lse, causal=True, dq=dq, dk=dk, dv=dv)
     return dq, dk, dv
 
@@ -133,7 +133,7 @@ def flash_attention_4(q, k, v):
 
 
 def causal_attention(q, k, v, backends):
-    """q, k, v: (B, T, H, D); backends: an attention choice's (kernels/registry.py). Returns (B, T, H, D)."""
+    """q, k, v: (B, T, H, D); backends: an attention choice's (model_kernels/registry.py). Returns (B, T, H, D)."""
     if backends == "auto":  # a model used without the Trainer, which resolves it once (resolve_backend)
         backends = "fa4" if not torch.compiler.is_compiling() and _fa4_runs_on(q.device) else None
     if backends == "fa4":

@@ -2,7 +2,7 @@
 import torch
 import torch.nn.functional as F
 
-from kernels import uses_triton
+from model_kernels import uses_triton
 
 # ---------------------------------------------------------------- SwiGLU and the down projection
 # Inductor compiles silu(gate) * up into one kernel forward, but backward writes the two gradients as one
