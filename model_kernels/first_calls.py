@@ -5,13 +5,14 @@ Cold, they compile in series with Inductor's code generation, 5 and 2 s of the f
 (docs/PERFORMANCE.md, "Cold start"). Both keep what they compile on disk (flash-attn-4's CuTe cache, which
 model_kernels/attention.py turns on, and Triton's cache), and the children inherit the run's cache folders. So a child
 per kernel (in parallel: neither waits for the other's compile) calls it once at the run's shapes and prints its
-name and its seconds since the run started it; the run's own first call of a kernel waits for that line (wait) and
-then loads the kernel from disk instead of compiling it again. A child that fails or exits early costs the run
-nothing but that wait: the first call compiles the kernel itself, as it would have without a child. timings() says
-when each was ready and how long the run waited for it (bench.py records them).
+name, its seconds since the run started it and when it had imported torch and the kernel's code. The run's own
+first call of a kernel waits for that line (wait) and then loads the kernel from disk instead of compiling it
+again. A child that fails or exits early costs the run nothing but that wait: the first call compiles the kernel
+itself, as it would have without a child. timings() says when each was ready and how long the run waited for it
+(bench.py records them).
 
     python -m model_kernels.first_calls KERNEL '{"device": "cuda:0", "attention": [[B, T, H, D], ...],
-                                                 "backends": "fa4", "vocab_size": V, "started": UNIX_SECONDS}'
+                                                 "vocab_size": V, "started": UNIX_SECONDS}'
 """
 import atexit
 import json
@@ -23,7 +24,8 @@ from pathlib import Path
 
 KERNELS = ("loss", "attention")
 _children = {}  # kernel -> {"process", "log"} while its child runs
-_timings = {}  # kernel -> {"ready_seconds": the child's, since start(); "waited_seconds": the run's first call's}
+_timings = {}  # kernel -> {"ready_seconds": the child's, since start(); "waited_seconds": the run's first call's;
+#                            "torch_seconds", "code_seconds": when the child had imported torch, the kernel's code}
 
 
 def spec(cfg, mcfg, device, attention, contexts, cold):
@@ -40,7 +42,7 @@ def spec(cfg, mcfg, device, attention, contexts, cold):
         return None
     # a window of C tokens makes rows of C: micro_batch_size * seq_len / C of them (data/loader.py)
     shapes = [[cfg.micro_batch_size * cfg.seq_len // c, c, mcfg.n_heads, mcfg.head_dim] for c in sorted(contexts)]
-    return {"device": str(device), "attention": shapes if attention_compiles else [], "backends": attention,
+    return {"device": str(device), "attention": shapes if attention_compiles else [],
             "vocab_size": mcfg.vocab_size if loss_compiles else 0}
 
 
@@ -76,8 +78,10 @@ def wait(kernel):
     begin, process = time.perf_counter(), child["process"]
     for line in process.stdout:  # its line, after anything a library printed
         words = line.split()
-        if len(words) == 2 and words[0] == kernel:
-            _timings[kernel] = {"ready_seconds": float(words[1]), "waited_seconds": time.perf_counter() - begin}
+        if len(words) >= 2 and words[0] == kernel:
+            phases = dict(word.split("=") for word in words[2:])
+            _timings[kernel] = {"ready_seconds": float(words[1]), "waited_seconds": time.perf_counter() - begin,
+                                **{f"{name}_seconds": float(seconds) for name, seconds in phases.items()}}
             break
     else:
         process.wait()
@@ -89,7 +93,8 @@ def wait(kernel):
 
 
 def timings():
-    """{kernel: {"ready_seconds", "waited_seconds"}} of the children that compiled a kernel since start()."""
+    """{kernel: {"ready_seconds", "waited_seconds", "torch_seconds", "code_seconds"}} of the children that compiled
+    a kernel since start()."""
     return {k: dict(v) for k, v in _timings.items()}
 
 
@@ -111,23 +116,32 @@ def _end(child):
 
 
 def compile_kernel(kernel, job):
-    """The child: kernel's first call at the job's shapes, then its name and the seconds since the run started it."""
+    """The child: kernel's first call at the job's shapes, then its line: its name and the seconds since the run
+    started it, and when it had imported torch and the kernel's code (name=seconds)."""
+    since = lambda: round(time.time() - job["started"], 3)
     import torch
+    phases = {"torch": since()}
     device = torch.device(job["device"])
     if kernel == "loss":
         from model_kernels.cross_entropy import _cross_entropy_rows
+        phases["code"] = since()
         logits = torch.randn(4, job["vocab_size"], device=device, dtype=torch.bfloat16)
         targets = torch.zeros(4, dtype=torch.long, device=device)
         for write_grad in (True, False):  # training's loss writes the gradient; evaluation's only the losses
             _cross_entropy_rows(device)(logits.clone(), targets, write_grad=write_grad)
     else:
-        from model_kernels.attention import causal_attention
-        for shape in job["attention"]:
-            q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-            causal_attention(q, k, v, job["backends"]).sum().backward()
+        # the backward alone, as the run calls it: what it compiles depends on the shapes and dtypes only, so the
+        # saved output and log-sum-exp can be any numbers (and no cuDNN forward need load here)
+        from model_kernels.attention import _flash_attention_4_backward_op, flash_attn_4
+        flash_attn_4()
+        phases["code"] = since()
+        for B, T, H, D in job["attention"]:
+            q, k, v, out, grad_out = (torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16) for _ in range(5))
+            lse = torch.randn(B, H, T, device=device, dtype=torch.float32)
+            _flash_attention_4_backward_op(q, k, v, out, lse, grad_out)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    print(kernel, f"{time.time() - job['started']:.3f}", flush=True)
+    print(kernel, since(), *(f"{name}={seconds}" for name, seconds in phases.items()), flush=True)
 
 
 if __name__ == "__main__":

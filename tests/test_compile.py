@@ -143,7 +143,7 @@ def test_a_compile_cache_path_of_a_users_file_or_without_compile_is_one_line_bef
     assert mine.read_bytes() == b"a user's file" and not (tmp_path / "out").exists()
 
 
-# ---------------------------------------------------------------- kernels compiled by a child (model_kernels/first_calls.py)
+# ---------------------------------------------------------- kernels compiled by a child (model_kernels/first_calls.py)
 
 def first_calls_cfg(**changes):
     import settings
@@ -157,8 +157,7 @@ def test_the_child_compiles_each_sequence_length_and_nothing_when_no_kernel_woul
     cuda = torch.device("cuda", 0)
     job = first_calls.spec(first_calls_cfg(), mcfg, cuda, "fa4", [512, 256], True)
     # windows of 256 hold twice the rows of the micro-batch's 512-token sequences
-    assert job == {"device": "cuda:0", "attention": [[16, 256, 5, 64], [8, 512, 5, 64]], "backends": "fa4",
-                   "vocab_size": 32000}
+    assert job == {"device": "cuda:0", "attention": [[16, 256, 5, 64], [8, 512, 5, 64]], "vocab_size": 32000}
     assert first_calls.spec(first_calls_cfg(), mcfg, cuda, "sdpa", [512], True)["attention"] == []
     assert first_calls.spec(first_calls_cfg(lm_head_fp8=True), mcfg, cuda, "fa4", [512], True)["vocab_size"] == 0
     for cfg, device, attention in ((first_calls_cfg(compile=False), cuda, "fa4"),  # eager: nothing compiles beside
@@ -169,7 +168,7 @@ def test_the_child_compiles_each_sequence_length_and_nothing_when_no_kernel_woul
     assert first_calls.spec(first_calls_cfg(), mcfg, cuda, "fa4", [512], False) is None  # warm caches
 
 
-JOB = {"device": "cpu", "attention": [[2, 16, 2, 8]], "backends": None, "vocab_size": 64}
+JOB = {"device": "cpu", "attention": [[2, 16, 2, 8]], "vocab_size": 64}
 
 
 def stand_in_children(sources):
@@ -248,12 +247,27 @@ def test_the_loss_kernel_waits_for_the_child_before_it_is_built(monkeypatch):
     assert waited == ["loss"]
 
 
-def test_the_real_children_call_each_kernel_at_the_runs_shapes():
-    """On the CPU: the torch loss rows and SDPA, at two sequence lengths (on the GPU: the Triton rows and fa4)."""
+def test_the_real_children_call_each_kernel_at_the_runs_shapes(tmp_path, monkeypatch):
+    """On the CPU: the torch loss rows, and flash-attn-4's backward as our op calls it (a stand-in package that
+    notes each call's shapes), at two sequence lengths; on the GPU the Triton rows and fa4's CuTe kernel."""
     from model_kernels import first_calls
+    package = tmp_path / "flash_attn" / "cute"
+    package.mkdir(parents=True)
+    (tmp_path / "flash_attn" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "interface.py").write_text(
+        "from tests.conftest import attention_backward_by_hand\n"
+        "def _flash_attn_bwd(q, k, v, out, dout, lse, **kw):\n"
+        f"    open({str(tmp_path / 'calls')!r}, 'a').write(f'{{list(q.shape)}} {{list(lse.shape)}} {{q.dtype}}\\n')\n"
+        "    return attention_backward_by_hand(q, k, v, out, dout, lse, **kw)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     first_calls.start(dict(JOB, attention=[[2, 16, 2, 8], [1, 32, 2, 8]]))
     children = [first_calls._children[k]["process"] for k in first_calls.KERNELS]
     for kernel in first_calls.KERNELS:
         first_calls.wait(kernel)
-    assert set(first_calls.timings()) == {"loss", "attention"} and first_calls._children == {}
+    timings = first_calls.timings()
+    assert set(timings) == {"loss", "attention"} and first_calls._children == {}
+    assert all(0 < t["torch_seconds"] <= t["code_seconds"] <= t["ready_seconds"] for t in timings.values())
     assert all(child.returncode is not None for child in children)  # reaped
+    assert (tmp_path / "calls").read_text().splitlines() == ["[2, 16, 2, 8] [2, 2, 16] torch.bfloat16",
+                                                             "[1, 32, 2, 8] [1, 2, 32] torch.bfloat16"]
