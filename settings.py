@@ -195,10 +195,11 @@ class Execution:
     warm_kernels: bool = setting(True, "compiled, on a GPU: a child process compiles the kernels that compile at "
                                        "their first call (flash-attn-4's backward, the fused loss) while the model "
                                        "compiles (model_kernels/first_calls.py)")
-    compile_scope: str = setting("model", "model: one graph, each block compiled in it; shared: one graph in which "
-                                          "the identical blocks are traced and compiled once (a nested compile "
-                                          "region); blocks: each block and the loss head a graph of its own, "
-                                          "compiled once for all blocks", choices=COMPILE_SCOPES)
+    compile_scope: str = setting("shared", "shared: one graph in which the identical blocks are traced and compiled "
+                                           "once (a nested compile region), the fastest cold start at full speed "
+                                           "(docs/PERFORMANCE.md, \"Cold start\"); model: one graph, each block "
+                                           "compiled in it; blocks: each block and the loss head a graph of its own, "
+                                           "compiled once for all blocks", choices=COMPILE_SCOPES)
     compile_cache: str = setting("", "compiled only: a file of the run's compiled code (compile_cache.py), loaded at "
                                      "start when the same code, torch and GPU made it, and written when the run has "
                                      "compiled what it lacks, so another machine starts warm")
