@@ -237,10 +237,6 @@ class Block(nn.Module):
         x = x + self.attention(self.attention_norm(x), cos, sin, backends, ve)
         return x + self.feed_forward(self.ffn_norm(x))
 
-    # The same forward as a nested compile region: inside a compiled model, torch.compile traces and compiles it
-    # once and calls that code for every block (their weights are its inputs); outside compile it is forward.
-    forward_compiled_once = torch.compiler.nested_compile_region(forward)
-
 
 class Transformer(nn.Module):
     def __init__(self, config, attention_backend="auto", loss_impl="full", loss_chunk_tokens=8192,
@@ -261,7 +257,6 @@ class Transformer(nn.Module):
         # settings and shapes that can run a choice are model_kernels/registry.py's to say, and settings.py's to check
         self._train_loss, self._losses_only = (loss.fp8 if lm_head_fp8 else loss.train), loss.losses_only
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.blocks_compiled_once = False  # compile_scope "shared" (trainer.py) sets it: see Block
         # value_embeddings: tables apart from the blocks (an embedding's optimizer, AdamW, as optim.py splits them)
         self.value_embeds = nn.ModuleList(nn.Embedding(config.vocab_size, config.dim)
                                           for _ in range(config.value_embeddings))
@@ -341,9 +336,8 @@ class Transformer(nn.Module):
         v = value_lambdas[0] v + value_lambdas[1] ve_i (per head, the table's width split as v is), both lambdas 0.5
         at first."""
         ves = [table(idx) for table in self.value_embeds]
-        block = Block.forward_compiled_once if self.blocks_compiled_once else Block.__call__
         for layer, table in zip(self.layers, self._value_embedding_of):
-            x = block(layer, x, cos, sin, self._sdpa_backends, None if table is None else ves[table])
+            x = layer(x, cos, sin, self._sdpa_backends, None if table is None else ves[table])
         return x
 
     def forward(self, idx, targets=None, reduction="mean"):

@@ -28,7 +28,7 @@ from results import SECTIONS
 RECIPE, MODEL, WEIGHTS, EXECUTION, RUN = "recipe", "model", "weights", "execution", "run"
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-COMPILE_SCOPES = ("model", "shared", "blocks")
+COMPILE_SCOPES = ("model", "blocks")
 DEVICES = ("cuda", "cpu", "auto")
 MODEL_SHAPE_KEYS = ("dim", "n_layers", "n_heads", "hidden_dim", "vocab_size")  # 0: the preset's (the data's)
 # The recipe keys the identity hashes at any value. Every other recipe key enters it only off its default, so that
@@ -195,11 +195,9 @@ class Execution:
     warm_kernels: bool = setting(True, "compiled, on a GPU: a child process compiles the kernels that compile at "
                                        "their first call (flash-attn-4's backward, the fused loss) while the model "
                                        "compiles (model_kernels/first_calls.py)")
-    compile_scope: str = setting("shared", "shared: one graph in which the identical blocks are traced and compiled "
-                                           "once (a nested compile region), the fastest cold start at full speed "
-                                           "(docs/PERFORMANCE.md, \"Cold start\"); model: one graph, each block "
-                                           "compiled in it; blocks: each block and the loss head a graph of its own, "
-                                           "compiled once for all blocks", choices=COMPILE_SCOPES)
+    compile_scope: str = setting("model", "model: one graph, each block compiled in it; blocks: each block and the "
+                                          "loss head a graph of its own, compiled once for all blocks",
+                                 choices=COMPILE_SCOPES)
     compile_cache: str = setting("", "compiled only: a file of the run's compiled code (compile_cache.py), loaded at "
                                      "start when the same code, torch and GPU made it, and written when the run has "
                                      "compiled what it lacks, so another machine starts warm")

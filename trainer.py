@@ -128,14 +128,13 @@ class Trainer:
             p.grad = torch.zeros_like(p)
 
     def compiled(self, model):
-        """The model under torch.compile: one graph (compile_scope model; shared: with the blocks' code traced and
-        compiled once), or (blocks) each block and the loss head apart."""
+        """The model under torch.compile: one graph (compile_scope model), or (blocks) each block and the loss head
+        apart."""
         cfg = self.cfg
         # Read by the partitioner when the first call compiles; process-wide, as torch.compile's settings are.
         torch._functorch.config.activation_memory_budget = cfg.activation_memory_budget
         mode = compile_mode(cfg)
-        if cfg.compile_scope in ("model", "shared"):
-            model.blocks_compiled_once = cfg.compile_scope == "shared"
+        if cfg.compile_scope == "model":
             return torch.compile(model, dynamic=False, mode=mode)
         # Compiled in place, so the module (and its state_dict names) stay as they are.
         for layer in model.layers:

@@ -122,19 +122,14 @@ push() {  # the third push beside the tree before it (68eb922, a worktree under 
   bench config/90m.py --name=lever-90m-quack-mlp --mlp_impl=quack
 }
 cold() {  # "Cold start": the first update by phase, then each compile scope cold and warm, and a loaded compile cache
+  # (the removed scope shared's rows ran this part at commit 02b3b11)
   python scripts/cold_start_profile.py $REF --cold=True --name=cold-start-20m-model --results_file="$R"
-  python scripts/cold_start_profile.py $REF --cold=True --compile_scope=shared --name=cold-start-20m-shared \
-    --results_file="$R"
-  for scope in shared model blocks; do bench $REF --cold=True --compile_scope=$scope --name=cold-bench-20m-$scope; done
+  for scope in model blocks; do bench $REF --cold=True --compile_scope=$scope --name=cold-bench-20m-$scope; done
   local caches; caches=$(mktemp -d)
-  for scope in shared model; do
-    TORCHINDUCTOR_CACHE_DIR=$caches/$scope bench $REF --compile_scope=$scope --name=fill-20m-$scope --warmup=3 --steps=5 \
-      --windows=1
-    TORCHINDUCTOR_CACHE_DIR=$caches/$scope bench $REF --compile_scope=$scope --name=warm-bench-20m-$scope
-  done
-  bench $REF --cold=True --compile_scope=shared --compile_cache=$caches/20m.compile --name=cache-save-20m-shared \
-    --warmup=3 --steps=5 --windows=1
-  bench $REF --cold=True --compile_scope=shared --compile_cache=$caches/20m.compile --name=cache-load-20m-shared
+  TORCHINDUCTOR_CACHE_DIR=$caches/model bench $REF --name=fill-20m-model --warmup=3 --steps=5 --windows=1
+  TORCHINDUCTOR_CACHE_DIR=$caches/model bench $REF --name=warm-bench-20m-model
+  bench $REF --cold=True --compile_cache=$caches/20m.compile --name=cache-save-20m --warmup=3 --steps=5 --windows=1
+  bench $REF --cold=True --compile_cache=$caches/20m.compile --name=cache-load-20m
 }
 speedrun() {  # TIME_TO_QUALITY.md's "The speedrun's levers, screened": each kept lever on the shipped recipe, then its
   # cost; the levers not kept left the code, and their rows ran this part at commit 94da7b6

@@ -141,7 +141,7 @@ def test_generated_configs_go_where_git_ignores_them_and_never_over_a_tracked_fi
     assert (env.REPO / "config" / "tiny_cpu.py").resolve() in tune.tracked_files(env.REPO / "config")
     # a candidate's config that would land on a tracked file is refused before any run
     monkeypatch.setattr(tune, "tracked_files", lambda folder:
-                        {(Path(folder) / "micro-2-eager-shared-auto-full-amb-1-threads-1.py").resolve()})
+                        {(Path(folder) / "micro-2-eager-model-auto-full-amb-1-threads-1.py").resolve()})
     argv = TINY + [f"--data_dir={text_cache}", f"--results_file={tmp_path / 'r.json'}",
                    f"--tuned_dir={tmp_path / 'tuned'}"]
     assert tune.main(argv) == 2
@@ -182,7 +182,7 @@ def test_an_unwritable_tuned_dir_is_one_line_before_any_candidate(tmp_path, text
                                         ("--tune_compile_modes=,", "tune_compile_modes is empty"),
                                         ("--tune_compile_modes=fast", "'fast' is not one of eager, default"),
                                         ("--tune_loss_impls=liger", "'liger' is not one of full, fused, quack_chunked"),
-                                        ("--tune_compile_scopes=layers", "'layers' is not one of model, shared, blocks"),
+                                        ("--tune_compile_scopes=layers", "'layers' is not one of model, blocks"),
                                         ("--tune_activation_memory_budgets=0.8,1.5", "must lie in (0, 1], got 1.5"),
                                         ("--tune_micro_batch_sizes=4,x", "list of int"),
                                         ("--tune_micro_batch_sizes=0", "micro_batch_size must be at least 1"),
