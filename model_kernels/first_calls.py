@@ -16,6 +16,7 @@ itself, as it would have without a child. timings() says when each was ready and
 """
 import atexit
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 KERNELS = ("loss", "attention")
+NUMBER = r"\d+(?:\.\d+)?"
 _children = {}  # kernel -> {"process", "log"} while its child runs
 _timings = {}  # kernel -> {"ready_seconds": the child's, since start(); "waited_seconds": the run's first call's;
 #                            "torch_seconds", "code_seconds": when the child had imported torch, the kernel's code}
@@ -77,11 +79,9 @@ def wait(kernel):
         return
     begin, process = time.perf_counter(), child["process"]
     for line in process.stdout:  # its line, after anything a library printed
-        words = line.split()
-        if len(words) >= 2 and words[0] == kernel:
-            phases = dict(word.split("=") for word in words[2:])
-            _timings[kernel] = {"ready_seconds": float(words[1]), "waited_seconds": time.perf_counter() - begin,
-                                **{f"{name}_seconds": float(seconds) for name, seconds in phases.items()}}
+        ready = ready_line(kernel, line)
+        if ready is not None:
+            _timings[kernel] = dict(ready, waited_seconds=time.perf_counter() - begin)
             break
     else:
         process.wait()
@@ -90,6 +90,16 @@ def wait(kernel):
         print(f"first calls: the child compiling the {kernel} kernel exited with {process.returncode} ({lines[-1]}); "
               f"compiling it in this process", file=sys.stderr, flush=True)
     _end(child)
+
+
+def ready_line(kernel, line):
+    """{"ready_seconds", and each phase's "NAME_seconds"} when line is the child's line for kernel
+    ("KERNEL SECONDS NAME=SECONDS ..."), else None (a library's output, which may begin with the same word)."""
+    match = re.fullmatch(rf"{kernel} ({NUMBER})((?: \w+={NUMBER})*)", line.strip())
+    if match is None:
+        return None
+    phases = dict(word.split("=") for word in match.group(2).split())
+    return {"ready_seconds": float(match.group(1)), **{f"{k}_seconds": float(v) for k, v in phases.items()}}
 
 
 def timings():

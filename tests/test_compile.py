@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import compile_cache
+import env
 import model as model_lib
 import settings
 from tests.conftest import REPO
@@ -37,7 +38,10 @@ def test_every_compile_scope_makes_eagers_gradients_through_inductor(text_cache,
     from tests.test_train import small_config
     cfg = small_config(text_cache, tmp_path, micro_batch_size=8, n_layers=3)
     eager_loss, eager = first_update_gradients(settings.Config(cfg, compile=False))
+    before = env.inductor_graph_counts()
     loss, compiled = first_update_gradients(settings.Config(cfg, compile=True, compile_scope=scope))
+    after = env.inductor_graph_counts()  # Inductor made the code (compiled it, or took it from its cache)
+    assert sum(after.values()) > sum(before.values())
     assert loss == pytest.approx(eager_loss, rel=1e-5)
     for g, e in zip(compiled, eager):
         assert ((g - e).norm() / e.norm()).item() < 1e-4
@@ -191,6 +195,20 @@ def test_each_kernel_has_a_child_and_a_first_call_waits_for_its_own_only(tmp_pat
         assert first_calls.timings()["loss"]["ready_seconds"] == 1.5
         assert first_calls.timings()["loss"]["waited_seconds"] > 0
         first_calls.wait("loss")  # no child: at once
+    finally:
+        first_calls.stop()
+
+
+def test_a_library_line_that_begins_with_the_kernels_name_is_not_taken_for_the_childs(tmp_path):
+    """flash-attn-4 or Triton may print a line beginning "attention ..." before the child's own line."""
+    from model_kernels import first_calls
+    first_calls.start(dict(JOB, vocab_size=0), lambda kernel, job: [
+        sys.executable, "-c", "print('attention is compiled for sm_90'); print('attention 2 slow'); "
+                              "print('attention 3.25 torch=1.5 code=2.0', flush=True)"])
+    try:
+        first_calls.wait("attention")
+        assert first_calls.timings()["attention"] == dict(first_calls.timings()["attention"], ready_seconds=3.25,
+                                                          torch_seconds=1.5, code_seconds=2.0)
     finally:
         first_calls.stop()
 
