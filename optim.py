@@ -305,8 +305,10 @@ def split_by_decay(params, weight_decay, **options):
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, **options}]
 
 
-def build_optimizer(model, settings, device):
-    """The optimizer of settings["optimizer"] for model (the raw Transformer, not a compiled or DDP wrapper).
+def build_optimizer(model, settings, device, captured=False):
+    """The optimizer of settings["optimizer"] for model (the raw Transformer, not a compiled or DDP wrapper);
+    captured: its step runs inside a CUDA graph of the whole update (trainer.CapturedUpdate), so its learning rates
+    are device tensors and AdamW is capturable (adamw_kernels).
 
     adamw: torch.optim.AdamW over split_by_decay's two groups, in that order and with no options of ours (no
         base_lr: set_lr needs none): the layout of an adamw checkpoint's optimizer state, which must keep loading.
@@ -320,8 +322,9 @@ def build_optimizer(model, settings, device):
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
     graph = bool(setting(settings, "update_graph", False))
-    adamw_options = dict(lr=group_lr(get("learning_rate"), graph, device), betas=(get("beta1"), get("beta2")),
-                         eps=get("adam_eps"), **adamw_kernels(graph, device))
+    tensor_lr = graph or captured
+    adamw_options = dict(lr=group_lr(get("learning_rate"), tensor_lr, device), betas=(get("beta1"), get("beta2")),
+                         eps=get("adam_eps"), **adamw_kernels(graph, device, captured))
     params = list(model.parameters())  # the tied embedding and head once
     if name == "adamw":
         return torch.optim.AdamW(split_by_decay(params, get("weight_decay")), **adamw_options)
@@ -330,7 +333,7 @@ def build_optimizer(model, settings, device):
     rest = [p for p in params if id(p) not in in_muon]
     adamw = torch.optim.AdamW(split_by_decay(rest, get("weight_decay"), base_lr=get("learning_rate")),
                               **adamw_options)
-    muon = Muon([{"params": matrices, "base_lr": get("muon_lr")}], lr=group_lr(get("muon_lr"), graph, device),
+    muon = Muon([{"params": matrices, "base_lr": get("muon_lr")}], lr=group_lr(get("muon_lr"), tensor_lr, device),
                 weight_decay=get("weight_decay"), momentum=get("muon_momentum"), nesterov=True,
                 ns_steps=get("muon_ns_steps"), adjust_lr_fn=get("muon_adjust_lr"),
                 normuon=setting(settings, "normuon", False),
@@ -340,18 +343,22 @@ def build_optimizer(model, settings, device):
     return MuonWithAdamW(muon, adamw)
 
 
-def adamw_kernels(graph, device):
+def adamw_kernels(graph, device, captured=False):
     """AdamW's implementation options: fused on CUDA (the default run's); with update_graph, the foreach form that
-    torch.compile traces, capturable so that its step counts stay on the device and CUDA graphs can hold it."""
+    torch.compile traces, capturable so that its step counts stay on the device and CUDA graphs can hold it;
+    captured (the update one CUDA graph), the default's fused kernel, capturable on CUDA (torch refuses a step
+    captured without it)."""
     if graph:
         return dict(fused=False, foreach=True, capturable=True)
-    return dict(fused=torch.device(device).type == "cuda")
+    cuda = torch.device(device).type == "cuda"
+    return dict(fused=cuda, capturable=True) if captured and cuda else dict(fused=cuda)
 
 
-def group_lr(value, graph, device):
-    """A group's learning rate: the float, or with update_graph a float32 device tensor that set_lr fills in place,
-    so that the compiled step reads it each update instead of being compiled again for every new value."""
-    return torch.tensor(value, dtype=torch.float32, device=device) if graph else value
+def group_lr(value, tensor, device):
+    """A group's learning rate: the float, or (tensor: update_graph, or the update one CUDA graph) a float32 device
+    tensor that set_lr fills in place, so that the compiled step or the graph reads it each update instead of
+    holding the first value."""
+    return torch.tensor(value, dtype=torch.float32, device=device) if tensor else value
 
 
 def load_state(optimizer, state_dict):

@@ -196,7 +196,8 @@ class Execution:
                                        "their first call (flash-attn-4's backward, the fused loss) while the model "
                                        "compiles (model_kernels/first_calls.py)")
     compile_scope: str = setting("model", "model: one graph, each block compiled in it; blocks: each block and the "
-                                          "loss head a graph of its own, compiled once for all blocks",
+                                          "loss head a graph of its own, compiled once for all blocks (with CUDA "
+                                          "graphs, on one GPU, each update then captured whole as one)",
                                  choices=COMPILE_SCOPES)
     compile_cache: str = setting("", "compiled only: a file of the run's compiled code (compile_cache.py), loaded at "
                                      "start when the same code, torch and GPU made it, and written when the run has "

@@ -39,9 +39,65 @@ def uses_cudagraphs(cfg):
     return cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune")
 
 
-def compile_mode(cfg):
-    """torch.compile's mode argument for cfg.compile_mode ("default" is torch's None)."""
-    return None if cfg.compile_mode == "default" else cfg.compile_mode
+def compile_mode(cfg, captured=False):
+    """torch.compile's mode argument for cfg.compile_mode ("default" is torch's None); captured (the update one CUDA
+    graph of the trainer's own), the same mode without torch's CUDA graphs, which cannot nest in it."""
+    if cfg.compile_mode == "default" or (captured and cfg.compile_mode == "reduce-overhead"):
+        return None
+    return "max-autotune-no-cudagraphs" if captured and cfg.compile_mode == "max-autotune" else cfg.compile_mode
+
+
+def captures_update(cfg, device, world_size):
+    """Whether the trainer captures each update whole as one CUDA graph (CapturedUpdate): compile_scope blocks with
+    a compile mode that makes CUDA graphs, one process on a GPU. Under DDP each region keeps torch's CUDA graphs."""
+    return (uses_cudagraphs(cfg) and cfg.compile_scope == "blocks" and torch.device(device).type == "cuda"
+            and world_size == 1)
+
+
+def cuda_graph_capture(step):
+    """step() captured as a CUDA graph, not run: (replay, step's outputs), tensors that each replay() writes."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph.replay, outputs
+
+
+class CapturedUpdate:
+    """The whole update (every micro-step's forward and backward, the clip, the optimizer step, the gradients'
+    zeroing) as one CUDA graph: compile_scope blocks compiles one block's code for all blocks, and torch's CUDA
+    graphs would then replay each region's graphs apart, with the autograd engine and guards between them in
+    Python; one graph of the trainer's own runs the update in one launch.
+
+    An update's first shape of micro-batches (a context schedule's each shape) runs uncaptured: it compiles the
+    regions and makes each kernel's first call (compiles, autotuning), which a capture must not do. Its second is
+    captured and replayed, and every later one replayed: the batch copied into the graph's input tensors, the scale
+    world_size / n_tokens into its own, the learning rates device tensors that set_lr fills (build_optimizer's
+    captured form). The gradients live outside the graph (Trainer.allocate_gradients), zeroed inside it. One graph
+    is held, the latest shape's: a schedule's shapes come one after another."""
+
+    def __init__(self, step, device, capture):
+        # step(micro_batches, scale): the update; capture(fn): (replay, outputs), cuda_graph_capture's
+        self.step, self.device, self.capture = step, device, capture
+        self.seen, self.shape, self.graph = set(), None, None
+
+    def __call__(self, micro_batches, scale):
+        shape = tuple(tuple(t.shape) for batch in micro_batches for t in batch)
+        if shape != self.shape:
+            if shape not in self.seen:
+                self.seen.add(shape)
+                return self.step(micro_batches, scale)
+            self.graph = None  # its memory back before the next capture
+            inputs = [tuple(t.clone() for t in batch) for batch in micro_batches]
+            scale_tensor = torch.zeros((), device=self.device)
+            replay, outputs = self.capture(lambda: self.step(inputs, scale_tensor))
+            self.graph, self.shape = (replay, inputs, scale_tensor, outputs), shape
+        replay, inputs, scale_tensor, outputs = self.graph
+        for batch, static in zip(micro_batches, inputs):
+            for t, s in zip(batch, static):
+                s.copy_(t, non_blocking=True)
+        scale_tensor.fill_(scale)
+        replay()
+        return tuple(t.clone() for t in outputs)  # the next replay overwrites the graph's own
 
 
 class Trainer:
@@ -69,20 +125,24 @@ class Trainer:
                                                lm_head_fp8=cfg.lm_head_fp8, mlp_impl=cfg.mlp_impl).to(self.device)
         if initial_state is not None:  # init_from: the weights a run starts from, in place of the seed's
             self.raw_model.load_state_dict(initial_state)
-        self.cudagraphs = uses_cudagraphs(cfg)
-        self.stable_grads = self.cudagraphs and settings.micro_steps(cfg, world_size) > 1
+        captured = captures_update(cfg, self.device, world_size)
+        self.mode = compile_mode(cfg, captured)
+        self.cudagraphs = uses_cudagraphs(cfg) and not captured  # torch's, around each compiled graph
+        # gradients outside the graphs' memory, added into in place (allocate_gradients)
+        self.stable_grads = captured or (self.cudagraphs and settings.micro_steps(cfg, world_size) > 1)
         if self.stable_grads:
             self.allocate_gradients()
         self.model = self.compiled(self.raw_model) if cfg.compile else self.raw_model
         self.eval_model = self.model  # evaluation needs no gradient sync, so never the DDP wrapper
         if world_size > 1:
             self.model = self.data_parallel(self.model, local_rank)
-        self.optimizer = optim.build_optimizer(self.raw_model, cfg, self.device)
+        self.optimizer = optim.build_optimizer(self.raw_model, cfg, self.device, captured)
         # ema: the weights' average, updated after each optimizer step; validation and the final evaluation use it
         self.ema = optim.WeightAverage(self.raw_model, cfg.ema) if cfg.get("ema") else None
         # plain values for the step, which torch.compile traces under update_graph (it cannot read cfg's keys)
         self.params, self.max_norm = list(self.raw_model.parameters()), cfg.grad_clip or math.inf
         self.optimizer_step = self.compile_step if cfg.update_graph else self.clip_and_step
+        self.captured = CapturedUpdate(self.update_step, self.device, cuda_graph_capture) if captured else None
         self.step = 0
         # bf16 autocast on the GPU; None (float32) on the CPU. A test turns it on there too.
         self.autocast_dtype = torch.bfloat16 if self.device.type == "cuda" else None
@@ -129,11 +189,11 @@ class Trainer:
 
     def compiled(self, model):
         """The model under torch.compile: one graph (compile_scope model), or (blocks) each block and the loss head
-        apart."""
+        apart, the blocks' code compiled once for all of them."""
         cfg = self.cfg
         # Read by the partitioner when the first call compiles; process-wide, as torch.compile's settings are.
         torch._functorch.config.activation_memory_budget = cfg.activation_memory_budget
-        mode = compile_mode(cfg)
+        mode = self.mode
         if cfg.compile_scope == "model":
             return torch.compile(model, dynamic=False, mode=mode)
         # Compiled in place, so the module (and its state_dict names) stay as they are.
@@ -170,7 +230,7 @@ class Trainer:
         static += self.ema.accumulator if self.ema is not None else []
         for tensor in static:
             torch._dynamo.mark_static_address(tensor)
-        self.optimizer_step = torch.compile(self.clip_and_step, dynamic=False, mode=compile_mode(self.cfg))
+        self.optimizer_step = torch.compile(self.clip_and_step, dynamic=False, mode=self.mode)
         return self.optimizer_step()
 
     def data_parallel(self, model, local_rank):
@@ -201,6 +261,16 @@ class Trainer:
         # Each micro-step adds sum(token losses) / n_tokens, so the update's gradient is the mean over its
         # tokens whatever the micro-batch size; DDP averages over ranks, hence the world_size factor.
         scale = self.world_size / n_tokens
+        step = self.captured or self.update_step
+        loss_sum, grad_norm = step(micro_batches, scale)
+        self.step += 1
+        if self.compile_cache:
+            self.save_compile_cache_if_new()
+        return loss_sum, grad_norm
+
+    def update_step(self, micro_batches, scale):
+        """update's work on the device: the micro-steps' forwards and backwards, each loss times scale (a float, or
+        in CapturedUpdate's graph a device tensor), the clip, the optimizer step, the gradients zeroed."""
         loss_sum = torch.zeros((), device=self.device)
         last = len(micro_batches) - 1
         # One autocast region for all micro-steps: autocast keeps its bf16 copy of each weight until the
@@ -222,9 +292,6 @@ class Trainer:
         if self.cfg.update_graph:
             grad_norm = grad_norm.clone()  # a CUDA graph's output is overwritten by its next replay
         self.optimizer.zero_grad(set_to_none=not self.stable_grads)
-        self.step += 1
-        if self.compile_cache:
-            self.save_compile_cache_if_new()
         return loss_sum, grad_norm
 
     def evaluate(self, batches, stopped=None):

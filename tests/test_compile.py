@@ -47,6 +47,79 @@ def test_every_compile_scope_makes_eagers_gradients_through_inductor(text_cache,
         assert ((g - e).norm() / e.norm()).item() < 1e-4
 
 
+# ---------------------------------------------------------------- the update captured whole (trainer.CapturedUpdate)
+
+def rerun_capture(captures):
+    """A stand-in for cuda_graph_capture on the CPU: the capture records nothing and runs nothing (as a CUDA
+    capture runs no kernel); each replay runs the captured step again on the graph's input tensors and writes its
+    outputs into the tensors the capture returned, as a replay writes the graph's own."""
+    def capture(step):
+        captures.append(1)
+        outputs = (torch.zeros(()), torch.zeros(()))
+
+        def replay():
+            for out, value in zip(outputs, step()):
+                out.copy_(value)
+        return replay, outputs
+    return capture
+
+
+def halved(micro_batches):
+    """The same tokens as rows half as long (a context schedule's windows): another shape."""
+    return [tuple(t.reshape(t.shape[0] * 2, t.shape[1] // 2) for t in batch) for batch in micro_batches]
+
+
+def test_a_captured_update_is_the_plain_updates_arithmetic_and_each_shape_runs_once_before_its_capture(
+        text_cache, tmp_path, monkeypatch):
+    """Updates 1 (uncaptured: it compiles), 2 (captured, then replayed), 3 (replayed), a new shape's first
+    (uncaptured), its second (captured again) and third: the losses, gradient norms and weights of the trainer's plain
+    update, bit for bit, with the batch, the scale and the learning rates read at each replay, not at the capture.
+    Several micro-steps, so the gradients add up and are zeroed inside the graph."""
+    import trainer as trainer_lib
+    from tests.test_train import make_trainer, small_config, train_data
+    cfg = small_config(text_cache, tmp_path, micro_batch_size=2, compile_scope="blocks")
+    monkeypatch.setattr(trainer_lib, "captures_update", lambda cfg, device, world_size: True)
+    captures = []
+    monkeypatch.setattr(trainer_lib, "cuda_graph_capture", rerun_capture(captures))
+    plain, captured = make_trainer(cfg), make_trainer(cfg)
+    assert captured.captured is not None and captured.stable_grads
+    assert all(torch.is_tensor(g["lr"]) for g in captured.optimizer.param_groups)  # set_lr fills them
+    plain.captured = None  # the same optimizer and gradients, the update run step by step
+    data = train_data(cfg)
+    outputs, captures_after = {"plain": [], "captured": []}, []
+    for u in range(6):
+        batches, n_tokens = data.micro_batches(u, 0, cfg.micro_batch_size)  # each epoch's first: full updates
+        assert len(batches) > 1
+        batches = halved(batches) if u >= 3 else batches
+        for name, trainer in (("plain", plain), ("captured", captured)):
+            outputs[name].append(trainer.update(batches, n_tokens))
+        captures_after.append(len(captures))
+    assert captures_after == [0, 1, 1, 1, 2, 2]  # one capture a shape, at its second update
+    for (loss, norm), (loss_c, norm_c) in zip(outputs["plain"], outputs["captured"]):
+        assert torch.equal(loss, loss_c) and torch.equal(norm, norm_c)
+    assert len({o[0].item() for o in outputs["captured"]}) == 6  # each update's own, not a later replay's
+    for p, q in zip(plain.raw_model.parameters(), captured.raw_model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_only_blocks_with_cuda_graphs_on_one_gpu_captures_the_update_and_its_regions_make_no_cuda_graphs():
+    import optim
+    import trainer as trainer_lib
+    cfg = lambda **c: settings.Config(dict(compile=True, compile_scope="blocks", compile_mode="reduce-overhead"), **c)
+    assert trainer_lib.captures_update(cfg(), "cuda", 1)
+    assert not trainer_lib.captures_update(cfg(), "cuda", 2)  # DDP: each region keeps torch's CUDA graphs
+    assert not trainer_lib.captures_update(cfg(), "cpu", 1)
+    assert not trainer_lib.captures_update(cfg(compile_scope="model"), "cuda", 1)
+    assert not trainer_lib.captures_update(cfg(compile_mode="default"), "cuda", 1)
+    assert not trainer_lib.captures_update(cfg(compile=False), "cuda", 1)
+    assert trainer_lib.compile_mode(cfg(), captured=True) is None
+    assert trainer_lib.compile_mode(cfg(compile_mode="max-autotune"), True) == "max-autotune-no-cudagraphs"
+    assert trainer_lib.compile_mode(cfg()) == "reduce-overhead"
+    # the default run's fused AdamW, capturable: torch refuses to capture a step without it
+    assert optim.adamw_kernels(False, "cuda", captured=True) == dict(fused=True, capturable=True)
+    assert optim.adamw_kernels(False, "cuda") == dict(fused=True)
+
+
 # ---------------------------------------------------------------- the saved compile cache
 
 COMPILE_ONCE = """
