@@ -188,9 +188,8 @@ class Trainer:
             p.grad = torch.zeros_like(p)
 
     def compiled(self, model):
-        """The model under torch.compile: one graph (compile_scope model), or (blocks) each block, the embedding, the
-        final norm and the loss head apart, the blocks' code compiled once for all of them (eager, the embedding's
-        backward and the norm are a dozen small kernels of their own)."""
+        """The model under torch.compile: one graph (compile_scope model), or (blocks) each block and the loss head
+        apart, the blocks' code compiled once for all of them."""
         cfg = self.cfg
         # Read by the partitioner when the first call compiles; process-wide, as torch.compile's settings are.
         torch._functorch.config.activation_memory_budget = cfg.activation_memory_budget
@@ -198,8 +197,8 @@ class Trainer:
         if cfg.compile_scope == "model":
             return torch.compile(model, dynamic=False, mode=mode)
         # Compiled in place, so the module (and its state_dict names) stay as they are.
-        for module in (model.tok_embeddings, *model.layers, model.norm):
-            module.compile(dynamic=False, mode=mode)
+        for layer in model.layers:
+            layer.compile(dynamic=False, mode=mode)
         model.loss = torch.compile(model.loss, dynamic=False, mode=mode)
         return model
 

@@ -43,7 +43,7 @@ def flash_attn_4_problem():
 
     Before the first import, turns on flash-attn-4's on-disk cache of its compiled CuTe kernels (off in the package
     unless FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1; a setting of 0 is kept): without it every process compiles its
-    backward again, about 4 s on the H200 (docs/PERFORMANCE.md, "Cold start"), as Inductor's cache spares its own."""
+    backward again, about 4 s on the H200 (docs/COLD_START.md), as Inductor's cache spares its own."""
     os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
     try:
         interface = importlib.import_module("flash_attn.cute.interface")

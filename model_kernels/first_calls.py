@@ -2,7 +2,7 @@
 builds and compiles its model: flash-attn-4's CuTe backward (attention "fa4") and the fused loss's Triton rows.
 
 Cold, they compile in series with Inductor's code generation, 5 and 2 s of the first update on the H200
-(docs/PERFORMANCE.md, "Cold start"). Both keep what they compile on disk (flash-attn-4's CuTe cache, which
+(docs/COLD_START.md). Both keep what they compile on disk (flash-attn-4's CuTe cache, which
 model_kernels/attention.py turns on, and Triton's cache), and the children inherit the run's cache folders. So a child
 per kernel (in parallel: neither waits for the other's compile) calls it once at the run's shapes and prints its
 name, its seconds since the run started it and when it had imported torch and the kernel's code. The run's own

@@ -1,12 +1,12 @@
-"""docs/PERFORMANCE.md cites its figures by results entry: each cited entry must exist in results/h200.json (or,
-for quack-kernels and update_graph, results/h200-levers.json), so that a figure in the document can always be
-traced to the measurement behind it."""
+"""The docs cite their figures by results entry: each cited entry must exist in the results file the document
+names (results/h200.json, or for quack-kernels, update_graph and the cold start results/h200-levers.json and
+results/h200-cold-start.json), so that a figure in a document can always be traced to the measurement behind it."""
 import json
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ENTRY = re.compile(r"`((?:20m|50m|90m|lever|matched|noise|loss-microbench|ddp2)-[A-Za-z0-9.-]+|tuning|"
+ENTRY = re.compile(r"`((?:20m|50m|90m|lever|matched|noise|loss-microbench|ddp2|cold|warm)-[A-Za-z0-9.-]+|tuning|"
                    r"accumulation-check|trained-parity|mlp-microbench)`")
 NESTED = ("benchmarks", "profiles")
 
@@ -27,7 +27,7 @@ def recorded_entries(results):
 def test_every_entry_the_performance_doc_cites_is_in_the_results_file():
     cited = cited_entries((ROOT / "docs" / "PERFORMANCE.md").read_text())
     recorded = set()
-    for name in ("h200.json", "h200-levers.json"):
+    for name in ("h200.json", "h200-levers.json", "h200-cold-start.json"):
         recorded |= recorded_entries(json.loads((ROOT / "results" / name).read_text()))
     assert len(cited) > 20  # the pattern still finds the document's entries
     assert sorted(cited - recorded) == []
@@ -55,3 +55,14 @@ def test_every_entry_the_time_to_quality_doc_cites_is_in_a_results_file():
         recorded |= recorded_entries(results) | {f"{s}.{n}" for s in NESTED for n in results.get(s, {})}
     cited = set(re.findall(r"`((?:benchmarks\.)?(?:20m|muon)-[A-Za-z0-9.-]+)`", text))
     assert len(cited) >= 4 and sorted(cited - recorded) == []
+
+
+def test_every_entry_the_cold_start_doc_cites_is_in_a_results_file():
+    """COLD_START.md cites its runs by name; each is in results/h200-cold-start.json or, where it says so,
+    results/h200-levers.json."""
+    text = (ROOT / "docs" / "COLD_START.md").read_text()
+    cited = set(re.findall(r"`((?:cold|warm|empty-cache|short-train|cache-load)-[A-Za-z0-9.-]+)`", text))
+    recorded = set()
+    for name in ("h200-cold-start.json", "h200-levers.json"):
+        recorded |= recorded_entries(json.loads((ROOT / "results" / name).read_text()))
+    assert len(cited) >= 15 and sorted(cited - recorded) == []
