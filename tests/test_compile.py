@@ -69,15 +69,16 @@ def halved(micro_batches):
     return [tuple(t.reshape(t.shape[0] * 2, t.shape[1] // 2) for t in batch) for batch in micro_batches]
 
 
+@pytest.mark.parametrize("recipe", [{}, {"optimizer": "muon", "ema": 0.9}])
 def test_a_captured_update_is_the_plain_updates_arithmetic_and_each_shape_runs_once_before_its_capture(
-        text_cache, tmp_path, monkeypatch):
+        text_cache, tmp_path, monkeypatch, recipe):
     """Updates 1 (uncaptured: it compiles), 2 (captured, then replayed), 3 (replayed), a new shape's first
     (uncaptured), its second (captured again) and third: the losses, gradient norms and weights of the trainer's plain
     update, bit for bit, with the batch, the scale and the learning rates read at each replay, not at the capture.
     Several micro-steps, so the gradients add up and are zeroed inside the graph."""
     import trainer as trainer_lib
     from tests.test_train import make_trainer, small_config, train_data
-    cfg = small_config(text_cache, tmp_path, micro_batch_size=2, compile_scope="blocks")
+    cfg = small_config(text_cache, tmp_path, micro_batch_size=2, compile_scope="blocks", **recipe)
     monkeypatch.setattr(trainer_lib, "captures_update", lambda cfg, device, world_size: True)
     captures = []
     monkeypatch.setattr(trainer_lib, "cuda_graph_capture", rerun_capture(captures))
@@ -100,6 +101,8 @@ def test_a_captured_update_is_the_plain_updates_arithmetic_and_each_shape_runs_o
     assert len({o[0].item() for o in outputs["captured"]}) == 6  # each update's own, not a later replay's
     for p, q in zip(plain.raw_model.parameters(), captured.raw_model.parameters()):
         assert torch.equal(p, q)
+    if captured.ema is not None:  # the weights' average, updated inside the graph
+        assert all(torch.equal(a, b) for a, b in zip(plain.ema.accumulator, captured.ema.accumulator))
 
 
 def test_only_blocks_with_cuda_graphs_on_one_gpu_captures_the_update_and_its_regions_make_no_cuda_graphs():
