@@ -55,9 +55,11 @@ def captures_update(cfg, device, world_size):
 
 
 def cuda_graph_capture(step):
-    """step() captured as a CUDA graph, not run: (replay, step's outputs), tensors that each replay() writes."""
+    """step() captured as a CUDA graph, not run: (replay, step's outputs), tensors that each replay() writes. Errors
+    for this thread's unsafe calls only, as torch's own CUDA graphs (cudagraph_trees) capture: the data loader's
+    thread pins the next batches meanwhile."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         outputs = step()
     return graph.replay, outputs
 
