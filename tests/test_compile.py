@@ -47,6 +47,17 @@ def test_every_compile_scope_makes_eagers_gradients_through_inductor(text_cache,
         assert ((g - e).norm() / e.norm()).item() < 1e-4
 
 
+def test_blocks_compiles_the_blocks_code_once_for_every_block(text_cache, tmp_path):
+    """compile_scope=blocks: one Dynamo compile of a block's code serves all of them, and one of the loss head: two
+    frames for a model of three blocks."""
+    from torch._dynamo.utils import counters
+    from tests.test_train import small_config
+    cfg = small_config(text_cache, tmp_path, micro_batch_size=8, n_layers=3)
+    counters.clear()
+    first_update_gradients(settings.Config(cfg, compile=True, compile_scope="blocks"))
+    assert counters["frames"]["ok"] == 2
+
+
 # ---------------------------------------------------------------- the update captured whole (trainer.CapturedUpdate)
 
 def rerun_capture(captures):
