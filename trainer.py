@@ -75,7 +75,7 @@ class CapturedUpdate:
     captured and replayed, and every later one replayed: the batch copied into the graph's input tensors, the scale
     world_size / n_tokens into its own, the learning rates device tensors that set_lr fills (build_optimizer's
     captured form). The gradients live outside the graph (Trainer.allocate_gradients), zeroed inside it. One graph
-    is held, the latest shape's: a schedule's shapes come one after another."""
+    is held, the last shape's, dropped when another shape comes: a schedule's shapes come one after another."""
 
     def __init__(self, step, device, capture):
         # step(micro_batches, scale): the update; capture(fn): (replay, outputs), cuda_graph_capture's
@@ -85,12 +85,12 @@ class CapturedUpdate:
     def __call__(self, micro_batches, scale):
         shape = tuple(tuple(t.shape) for batch in micro_batches for t in batch)
         if shape != self.shape:
+            self.graph, self.shape = None, None  # the last shape's graph and its memory go before this shape runs
             if shape not in self.seen:
                 self.seen.add(shape)
                 return self.step(micro_batches, scale)
-            self.graph = None  # its memory back before the next capture
             inputs = [tuple(t.clone() for t in batch) for batch in micro_batches]
-            scale_tensor = torch.zeros((), device=self.device)
+            scale_tensor = torch.zeros((), device=self.device)  # float32, as the losses it multiplies
             replay, outputs = self.capture(lambda: self.step(inputs, scale_tensor))
             self.graph, self.shape = (replay, inputs, scale_tensor, outputs), shape
         replay, inputs, scale_tensor, outputs = self.graph

@@ -106,6 +106,8 @@ def test_a_captured_update_is_the_plain_updates_arithmetic_and_each_shape_runs_o
         for name, trainer in (("plain", plain), ("captured", captured)):
             outputs[name].append(trainer.update(batches, n_tokens))
         captures_after.append(len(captures))
+        if u == 3:  # the last shape's graph (and its memory) gone before the new shape ran
+            assert captured.captured.graph is None
     assert captures_after == [0, 1, 1, 1, 2, 2]  # one capture a shape, at its second update
     for (loss, norm), (loss_c, norm_c) in zip(outputs["plain"], outputs["captured"]):
         assert torch.equal(loss, loss_c) and torch.equal(norm, norm_c)
