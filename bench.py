@@ -124,7 +124,7 @@ def run_protocol(cfg):
     entry = new_entry(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     trainer = None
     try:
-        plan = plan_lib.resolve(cfg, BenchSettings, synthetic=cfg.data_mode == "synthetic")
+        plan = plan_lib.resolve(cfg, BenchSettings, synthetic=cfg.data_mode == "synthetic", prestart=True)
         if plan.device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
         data, make = protocol_data(plan)

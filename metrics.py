@@ -12,6 +12,7 @@ import torch
 import env
 from dashboard import Dashboards
 from distributed import all_reduce_sum
+from model_kernels import first_calls
 from results import record
 from trainer import peak_memory_bytes
 
@@ -34,6 +35,8 @@ class RunState:
     first_update_seconds: float = None
     # Inductor's graphs of the first update: how many it compiled and how many its cache held (warm or cold start)
     first_update_graphs: dict = None
+    # cold: when the children of the first-call kernels had them, and the first update's waits (first_calls.timings)
+    first_calls: dict = None
     final_validation: dict = None
     # the logged training loss, learning rate and gradient norm, one point per log interval
     training_curve: list = dataclasses.field(default_factory=list)
@@ -43,7 +46,8 @@ class RunState:
 # A checkpoint must hold these to be resumed; the others start at their defaults when it has none of them (a final
 # validation exists only once the run is complete).
 RESUME_FIELDS = [f.name for f in dataclasses.fields(RunState)
-                 if f.name not in ("final_validation", "training_curve", "target_reached", "first_update_graphs")]
+                 if f.name not in ("final_validation", "training_curve", "target_reached", "first_update_graphs",
+                                "first_calls")]
 
 
 def format_seconds(seconds):
@@ -131,6 +135,7 @@ class Metrics:
         if state.first_update_seconds is None:
             state.first_update_seconds = time.time() - self.segment_start
             state.first_update_graphs = env.inductor_graph_counts() if self.cfg.compile else None
+            state.first_calls = first_calls.timings() or None
             if self.main:
                 print(f"first update: {state.first_update_seconds:.1f} s"
                       + (" (compile included)" if self.cfg.compile else ""), flush=True)
@@ -224,6 +229,7 @@ class Metrics:
             "elapsed_tokens_per_second": s.tokens / elapsed if elapsed else None,
             "median_training_tokens_per_second": rates[len(rates) // 2] if rates else None,
             "first_update_seconds": s.first_update_seconds, "first_update_graphs": s.first_update_graphs,
+            "first_calls": s.first_calls,
             "mfu": env.mfu(facts["flops"], tokens_per_second / self.world_size if seconds else None, facts["gpu_name"]),
             "flops_per_token": facts["flops"], "peak_memory_bytes": peak_memory_bytes(facts["device"]),
             "world_size": self.world_size, "sessions": s.sessions, "attention": self.trainer.attention,

@@ -15,7 +15,7 @@ import settings
 from configurator import ConfigError
 from data.loader import CacheError, TokenCache, TrainData
 from distributed import distributed
-from model_kernels import registry
+from model_kernels import first_calls, registry
 from results import ResultsFileError, check_writable
 
 USER_ERRORS = (ConfigError, ResultsFileError, CacheError, checkpoint.CheckpointError)  # one line, never a traceback
@@ -48,14 +48,18 @@ class Plan:
         return self.rank == 0
 
 
-def resolve(cfg, cls=settings.TrainSettings, world=None, synthetic=False):
+def resolve(cfg, cls=settings.TrainSettings, world=None, synthetic=False, prestart=False):
     """The plan of a run of cfg (a Config of cls's keys). world: (rank, local_rank, world_size), by default this
     process's (torchrun's); compare.py passes one process for the runs it checks before training them. synthetic:
-    random tokens in place of the cache (bench.py's data_mode=synthetic)."""
+    random tokens in place of the cache (bench.py's data_mode=synthetic). prestart, for a process that goes on to
+    train: once the device is known, start what a cold first update would wait for (first_calls.prestart), so that
+    it readies while the checks import the attention's package and the data and the model are made."""
     settings.check(cls, cfg)
     rank, local_rank, world_size = world or distributed()
     sequences = settings.sequences_per_update(cfg, world_size)
     device = resolve_device(cfg, local_rank if world is None else None)
+    if prestart:
+        first_calls.prestart(cfg, torch.device(device), env.compiler_cache_state()[1])
     attention, reason = check_device(cfg, torch.device(device))
     if "results_file" in cfg:
         check_writable(cfg.results_file)

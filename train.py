@@ -335,7 +335,8 @@ class Run:
 
 def train(cfg):
     """Run (or resume) the configured training; returns the results entry."""
-    run = Run(plan_lib.resolve(cfg))   # every check, the data, the model and the optimizer: no work done yet
+    # every check, the data, the model and the optimizer: no work done yet
+    run = Run(plan_lib.resolve(cfg, prestart=True))
     try:
         run.resume_or_start()
         run.announce()

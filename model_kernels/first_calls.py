@@ -1,18 +1,25 @@
-"""The kernels that compile at their first call, outside torch.compile, compiled in child processes while the run
-builds and compiles its model: flash-attn-4's CuTe backward (attention "fa4") and the fused loss's Triton rows.
+"""The helpers a cold first update would otherwise wait for, started before the run resolves its settings, data and
+model: a child process per kernel that compiles at its first call, outside torch.compile (flash-attn-4's CuTe
+backward, attention "fa4"; the fused loss's Triton rows), and Inductor's pool of compile workers.
 
-Cold, they compile in series with Inductor's code generation, 5 and 2 s of the first update on the H200
+Cold, those kernels compile in series with Inductor's code generation, 5 and 2 s of the first update on the H200
 (docs/COLD_START.md). Both keep what they compile on disk (flash-attn-4's CuTe cache, which
 model_kernels/attention.py turns on, and Triton's cache), and the children inherit the run's cache folders. So a child
-per kernel (in parallel: neither waits for the other's compile) calls it once at the run's shapes and prints its
-name, its seconds since the run started it and when it had imported torch and the kernel's code. The run's own
-first call of a kernel waits for that line (wait) and then loads the kernel from disk instead of compiling it
-again. A child that fails or exits early costs the run nothing but that wait: the first call compiles the kernel
-itself, as it would have without a child. timings() says when each was ready and how long the run waited for it
-(bench.py records them).
+per kernel (in parallel: neither waits for the other's compile) imports torch and the kernel's code, about 14 s for
+flash-attn-4, then reads its job (the run's shapes) on its input, calls the kernel once at them and prints its name
+and its seconds since it was started, with when it had imported torch and the kernel's code and had its job.
+prestart() starts the children as soon as the run knows its settings and its caches' warmth, so that their imports
+overlap the run's own checks, data and model; start() then gives each child its job (starting any that prestart did
+not) and ends the ones the run turned out not to need. The run's own first call of a kernel waits for the child's
+line (wait) and then loads the kernel from disk instead of compiling it again. A child that fails or exits early
+costs the run nothing but that wait: the first call compiles the kernel itself, as it would have without a child.
+timings() says when each was ready and how long the run waited for it (bench.py records them).
 
-    python -m model_kernels.first_calls KERNEL '{"device": "cuda:0", "attention": [[B, T, H, D], ...],
-                                                 "vocab_size": V, "started": UNIX_SECONDS}'
+Inductor starts its compile workers at the first compile, and compiles a kernel in this process, one after another,
+while they are not yet ready (torch._inductor.async_compile); each imports torch first. prestart starts them too.
+
+    python -m model_kernels.first_calls KERNEL STARTED_UNIX_SECONDS    # then, on its input:
+    {"device": "cuda:0", "attention": [[B, T, H, D], ...], "vocab_size": V}
 """
 import atexit
 import json
@@ -26,26 +33,34 @@ from pathlib import Path
 KERNELS = ("loss", "attention")
 NUMBER = r"\d+(?:\.\d+)?"
 _children = {}  # kernel -> {"process", "log"} while its child runs
-_timings = {}  # kernel -> {"ready_seconds": the child's, since start(); "waited_seconds": the run's first call's;
-#                            "torch_seconds", "code_seconds": when the child had imported torch, the kernel's code}
+_timings = {}  # kernel -> {"ready_seconds", "torch_seconds", "code_seconds", "job_seconds": the child's, since it was
+#                            started; "waited_seconds": the run's first call's}
+
+
+def kernels_for(cfg, device, attention, cold):
+    """The kernels that would compile at their first call in a run of cfg (its settings) on device (a torch.device),
+    with attention its resolved backend, or None before it is resolved (then fa4 wherever the setting allows it);
+    cold whether Inductor's cache is empty. None compile beside an eager run (nothing to overlap), on the CPU, with
+    SDPA's attention and the plain torch loss; nor with warm caches, where the kernels load from disk in less time
+    than a child needs to start (its imports: bench-20m-warm-first-calls waited 9 s for it)."""
+    if not cold or not cfg.compile or not cfg.warm_kernels or device.type != "cuda":
+        return []
+    fa4 = attention == "fa4" if attention is not None else cfg.attention_backend in ("auto", "fa4")
+    loss = cfg.loss_impl == "fused" and not cfg.lm_head_fp8
+    return [k for k, on in (("loss", loss), ("attention", fa4)) if on]
 
 
 def spec(cfg, mcfg, device, attention, contexts, cold):
     """What the children compile for a run (cfg its settings, mcfg its ModelConfig, attention its resolved backend,
     contexts its sequence lengths: seq_len and those of its seq_len_schedule, cold whether Inductor's cache is empty);
-    None when nothing would compile at a first call: eager runs (nothing to compile beside), the CPU, SDPA's attention
-    with the plain torch loss; and warm caches, where the kernels load from disk in less time than a child needs
-    to start (its imports: bench-20m-warm-first-calls waited 9 s for it)."""
-    attention_compiles = attention == "fa4"
-    loss_compiles = cfg.loss_impl == "fused" and not cfg.lm_head_fp8
-    if not cold or not cfg.compile or not cfg.warm_kernels or device.type != "cuda":
-        return None
-    if not (attention_compiles or loss_compiles):
+    None when no kernel would compile at a first call (kernels_for)."""
+    kernels = kernels_for(cfg, device, attention, cold)
+    if not kernels:
         return None
     # a window of C tokens makes rows of C: micro_batch_size * seq_len / C of them (data/loader.py)
     shapes = [[cfg.micro_batch_size * cfg.seq_len // c, c, mcfg.n_heads, mcfg.head_dim] for c in sorted(contexts)]
-    return {"device": str(device), "attention": shapes if attention_compiles else [],
-            "vocab_size": mcfg.vocab_size if loss_compiles else 0}
+    return {"device": str(device), "attention": shapes if "attention" in kernels else [],
+            "vocab_size": mcfg.vocab_size if "loss" in kernels else 0}
 
 
 def kernels_of(job):
@@ -53,23 +68,49 @@ def kernels_of(job):
     return [k for k in KERNELS if (job["vocab_size"] if k == "loss" else job["attention"])]
 
 
-def start(job, command=None):
-    """Start a child per kernel of `job` (spec's dict; None starts none). command(kernel, job) replaces a child's
-    command line (the tests' stand-in)."""
+def prestart(cfg, device, cold, command=None):
+    """Before the run's checks, data and model: Inductor's compile workers when cfg compiles on a GPU, and a child per
+    kernel that the run may compile at a first call (kernels_for before the backend is resolved), each importing
+    what it needs until start() gives it its job or ends it. device: the torch.device the run will use; cold
+    whether Inductor's cache is empty; command as start()'s."""
     stop()
+    if cfg.compile and device.type == "cuda":
+        from torch._inductor.async_compile import maybe_warm_pool
+        maybe_warm_pool()  # what torch.compile's Inductor backend calls at the first compile, called sooner
+    for kernel in kernels_for(cfg, device, None, cold):
+        _spawn(kernel, command)
+
+
+def start(job, command=None):
+    """Give each kernel of `job` (spec's dict; None has none) its child, prestart's or a new one, and end the other
+    children (kernels the job does not compile, or an earlier run's). command(kernel, started) replaces a child's
+    command line (the tests' stand-in)."""
     _timings.clear()
-    if job is None:
-        return
-    job = dict(job, started=time.time())
-    for kernel in kernels_of(job):
-        line = (command or _command)(kernel, job)
-        log = tempfile.TemporaryFile()  # its errors, for the line a failure prints; a pipe could fill and block it
-        _children[kernel] = {"process": subprocess.Popen(line, cwd=Path(__file__).resolve().parent.parent,
-                                                         stdout=subprocess.PIPE, stderr=log, text=True), "log": log}
+    wanted = kernels_of(job) if job is not None else []
+    for kernel, child in list(_children.items()):
+        if kernel not in wanted or child["process"].stdin.closed:  # not needed, or given an earlier run's job
+            _end(_children.pop(kernel))
+    for kernel in wanted:
+        stdin = (_children.get(kernel) or _spawn(kernel, command))["process"].stdin
+        for give in (lambda: stdin.write(json.dumps(job) + "\n"), stdin.close):
+            try:
+                give()
+            except OSError:  # it has exited (a failed import, say): wait() reports it
+                pass
 
 
-def _command(kernel, job):
-    return [sys.executable, "-m", "model_kernels.first_calls", kernel, json.dumps(job)]
+def _spawn(kernel, command):
+    started = time.time()
+    line = (command or _command)(kernel, started)
+    log = tempfile.TemporaryFile()  # its errors, for the line a failure prints; a pipe could fill and block it
+    _children[kernel] = {"process": subprocess.Popen(line, cwd=Path(__file__).resolve().parent.parent,
+                                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                                     text=True), "log": log}
+    return _children[kernel]
+
+
+def _command(kernel, started):
+    return [sys.executable, "-m", "model_kernels.first_calls", kernel, repr(started)]
 
 
 def wait(kernel):
@@ -103,8 +144,8 @@ def ready_line(kernel, line):
 
 
 def timings():
-    """{kernel: {"ready_seconds", "waited_seconds", "torch_seconds", "code_seconds"}} of the children that compiled
-    a kernel since start()."""
+    """{kernel: {"ready_seconds", "torch_seconds", "code_seconds", "job_seconds" (the child's, since it was started),
+    "waited_seconds"}} of the children that compiled a kernel since start()."""
     return {k: dict(v) for k, v in _timings.items()}
 
 
@@ -116,8 +157,13 @@ def stop():
 
 
 def _end(child):
-    """Reap a child (one that printed its line exits by itself) and close its pipes."""
+    """Reap a child (one that printed its line exits by itself; one still waiting for its job ends at the end of its
+    input) and close its pipes."""
     process = child["process"]
+    try:
+        process.stdin.close()
+    except OSError:  # a job it never read
+        pass
     if process.poll() is None:
         process.kill()
     process.wait()
@@ -125,16 +171,27 @@ def _end(child):
     child["log"].close()
 
 
-def compile_kernel(kernel, job):
-    """The child: kernel's first call at the job's shapes, then its line: its name and the seconds since the run
-    started it, and when it had imported torch and the kernel's code (name=seconds)."""
-    since = lambda: round(time.time() - job["started"], 3)
+def compile_kernel(kernel, started, job_text):
+    """The child: imports torch and kernel's code, reads its job (job_text(): a line of JSON, "" at the end of its
+    input: no job, it exits), calls the kernel once at the job's shapes, then prints its line: its name and its
+    seconds since it was started, and when it had imported torch and the kernel's code and had its job
+    (name=seconds)."""
+    since = lambda: round(time.time() - started, 3)
     import torch
     phases = {"torch": since()}
-    device = torch.device(job["device"])
     if kernel == "loss":
         from model_kernels.cross_entropy import _cross_entropy_rows
-        phases["code"] = since()
+    else:
+        from model_kernels.attention import _flash_attention_4_backward_op, flash_attn_4
+        flash_attn_4()
+    phases["code"] = since()
+    line = job_text()
+    if not line.strip():
+        return
+    job = json.loads(line)
+    phases["job"] = since()
+    device = torch.device(job["device"])
+    if kernel == "loss":
         logits = torch.randn(4, job["vocab_size"], device=device, dtype=torch.bfloat16)
         targets = torch.zeros(4, dtype=torch.long, device=device)
         for write_grad in (True, False):  # training's loss writes the gradient; evaluation's only the losses
@@ -142,9 +199,6 @@ def compile_kernel(kernel, job):
     else:
         # the backward alone, as the run calls it: what it compiles depends on the shapes and dtypes only, so the
         # saved output and log-sum-exp can be any numbers (and no cuDNN forward need load here)
-        from model_kernels.attention import _flash_attention_4_backward_op, flash_attn_4
-        flash_attn_4()
-        phases["code"] = since()
         for B, T, H, D in job["attention"]:
             q, k, v, out, grad_out = (torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16) for _ in range(5))
             lse = torch.randn(B, H, T, device=device, dtype=torch.float32)
@@ -155,4 +209,4 @@ def compile_kernel(kernel, job):
 
 
 if __name__ == "__main__":
-    compile_kernel(sys.argv[1], json.loads(sys.argv[2]))
+    compile_kernel(sys.argv[1], float(sys.argv[2]), sys.stdin.readline)

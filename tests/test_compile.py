@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -241,7 +242,7 @@ def test_a_compile_cache_path_of_a_users_file_or_without_compile_is_one_line_bef
 def first_calls_cfg(**changes):
     import settings
     return settings.Config(dict(compile=True, loss_impl="fused", lm_head_fp8=False, micro_batch_size=8, seq_len=512,
-                                warm_kernels=True), **changes)
+                                warm_kernels=True, attention_backend="auto"), **changes)
 
 
 def test_the_child_compiles_each_sequence_length_and_nothing_when_no_kernel_would_compile():
@@ -265,8 +266,11 @@ JOB = {"device": "cpu", "attention": [[2, 16, 2, 8]], "vocab_size": 64}
 
 
 def stand_in_children(sources):
-    """Children that run sources[kernel] (Python source, "" for none) and then print their kernel's line."""
-    return lambda kernel, job: [sys.executable, "-c", f"{sources.get(kernel, '')}\nprint({kernel!r}, 1.5, flush=True)"]
+    """Children that run sources[kernel] (Python source, "" for none), read their job as the real child does and
+    print their kernel's line, with job= the count of attention shapes the job gave."""
+    return lambda kernel, started: [sys.executable, "-c", f"{sources.get(kernel, '')}\nimport json, sys\n"
+                                    f"job = json.loads(sys.stdin.readline())\n"
+                                    f"print({kernel!r}, 1.5, f'job={{len(job[\"attention\"])}}', flush=True)"]
 
 
 def test_each_kernel_has_a_child_and_a_first_call_waits_for_its_own_only(tmp_path):
@@ -282,16 +286,62 @@ def test_each_kernel_has_a_child_and_a_first_call_waits_for_its_own_only(tmp_pat
         first_calls.wait("loss")
         assert first_calls._children == {} and loss_child.returncode is not None  # reaped
         assert first_calls.timings()["loss"]["ready_seconds"] == 1.5
+        assert first_calls.timings()["loss"]["job_seconds"] == 1  # the job came through its input
         assert first_calls.timings()["loss"]["waited_seconds"] > 0
         first_calls.wait("loss")  # no child: at once
     finally:
         first_calls.stop()
 
 
+def test_prestarted_children_get_their_job_later_and_those_the_run_does_not_need_end(tmp_path, monkeypatch):
+    """prestart starts Inductor's compile workers and a child per kernel the settings may compile, before the
+    attention backend is resolved; start gives the job to the children of its kernels (the same processes) and ends
+    the rest; a later run's start does not reuse a child that had a job."""
+    from torch._inductor import async_compile
+    from model_kernels import first_calls
+    pools = []
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: pools.append(1))
+    cuda = torch.device("cuda", 0)
+    flag = tmp_path / "go"
+    stand_in = stand_in_children({"attention": f"import os, time\nwhile not os.path.exists({str(flag)!r}): "
+                                               f"time.sleep(0.01)"})
+    assert first_calls.kernels_for(first_calls_cfg(attention_backend="sdpa"), cuda, None, True) == ["loss"]
+    first_calls.prestart(first_calls_cfg(), torch.device("cpu"), True, stand_in)  # the CPU: nothing
+    first_calls.prestart(first_calls_cfg(), cuda, False, stand_in)  # warm caches: the workers only
+    assert first_calls._children == {} and pools == [1]
+    try:
+        first_calls.prestart(first_calls_cfg(), cuda, True, stand_in)
+        assert pools == [1, 1]
+        children = {k: c["process"] for k, c in first_calls._children.items()}
+        assert set(children) == {"loss", "attention"}
+        first_calls.start(dict(JOB, vocab_size=0))  # as resolved: fa4's attention, the plain loss
+        assert children["loss"].returncode is not None and set(first_calls._children) == {"attention"}
+        assert first_calls._children["attention"]["process"] is children["attention"]  # prestart's, not a new one
+        flag.touch()
+        first_calls.wait("attention")
+        assert first_calls.timings()["attention"]["job_seconds"] == 1
+        first_calls.start(JOB, stand_in_children({}))  # a run's children, given their job
+        given = first_calls._children["loss"]["process"]
+        first_calls.start(JOB, stand_in_children({}))  # the next run's (bench.py's presets): new children
+        assert given.returncode is not None and first_calls._children["loss"]["process"] is not given
+        first_calls.wait("loss")
+        assert first_calls.timings()["loss"]["ready_seconds"] == 1.5
+    finally:
+        first_calls.stop()
+
+
+def test_the_child_exits_without_a_line_when_its_input_ends_without_a_job():
+    """A prestarted child that the run does not need: its input closes, and it exits after its imports."""
+    done = subprocess.run([sys.executable, "-m", "model_kernels.first_calls", "loss", repr(time.time())],
+                          input="", capture_output=True, text=True, cwd=REPO,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout == "", done.stderr
+
+
 def test_a_library_line_that_begins_with_the_kernels_name_is_not_taken_for_the_childs(tmp_path):
     """flash-attn-4 or Triton may print a line beginning "attention ..." before the child's own line."""
     from model_kernels import first_calls
-    first_calls.start(dict(JOB, vocab_size=0), lambda kernel, job: [
+    first_calls.start(dict(JOB, vocab_size=0), lambda kernel, started: [
         sys.executable, "-c", "print('attention is compiled for sm_90'); print('attention 2 slow'); "
                               "print('attention 3.25 torch=1.5 code=2.0', flush=True)"])
     try:
