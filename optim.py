@@ -314,8 +314,8 @@ def build_optimizer(model, settings, device, captured=False):
         base_lr: set_lr needs none): the layout of an adamw checkpoint's optimizer state, which must keep loading.
     muon: MuonWithAdamW: Muon (lr muon_lr, Nesterov) on the 2-D weights of model.layers, AdamW (lr learning_rate,
         the same betas, eps and fused rule) on the rest: the tied embedding and LM head with weight decay, the
-        norms without. Muon's per-shape math is compiled when settings' compile is (on CUDA). Its lever normuon
-        is Muon's alone.
+        norms without. Muon's per-shape math is compiled when settings' compile is (on CUDA), except where the
+        update is captured. Its lever normuon is Muon's alone.
     """
     get = lambda key: setting(settings, key)
     name = get("optimizer")
@@ -338,8 +338,9 @@ def build_optimizer(model, settings, device, captured=False):
                 ns_steps=get("muon_ns_steps"), adjust_lr_fn=get("muon_adjust_lr"),
                 normuon=setting(settings, "normuon", False),
                 # compiled with the model: under CUDA graphs the host has time; inside the update's graph, the
-                # trainer's compile traces it whole
-                compile=bool(get("compile")) and not graph)
+                # trainer's compile traces it whole; inside the update's own CUDA graph (captured) the eager
+                # math's launches cost no host time, and a cold start saves a compile per shape
+                compile=bool(get("compile")) and not graph and not captured)
     return MuonWithAdamW(muon, adamw)
 
 

@@ -16,7 +16,8 @@ costs the run nothing but that wait: the first call compiles the kernel itself, 
 timings() says when each was ready and how long the run waited for it (bench.py records them).
 
 Inductor starts its compile workers at the first compile, and compiles a kernel in this process, one after another,
-while they are not yet ready (torch._inductor.async_compile); each imports torch first. prestart starts them too.
+while they are not yet ready (torch._inductor.async_compile); each imports torch first. Cold, prestart starts
+them too.
 
     python -m model_kernels.first_calls KERNEL STARTED_UNIX_SECONDS    # then, on its input:
     {"device": "cuda:0", "attention": [[B, T, H, D], ...], "vocab_size": V}
@@ -69,12 +70,13 @@ def kernels_of(job):
 
 
 def prestart(cfg, device, cold, command=None):
-    """Before the run's checks, data and model: Inductor's compile workers when cfg compiles on a GPU, and a child per
-    kernel that the run may compile at a first call (kernels_for before the backend is resolved), each importing
-    what it needs until start() gives it its job or ends it. device: the torch.device the run will use; cold
-    whether Inductor's cache is empty; command as start()'s."""
+    """Before the run's checks, data and model, when cold (Inductor's cache is empty): Inductor's compile workers when
+    cfg compiles on a GPU, and a child per kernel that the run may compile at a first call (kernels_for before the
+    backend is resolved), each importing what it needs until start() gives it its job or ends it. device: the
+    torch.device the run will use; command as start()'s. Warm, nothing: Inductor loads its kernels from its cache,
+    in this process while its workers are not yet up."""
     stop()
-    if cfg.compile and device.type == "cuda":
+    if cold and cfg.compile and device.type == "cuda":
         from torch._inductor.async_compile import maybe_warm_pool
         maybe_warm_pool()  # what torch.compile's Inductor backend calls at the first compile, called sooner
     for kernel in kernels_for(cfg, device, None, cold):

@@ -135,6 +135,11 @@ def test_only_blocks_with_cuda_graphs_on_one_gpu_captures_the_update_and_its_reg
     # the default run's fused AdamW, capturable: torch refuses to capture a step without it
     assert optim.adamw_kernels(False, "cuda", captured=True) == dict(fused=True, capturable=True)
     assert optim.adamw_kernels(False, "cuda") == dict(fused=True)
+    # Muon's per-shape math compiled with the model, but eager inside the captured update: no compile per shape
+    from tests.test_optim import SETTINGS, tiny_model
+    muon = dict(SETTINGS, optimizer="muon", compile=True)
+    assert optim.build_optimizer(tiny_model(), muon, "cpu").muon.compile
+    assert not optim.build_optimizer(tiny_model(), muon, "cpu", captured=True).muon.compile
 
 
 # ---------------------------------------------------------------- the saved compile cache
@@ -307,11 +312,11 @@ def test_prestarted_children_get_their_job_later_and_those_the_run_does_not_need
                                                f"time.sleep(0.01)"})
     assert first_calls.kernels_for(first_calls_cfg(attention_backend="sdpa"), cuda, None, True) == ["loss"]
     first_calls.prestart(first_calls_cfg(), torch.device("cpu"), True, stand_in)  # the CPU: nothing
-    first_calls.prestart(first_calls_cfg(), cuda, False, stand_in)  # warm caches: the workers only
-    assert first_calls._children == {} and pools == [1]
+    first_calls.prestart(first_calls_cfg(), cuda, False, stand_in)  # warm caches: nothing either
+    assert first_calls._children == {} and pools == []
     try:
         first_calls.prestart(first_calls_cfg(), cuda, True, stand_in)
-        assert pools == [1, 1]
+        assert pools == [1]
         children = {k: c["process"] for k, c in first_calls._children.items()}
         assert set(children) == {"loss", "attention"}
         first_calls.start(dict(JOB, vocab_size=0))  # as resolved: fa4's attention, the plain loss
