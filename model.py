@@ -233,13 +233,9 @@ class Block(nn.Module):
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.feed_forward = FeedForward(config, mlp_impl)
 
-    def forward(self, x, mlp_out, cos, sin, backends, ve=None):
-        """(residual stream, MLP output): the previous block's MLP output is added here, at the start, so that the add
-        and this block's first norm are one kernel where each block is compiled apart (compile_scope blocks), as
-        they are in the whole model's graph; this block's own MLP output is returned unadded."""
-        x = x + mlp_out
+    def forward(self, x, cos, sin, backends, ve=None):
         x = x + self.attention(self.attention_norm(x), cos, sin, backends, ve)
-        return x, self.feed_forward(self.ffn_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
 
 
 class Transformer(nn.Module):
@@ -340,17 +336,9 @@ class Transformer(nn.Module):
         v = value_lambdas[0] v + value_lambdas[1] ve_i (per head, the table's width split as v is), both lambdas 0.5
         at first."""
         ves = [table(idx) for table in self.value_embeds]
-        # the first block adds zeros (x + 0 is x) in the dtype the MLPs give; outside a compiled graph (compile_scope
-        # blocks) needing a gradient where they do, so that the first block's guards are every later block's and one
-        # compiled code serves them all
-        device_type = x.device.type
-        mlp_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-        mlp_out = torch.zeros_like(x, dtype=mlp_dtype)
-        if not torch.compiler.is_compiling():
-            mlp_out.requires_grad_(x.requires_grad)
         for layer, table in zip(self.layers, self._value_embedding_of):
-            x, mlp_out = layer(x, mlp_out, cos, sin, self._sdpa_backends, None if table is None else ves[table])
-        return x + mlp_out
+            x = layer(x, cos, sin, self._sdpa_backends, None if table is None else ves[table])
+        return x
 
     def forward(self, idx, targets=None, reduction="mean"):
         """Logits (B, T, V) without targets; else the token cross-entropy, ignoring targets of -100.

@@ -715,22 +715,3 @@ def test_auto_attention_on_the_cpu_computes_what_sdpa_does():
     assert torch.equal(auto(x), sdpa(x))
     for (name, p), q in zip(auto.named_parameters(), sdpa.parameters()):
         assert torch.equal(p.grad, q.grad), name
-
-
-@pytest.mark.parametrize("autocast", [False, True])
-def test_a_blocks_mlp_output_added_at_the_next_blocks_start_is_each_blocks_own_residual_bit_for_bit(autocast):
-    """Block i's MLP output is added at block i+1's start (the add and the norm after it one kernel where each block
-    is compiled apart): the same numbers as x + attention(...), then x + MLP(...), inside each block."""
-    config = tiny_config(n_layers=3)
-    m = seeded_model(config)
-    idx, _ = random_batch(config, 2, 16)
-    cos, sin = m.rope_cos[:16], m.rope_sin_signed[:16]
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        if autocast:
-            cos, sin = cos.to(torch.bfloat16), sin.to(torch.bfloat16)
-        x = m.tok_embeddings(idx)
-        expected = x
-        for layer in m.layers:
-            expected = expected + layer.attention(layer.attention_norm(expected), cos, sin, m._sdpa_backends)
-            expected = expected + layer.feed_forward(layer.ffn_norm(expected))
-        assert torch.equal(m.through_blocks(x, idx, cos, sin), expected)
