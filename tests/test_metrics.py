@@ -75,3 +75,18 @@ def test_the_eta_leaves_out_pauses_and_starts_afresh_in_a_resumed_process(monkey
     trainer.step = 30
     train(resumed, trainer, clock, 1.0, 20)  # 1 s an update now: the earlier process's 2 s are not this one's
     assert etas(capsys.readouterr().out) == [160, 150]
+
+
+def test_the_first_update_records_the_first_call_childrens_timings_and_a_resume_does_not_carry_them(monkeypatch):
+    """A cold run's entry says when the children had their kernels and how long its first update waited for them
+    (model_kernels/first_calls.py), as bench.py's does; they belong to the process that compiled, not to a resume."""
+    from model_kernels import first_calls
+    timings = {"attention": {"ready_seconds": 11.4, "waited_seconds": 0.2}}
+    monkeypatch.setattr(first_calls, "timings", lambda: timings)
+    m, trainer, clock = run_metrics(monkeypatch)
+    train(m, trainer, clock, 1.0, 2)
+    assert m.state.first_calls == timings
+    monkeypatch.setattr(first_calls, "timings", lambda: {})  # a later update finds none: the first's stay
+    train(m, trainer, clock, 1.0, 1)
+    assert m.state.first_calls == timings
+    assert "first_calls" not in metrics.RESUME_FIELDS
