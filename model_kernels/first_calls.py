@@ -94,11 +94,11 @@ def start(job, command=None):
             _end(_children.pop(kernel))
     for kernel in wanted:
         stdin = (_children.get(kernel) or _spawn(kernel, command))["process"].stdin
-        for give in (lambda: stdin.write(json.dumps(job) + "\n"), stdin.close):
-            try:
-                give()
-            except OSError:  # it has exited (a failed import, say): wait() reports it
-                pass
+        try:
+            stdin.write(json.dumps(job) + "\n")
+            stdin.close()
+        except OSError:  # it has exited (a failed import, say): wait() reports it, _end() closes its input
+            pass
 
 
 def _spawn(kernel, command):

@@ -335,6 +335,30 @@ def test_prestarted_children_get_their_job_later_and_those_the_run_does_not_need
         first_calls.stop()
 
 
+def test_train_and_bench_start_the_helpers_at_the_plan_before_the_trainer_and_a_checked_plan_starts_none(
+        text_cache, tmp_path, monkeypatch):
+    """prestart is called once per run, with the run's device and the caches' state, before the trainer gives the
+    children their job (first_calls.start); compare.py's plan of a run it only checks starts nothing."""
+    import plan as plan_lib
+    import train
+    from model_kernels import first_calls
+    from tests.test_bench import run_bench
+    from tests.test_train import small_config
+    events = []
+    monkeypatch.setattr(first_calls, "prestart", lambda cfg, device, cold: events.append(("prestart", device, cold)))
+    real_start = first_calls.start
+    monkeypatch.setattr(first_calls, "start", lambda job: (events.append(("start", job)), real_start(job)))
+    cfg = small_config(text_cache, tmp_path)
+    cold = env.compiler_cache_state()[1]
+    plan_lib.resolve(cfg, world=(0, 0, 1))
+    assert events == []
+    train.train(settings.Config(cfg, stop_after_updates=1))
+    assert events == [("prestart", torch.device("cpu"), cold), ("start", None)]  # the CPU: no job
+    events.clear()
+    code, _ = run_bench(tmp_path, text_cache, "--name=prestart")
+    assert code == 0 and [e[0] for e in events] == ["prestart", "start"] and events[0][1] == torch.device("cpu")
+
+
 def test_the_child_exits_without_a_line_when_its_input_ends_without_a_job():
     """A prestarted child that the run does not need: its input closes, and it exits after its imports."""
     done = subprocess.run([sys.executable, "-m", "model_kernels.first_calls", "loss", repr(time.time())],
