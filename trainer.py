@@ -65,8 +65,8 @@ def cuda_graph_capture(step):
 
 
 class CapturedUpdate:
-    """The whole update (every micro-step's forward and backward, the clip, the optimizer step, the gradients'
-    zeroing) as one CUDA graph: compile_scope blocks compiles one block's code for all blocks, and torch's CUDA
+    """The whole update (every micro-step's forward and backward, the clip, the optimizer step, the gradients let
+    go) as one CUDA graph: compile_scope blocks compiles one block's code for all blocks, and torch's CUDA
     graphs would then replay each region's graphs apart, with the autograd engine and guards between them in
     Python; one graph of the trainer's own runs the update in one launch.
 
@@ -74,8 +74,11 @@ class CapturedUpdate:
     regions and makes each kernel's first call (compiles, autotuning), which a capture must not do. Its second is
     captured and replayed, and every later one replayed: the batch copied into the graph's input tensors, the scale
     world_size / n_tokens into its own, the learning rates device tensors that set_lr fills (build_optimizer's
-    captured form). The gradients live outside the graph (Trainer.allocate_gradients), zeroed inside it. One graph
-    is held, the last shape's, dropped when another shape comes: a schedule's shapes come one after another."""
+    captured form). The gradients are made inside the graph, in its memory, as PyTorch's whole-network capture
+    makes them: each update's first backward gives every parameter its gradient as it comes, later micro-steps add
+    into it, and the step sets them to None again (gradients kept outside the graph cost an add each and their
+    zeroing, every update). One graph is held, the last shape's, dropped when another shape comes: a schedule's
+    shapes come one after another."""
 
     def __init__(self, step, device, capture):
         # step(micro_batches, scale): the update; capture(fn): (replay, outputs), cuda_graph_capture's
@@ -130,8 +133,9 @@ class Trainer:
         captured = captures_update(cfg, self.device, world_size)
         self.mode = compile_mode(cfg, captured)
         self.cudagraphs = uses_cudagraphs(cfg) and not captured  # torch's, around each compiled graph
-        # gradients outside the graphs' memory, added into in place (allocate_gradients)
-        self.stable_grads = captured or (self.cudagraphs and settings.micro_steps(cfg, world_size) > 1)
+        # gradients outside torch's CUDA graphs' memory, added into in place (allocate_gradients), where several
+        # micro-steps replay them apart; CapturedUpdate's one graph makes its own
+        self.stable_grads = self.cudagraphs and settings.micro_steps(cfg, world_size) > 1
         if self.stable_grads:
             self.allocate_gradients()
         self.model = self.compiled(self.raw_model) if cfg.compile else self.raw_model

@@ -87,7 +87,7 @@ def test_a_captured_update_is_the_plain_updates_arithmetic_and_each_shape_runs_o
     """Updates 1 (uncaptured: it compiles), 2 (captured, then replayed), 3 (replayed), a new shape's first
     (uncaptured), its second (captured again) and third: the losses, gradient norms and weights of the trainer's plain
     update, bit for bit, with the batch, the scale and the learning rates read at each replay, not at the capture.
-    Several micro-steps, so the gradients add up and are zeroed inside the graph."""
+    Several micro-steps, so the gradients are made and add up inside the graph; none kept outside it."""
     import trainer as trainer_lib
     from tests.test_train import make_trainer, small_config, train_data
     cfg = small_config(text_cache, tmp_path, micro_batch_size=2, compile_scope="blocks", **recipe)
@@ -95,7 +95,8 @@ def test_a_captured_update_is_the_plain_updates_arithmetic_and_each_shape_runs_o
     captures = []
     monkeypatch.setattr(trainer_lib, "cuda_graph_capture", rerun_capture(captures))
     plain, captured = make_trainer(cfg), make_trainer(cfg)
-    assert captured.captured is not None and captured.stable_grads
+    assert captured.captured is not None and not captured.stable_grads
+    assert all(p.grad is None for p in captured.raw_model.parameters())  # made by each update's first backward
     assert all(torch.is_tensor(g["lr"]) for g in captured.optimizer.param_groups)  # set_lr fills them
     plain.captured = None  # the same optimizer and gradients, the update run step by step
     data = train_data(cfg)
@@ -114,7 +115,7 @@ def test_a_captured_update_is_the_plain_updates_arithmetic_and_each_shape_runs_o
         assert torch.equal(loss, loss_c) and torch.equal(norm, norm_c)
     assert len({o[0].item() for o in outputs["captured"]}) == 6  # each update's own, not a later replay's
     for p, q in zip(plain.raw_model.parameters(), captured.raw_model.parameters()):
-        assert torch.equal(p, q)
+        assert torch.equal(p, q) and q.grad is None  # let go at the step's end, as the plain update's
     if captured.ema is not None:  # the weights' average, updated inside the graph
         assert all(torch.equal(a, b) for a, b in zip(plain.ema.accumulator, captured.ema.accumulator))
 
