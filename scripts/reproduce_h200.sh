@@ -4,9 +4,9 @@
 #     bash scripts/reproduce_h200.sh PART... [-- RESULTS_FILE]      # default RESULTS_FILE: out/h200/results.json
 # Parts, in the document's order, with their time on one H200 (warm compiler caches; cold adds about 20 s per
 # compiled shape): ceilings (1 min), current (8 min), accumulation (2 min), loss (2 min), matched (5 min, then
-# compare.py with no GPU), tune (15 min), levers (9 min), quack (6 min), push (10 min), cold (7 min; a fresh
+# compare.py with no GPU), tune (15 min), levers (9 min), quack (6 min), push (10 min), cold (10 min; a fresh
 # machine for its first profile), speedrun (about 5 min: docs/TIME_TO_QUALITY.md's screens of the kept levers), all
-# (about 70 min).
+# (about 75 min).
 # Merge the results file into results/h200.json with scripts/merge_results.py (parts quack's and push's into
 # results/h200-levers.json, cold's into results/h200-cold-start.json). Needs data/cache/gutenberg;
 # requirements-gpu.txt for the fa4 and quack rows, which are skipped without it. The rows of choices no longer in the
@@ -122,24 +122,30 @@ push() {  # the third push beside the tree before it (68eb922, a worktree under 
   bench config/50m.py --name=lever-50m-quack-mlp --mlp_impl=quack
   bench config/90m.py --name=lever-90m-quack-mlp --mlp_impl=quack
 }
-cold() {  # docs/COLD_START.md: the first update by phase; each compile scope from empty caches, then blocks in one set of
-  # empty caches and warm; 50m and 90m with blocks; train.py's Muon recipe from empty caches; a loaded compile cache.
-  # Suffix -c is the machine: the table's D and E rows are the same commands on other fresh machines. The rows with
-  # the helpers started at the trainer ran at e27ce4b, the removed scope shared's at 02b3b11
+cold() {  # docs/COLD_START.md: the first update by phase, cold and warm; each compile scope from empty caches (twice),
+  # then blocks in one set of empty caches and warm; 50m with each scope; the kernels of each scope; train.py's Muon
+  # recipe from empty caches; a loaded compile cache. Rows of older code ran at the commits the document names.
   python scripts/cold_start_profile.py $REF --cold=True --name=cold-start-20m-model --results_file="$R"
-  bench $REF --cold=True --name=cold-bench-20m-model-early-helpers-c
-  bench $REF --cold=True --compile_scope=blocks --name=cold-bench-20m-blocks-early-helpers-c
+  local g
+  for g in g1 g2; do
+    bench $REF --cold=True --compile_scope=blocks --name=cold-bench-20m-blocks-grads-in-graph-$g
+    bench $REF --cold=True --compile_scope=model --name=cold-bench-20m-model-$g
+  done
   local caches; caches=$(mktemp -d)
   export TORCHINDUCTOR_CACHE_DIR=$caches/inductor TRITON_CACHE_DIR=$caches/triton
   export FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=$caches/fa4
-  bench $REF --compile_scope=blocks --name=empty-cache-bench-20m-blocks-early-helpers-c
-  bench $REF --compile_scope=blocks --name=warm-bench-20m-blocks-early-helpers-c
+  bench $REF --compile_scope=blocks --name=empty-cache-bench-20m-blocks-grads-in-graph
+  bench $REF --compile_scope=blocks --name=warm-bench-20m-blocks-grads-in-graph-1
+  bench $REF --compile_scope=blocks --name=warm-bench-20m-blocks-grads-in-graph-2
+  python scripts/cold_start_profile.py $REF --compile_scope=blocks --name=warm-start-profile-20m-blocks --results_file="$R"
   unset TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR FLASH_ATTENTION_CUTE_DSL_CACHE_DIR
-  for preset in 50m 90m; do
-    bench config/$preset.py --cold=True --compile_scope=blocks --name=cold-bench-$preset-blocks-early-helpers
-  done
+  bench config/50m.py --cold=True --compile_scope=blocks --name=cold-bench-50m-blocks-grads-in-graph
+  bench config/50m.py --cold=True --compile_scope=model --name=cold-bench-50m-model
+  bench config/90m.py --cold=True --compile_scope=blocks --name=cold-bench-90m-blocks-early-helpers
+  bench $REF --compile_scope=model --profile=True --name=20m-model-kernels
+  bench $REF --compile_scope=blocks --profile=True --name=20m-blocks-kernels
   local scope fresh
-  for scope in model:model-early-helpers blocks:blocks-eager-muon; do  # inside blocks' captured update Muon is eager
+  for scope in model:model-early-helpers blocks:blocks-grads-in-graph; do  # inside blocks' captured update Muon is eager
     fresh=$(mktemp -d)
     TORCHINDUCTOR_CACHE_DIR=$fresh/i TRITON_CACHE_DIR=$fresh/t FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=$fresh/f \
       timeout 300 python train.py config/20m_muon_wsd.py --compile_scope=${scope%%:*} --train_subset_tokens=1310721 \
