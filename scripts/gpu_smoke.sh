@@ -5,12 +5,15 @@
 # data/cache/gutenberg (python data/prepare.py --source ../shared/data/gutenberg --out data/cache/gutenberg).
 #     bash scripts/gpu_smoke.sh [RESULTS_FILE] [FIRST] [LAST]   # default out/smoke/results.json, every step
 # Each step prints its number: after a failure or a time limit, go on from that step with the same results file
-# (a step needs the runs of those before it: sample the first train's, train from the export).
+# (a step needs the runs of those before it: sample the first train's, train from the export). A step that runs
+# past STEP_LIMIT seconds (default 400; the longest, tune and time-to-target, take 80 to 160 s warm) is stopped and
+# named as failed, so that a hang is seen as one.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 R=${1:-out/smoke/results.json}
 FIRST=${2:-1}
 LAST=${3:-999}
+STEP_LIMIT=${STEP_LIMIT:-400}
 mkdir -p "$(dirname "$R")"
 REF=config/20m_gh200.py
 SHORT_TRAIN="--epochs=1 --train_subset_tokens=655361 --val_subset_tokens=65536 --log_interval=5 --overwrite=True"
@@ -25,11 +28,16 @@ run() {  # run LABEL COMMAND...: the command's output, then one line saying it p
   step=$((step + 1))
   if [ "$step" -lt "$FIRST" ] || [ "$step" -gt "$LAST" ]; then echo "=== step $step skipped: $label"; return; fi
   echo "=== $(date +%T) step $step, $label: $*"
-  if "$@"; then
+  timeout --kill-after=30 "$STEP_LIMIT" "$@"
+  local status=$?
+  if [ "$status" -eq 0 ]; then
     passed=$((passed + 1))
     echo "=== ok: $label ($((SECONDS - t)) s)"
+  elif [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
+    echo "=== FAILED: $label (stopped after its $STEP_LIMIT s limit): $*"
+    exit 1
   else
-    echo "=== FAILED: $label (exit $?): $*"
+    echo "=== FAILED: $label (exit $status): $*"
     exit 1
   fi
 }
