@@ -6,8 +6,8 @@
 #     bash scripts/gpu_smoke.sh [RESULTS_FILE] [FIRST] [LAST]   # default out/smoke/results.json, every step
 # Each step prints its number: after a failure or a time limit, go on from that step with the same results file
 # (a step needs the runs of those before it: sample the first train's, train from the export). A step that runs
-# past STEP_LIMIT seconds (default 400; the longest, tune and time-to-target, take 80 to 160 s warm) is stopped and
-# named as failed, so that a hang is seen as one.
+# past STEP_LIMIT seconds (default 400, well above the longest step's time) is stopped and named as failed, so that
+# a hang is seen as one.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 R=${1:-out/smoke/results.json}
