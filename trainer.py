@@ -276,7 +276,8 @@ class Trainer:
 
     def update_step(self, micro_batches, scale):
         """update's work on the device: the micro-steps' forwards and backwards, each loss times scale (a float, or
-        in CapturedUpdate's graph a device tensor), the clip, the optimizer step, the gradients zeroed."""
+        in CapturedUpdate's graph a device tensor), the clip, the optimizer step, the gradients zeroed (stable_grads)
+        or let go."""
         loss_sum = torch.zeros((), device=self.device)
         last = len(micro_batches) - 1
         # One autocast region for all micro-steps: autocast keeps its bf16 copy of each weight until the

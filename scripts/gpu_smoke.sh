@@ -14,6 +14,9 @@ R=${1:-out/smoke/results.json}
 FIRST=${2:-1}
 LAST=${3:-999}
 STEP_LIMIT=${STEP_LIMIT:-400}
+case $STEP_LIMIT in
+  ''|*[!0-9]*|0) echo "STEP_LIMIT must be a whole number of seconds above 0, got '$STEP_LIMIT'" >&2; exit 2 ;;
+esac
 mkdir -p "$(dirname "$R")"
 REF=config/20m_gh200.py
 SHORT_TRAIN="--epochs=1 --train_subset_tokens=655361 --val_subset_tokens=65536 --log_interval=5 --overwrite=True"
