@@ -195,9 +195,10 @@ class Execution:
     warm_kernels: bool = setting(True, "compiled, on a GPU: a child process compiles the kernels that compile at "
                                        "their first call (flash-attn-4's backward, the fused loss) while the model "
                                        "compiles (model_kernels/first_calls.py)")
-    compile_scope: str = setting("model", "model: one graph, each block compiled in it; blocks: each block and the "
-                                          "loss head a graph of its own, compiled once for all blocks (with CUDA "
-                                          "graphs, on one GPU, each update then captured whole as one)",
+    compile_scope: str = setting("blocks", "blocks: each block and the loss head a graph of its own, compiled once "
+                                           "for all blocks (with CUDA graphs, on one GPU, each update then captured "
+                                           "whole as one); model: one graph of the whole model, compiled in one piece "
+                                           "(docs/COLD_START.md)",
                                  choices=COMPILE_SCOPES)
     compile_cache: str = setting("", "compiled only: a file of the run's compiled code (compile_cache.py), loaded at "
                                      "start when the same code, torch and GPU made it, and written when the run has "

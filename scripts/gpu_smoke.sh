@@ -52,8 +52,8 @@ run "train, the declared fast track (bf16 residual, FP8 head)" python train.py $
   --lm_head_fp8=True --name=smoke-fast-track --results_file="$R" $SHORT_TRAIN
 run "train, the Muon + WSD recipe, to a target" python train.py config/20m_muon_wsd.py --name=smoke-muon-wsd \
   --results_file="$R" $SHORT_TRAIN --eval_interval=10 --target_loss=8.5
-run "train, compile_scope=blocks (each update one CUDA graph)" python train.py $REF --compile_scope=blocks \
-  --name=smoke-blocks --results_file="$R" $SHORT_TRAIN
+run "train, compile_scope=model (the whole model one graph, torch's CUDA graphs)" python train.py $REF \
+  --compile_scope=model --name=smoke-model-scope --results_file="$R" $SHORT_TRAIN
 run "bench" python bench.py $REF --name=smoke-bench --results_file="$R" $SHORT_BENCH --profile=True --partial_probe=True
 run "bench, micro-batch 16" python bench.py $REF --micro_batch_size=16 --name=smoke-bench-mb16 --results_file="$R" $SHORT_BENCH
 # eager: the presets' shapes and kernels without three more compiles (bench.py's compiled presets are timed apart)

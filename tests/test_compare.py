@@ -360,11 +360,11 @@ def test_every_run_has_its_own_folders_and_the_noise_runs_are_the_baseline_at_ot
 
 def test_the_table_names_every_execution_setting_off_its_default():
     """The matched table says how each side ran, down to the settings that made it lean or fast."""
-    cfg = dict(train.DEFAULTS, micro_batch_size=32, compile=True, compile_scope="blocks",
+    cfg = dict(train.DEFAULTS, micro_batch_size=32, compile=True, compile_scope="model",
                compile_mode="reduce-overhead", activation_memory_budget=0.8, loss_impl="fused")
     summary = matched.execution_summary(cfg)
     assert summary.startswith("mb 32, compile True")
-    for shown in ("compile_scope blocks", "compile_mode reduce-overhead", "activation_memory_budget 0.8",
+    for shown in ("compile_scope model", "compile_mode reduce-overhead", "activation_memory_budget 0.8",
                   "loss_impl fused"):
         assert shown in summary
     assert "attention_backend" not in summary and "loss_chunk_tokens" not in summary  # at their defaults

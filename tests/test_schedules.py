@@ -208,7 +208,8 @@ def test_a_run_with_the_schedule_compiles_each_shape_once(text_cache, tmp_path, 
     torch._dynamo.reset()
     try:
         with torch._dynamo.config.patch(recompile_limit=2):  # restored afterwards, as the config's own API does
-            entry = train.train(config(text_cache, tmp_path, compile=True, epochs=1, seq_len_schedule=CONTEXT))
+            entry = train.train(config(text_cache, tmp_path, compile=True, compile_scope="model", epochs=1,
+                                       seq_len_schedule=CONTEXT))
             assert torch._dynamo.config.recompile_limit == 3 + train.EVALUATION_SHAPES
     finally:
         torch._dynamo.reset()

@@ -141,7 +141,7 @@ def test_generated_configs_go_where_git_ignores_them_and_never_over_a_tracked_fi
     assert (env.REPO / "config" / "tiny_cpu.py").resolve() in tune.tracked_files(env.REPO / "config")
     # a candidate's config that would land on a tracked file is refused before any run
     monkeypatch.setattr(tune, "tracked_files", lambda folder:
-                        {(Path(folder) / "micro-2-eager-model-auto-full-amb-1-threads-1.py").resolve()})
+                        {(Path(folder) / "micro-2-eager-blocks-auto-full-amb-1-threads-1.py").resolve()})
     argv = TINY + [f"--data_dir={text_cache}", f"--results_file={tmp_path / 'r.json'}",
                    f"--tuned_dir={tmp_path / 'tuned'}"]
     assert tune.main(argv) == 2
