@@ -9,7 +9,8 @@ each concern runs (the loss, the MLP, attention) is the choice model_kernels/reg
 The architecture levers (ModelConfig's last fields, all off by default: then the model, its parameter names and
 its initialisation under a seed are the plain Llama's above) change the math, as modded-nanogpt's records did:
 qk_norm (Qwen3's per-head RMSNorm of q and k before the rotary embedding), value_embeddings
-(Transformer.through_blocks says its math) and bigram_embeddings (Transformer.embed says its math). The levers that lost their screens left the code (REMOVED_LEVERS).
+(Transformer.through_blocks says its math) and bigram_embeddings (Transformer.embed says its math). The levers that
+lost their screens left the code (REMOVED_LEVERS).
 
     python model.py      # the preset table
 """
