@@ -9,8 +9,8 @@ each concern runs (the loss, the MLP, attention) is the choice model_kernels/reg
 The architecture levers (ModelConfig's last fields, all off by default: then the model, its parameter names and
 its initialisation under a seed are the plain Llama's above) change the math, as modded-nanogpt's records did:
 qk_norm (Qwen3's per-head RMSNorm of q and k before the rotary embedding), value_embeddings
-(Transformer.through_blocks says its math) and bigram_embeddings (Transformer.embed says its math). The levers that
-lost their screens left the code (REMOVED_LEVERS).
+(Transformer.through_blocks says its math), bigram_embeddings and smear (Transformer.embed says their math). The
+levers that lost their screens left the code (REMOVED_LEVERS).
 
     python model.py      # the preset table
 """
@@ -61,6 +61,7 @@ class ModelConfig:
     qk_norm: bool = False
     value_embeddings: int = 0
     bigram_embeddings: int = 0  # rows of the hashed bigram table; 0: none
+    smear: bool = False
 
     def __post_init__(self):
         for field in ("vocab_size", "dim", "n_layers", "n_heads", "hidden_dim", "max_seq_len"):
@@ -150,11 +151,16 @@ def flops_per_token(config, seq_len):
 def parameter_count(config):
     """The model's parameters without building it: the tied embedding, each block's projections and norms, the
     final norm, and the levers' own: q and k gains per block, the value embeddings' tables and their two mixing
-    weights in each block that takes one, the bigram table."""
+    weights in each block that takes one, the bigram table, smear's gate and its weight."""
     c = config
     per_layer = 4 * c.dim * c.dim + 3 * c.dim * c.hidden_dim + 2 * c.dim + 2 * c.head_dim * c.qk_norm
     tables = (1 + c.value_embeddings) * c.vocab_size * c.dim + c.bigram_embeddings * c.dim
-    return tables + c.n_layers * per_layer + c.dim + 2 * (2 * c.value_embeddings)
+    return tables + c.n_layers * per_layer + c.dim + 2 * (2 * c.value_embeddings) + (smear_width(c) + 1) * c.smear
+
+
+def smear_width(config):
+    """How many of the embedding's first channels smear's gate reads (modded-nanogpt's 12, or the width if less)."""
+    return min(12, config.dim)
 
 
 def bigram_ids(idx, rows):
@@ -280,6 +286,11 @@ class Transformer(nn.Module):
         # (made as zeros, drawing nothing: the other weights under a seed are the model's without it)
         rows = config.bigram_embeddings
         self.bigram_embed = nn.Embedding(rows, config.dim, _weight=torch.zeros(rows, config.dim)) if rows else None
+        # smear: a gate over the embedding's first channels and the weight of the previous position's embedding,
+        # both 0 at first (made as zeros, drawing nothing: the model starts as the one without it)
+        if config.smear:
+            self.smear_gate = nn.Parameter(torch.zeros(1, smear_width(config)))
+            self.smear_lambda = nn.Parameter(torch.zeros(()))
         self.layers = nn.ModuleList(Block(config, mlp_impl, value_embedding=table is not None)
                                     for table in self._value_embedding_of)
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
@@ -298,12 +309,12 @@ class Transformer(nn.Module):
         self.attention_backend, self._sdpa_backends = name, choice.backends
 
     def reset_parameters(self):
-        """RMSNorm gains (qk_norm's too) 1, value-embedding mixes 0.5 each; the bigram table 0 (the model starts
-        as the model without it); the output projections N(0, 0.02 / sqrt(2 x layers)); every other matrix
+        """RMSNorm gains (qk_norm's too) 1, value-embedding mixes 0.5 each; the bigram table, smear's gate and its
+        weight 0 (the model starts as the model without them); the output projections N(0, 0.02 / sqrt(2 x layers)); every other matrix
         N(0, 0.02): the embedding (the tied LM head) and the value embeddings' tables."""
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, p in self.named_parameters():
-            if name.startswith("bigram_embed."):
+            if name.startswith(("bigram_embed.", "smear_")):
                 nn.init.zeros_(p)
             elif name.endswith("value_lambdas"):
                 nn.init.constant_(p, 0.5)
@@ -353,10 +364,15 @@ class Transformer(nn.Module):
 
     def embed(self, idx):
         """The token embedding; with the bigram_embeddings lever, plus the bigram table's row of each position's
-        (previous token, token) pair (bigram_ids), as modded-nanogpt's bigram hash embedding."""
+        (previous token, token) pair (bigram_ids), as modded-nanogpt's bigram hash embedding; with smear, as
+        modded-nanogpt's smear, each position after a row's first then adds the previous position's embedding times
+        lambda * sigmoid(gate . its own first smear_width channels), lambda and the gate learnt (0 at first)."""
         x = self.tok_embeddings(idx)
         if self.bigram_embed is not None:
             x = x + self.bigram_embed(bigram_ids(idx, self.config.bigram_embeddings))
+        if self.config.smear:
+            gate = torch.sigmoid(x[:, 1:, :self.smear_gate.shape[1]] @ self.smear_gate.t())  # (B, T - 1, 1)
+            x = torch.cat((x[:, :1], x[:, 1:] + self.smear_lambda * gate * x[:, :-1]), dim=1)
         return x
 
     def through_blocks(self, x, idx, cos, sin):

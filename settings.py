@@ -185,6 +185,8 @@ class Recipe:
     bigram_embeddings: int = setting(0, "rows > 0: a table of that many rows, (previous token, token) hashed into "
                                         "it, its row added to each position's embedding (0 at first)", RECIPE,
                                      bounds=">= 0")
+    smear: bool = setting(False, "each position's embedding plus the previous one's times a learnt weight and a "
+                                 "gate over its first 12 channels (modded-nanogpt's smear; both 0 at first)", RECIPE)
 
 
 @dataclasses.dataclass

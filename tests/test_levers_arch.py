@@ -21,7 +21,7 @@ from tests.test_train import assert_ddp_update_equals_one_process, checkpoint_pa
 
 # each lever on, as a recipe sets it
 LEVERS = {"qk_norm": dict(qk_norm=True), "value_embeddings": dict(value_embeddings=1),
-          "bigram_embeddings": dict(bigram_embeddings=61)}
+          "bigram_embeddings": dict(bigram_embeddings=61), "smear": dict(smear=True)}
 ALL = {k: v for lever in LEVERS.values() for k, v in lever.items()}
 
 
@@ -80,6 +80,12 @@ def reference_logits(m, idx):
         pair = [[rows - 1 if t == 0 else (int(idx[b, t]) * 1_000_003 + int(idx[b, t - 1]) * 2_654_435_761) % (rows - 1)
                  for t in range(T)] for b in range(B)]
         x = x + m.bigram_embed.weight[torch.tensor(pair)]
+    if c.smear:  # position t > 0 of a row adds lambda sigmoid(gate . x_t[:12]) x_{t-1}
+        smeared = [x[:, 0]]
+        for t in range(1, T):
+            gate = torch.sigmoid((x[:, t, :m.smear_gate.shape[1]] * m.smear_gate[0]).sum(-1, keepdim=True))
+            smeared.append(x[:, t] + m.smear_lambda * gate * x[:, t - 1])
+        x = torch.stack(smeared, dim=1)
     ves = [table.weight[idx] for table in m.value_embeds]
     n, k = c.n_layers, c.value_embeddings
     for i, layer in enumerate(m.layers):
@@ -122,17 +128,21 @@ def test_bigram_rows_by_hand():
     assert model.bigram_ids(torch.tensor([[5, 7, 7], [7, 7, 5]]), 11).tolist() == [[10, 6, 8], [10, 8, 2]]
 
 
-def test_a_model_with_the_bigram_table_starts_as_the_model_without_it():
-    """The table starts at zero and its making draws nothing: under one seed the other weights, and so the logits,
-    are the lever-less model's."""
+@pytest.mark.parametrize("lever", ["bigram_embeddings", "smear"])
+def test_a_model_with_the_embedding_levers_starts_as_the_model_without_them(lever):
+    """The bigram table, smear's gate and its weight start at zero and their making draws nothing: under one seed the
+    other weights, and so the logits, are the lever-less model's."""
     x, _ = batch(tiny())
     torch.manual_seed(0)
     plain = model.Transformer(tiny())
     torch.manual_seed(0)
-    bigram = model.Transformer(tiny(bigram_embeddings=61))
-    assert not bigram.bigram_embed.weight.any() and bigram.bigram_embed.weight.shape == (61, 32)
+    on = model.Transformer(tiny(**LEVERS[lever]))
+    own = {n: p for n, p in on.named_parameters() if n.startswith(("bigram_embed.", "smear_"))}
+    assert own and not any(p.any() for p in own.values())
+    assert {n: tuple(p.shape) for n, p in own.items()} == ({"bigram_embed.weight": (61, 32)} if lever != "smear" else
+                                                          {"smear_gate": (1, 12), "smear_lambda": ()})
     with torch.no_grad():
-        assert torch.equal(plain(x), bigram(x))
+        assert torch.equal(plain(x), on(x))
 
 
 def test_the_levers_own_parameters_and_their_start():
@@ -177,7 +187,7 @@ def test_the_levers_tables_are_adamw_tables_under_muon():
     m = model.Transformer(tiny(**dict(ALL, value_embeddings=1)))
     opt = optim.build_optimizer(m, dict(settings.defaults(settings.TrainSettings), optimizer="muon"), "cpu")
     in_muon = {id(p) for group in opt.muon.param_groups for p in group["params"]}
-    tables = (m.value_embeds[0].weight, m.bigram_embed.weight, m.output.weight)
+    tables = (m.value_embeds[0].weight, m.bigram_embed.weight, m.smear_gate, m.smear_lambda, m.output.weight)
     assert not {id(t) for t in tables} & in_muon
     assert id(m.layers[0].attention.wqkv.weight) in in_muon
 

@@ -480,7 +480,7 @@ RECIPE_KEYS = {"preset", "vocab_size", "dim", "n_layers", "n_heads", "hidden_dim
                "cooldown_fraction",
                # the time-to-quality levers (#38), also only off their defaults
                "normuon", "ema", "seq_len_schedule", "qk_norm", "value_embeddings",
-               "bigram_embeddings"}
+               "bigram_embeddings", "smear"}
 
 
 def test_every_default_is_classified():
