@@ -310,8 +310,8 @@ class Transformer(nn.Module):
 
     def reset_parameters(self):
         """RMSNorm gains (qk_norm's too) 1, value-embedding mixes 0.5 each; the bigram table, smear's gate and its
-        weight 0 (the model starts as the model without them); the output projections N(0, 0.02 / sqrt(2 x layers)); every other matrix
-        N(0, 0.02): the embedding (the tied LM head) and the value embeddings' tables."""
+        weight 0 (the model starts as the model without them); the output projections N(0, 0.02 / sqrt(2 x layers));
+        every other matrix N(0, 0.02): the embedding (the tied LM head) and the value embeddings' tables."""
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, p in self.named_parameters():
             if name.startswith(("bigram_embed.", "smear_")):
