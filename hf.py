@@ -7,8 +7,7 @@ refused in one sentence.
 
 Of the architecture levers (model.py), qk_norm exports to Qwen3ForCausalLM, whose attention is Llama's with q_norm
 and k_norm, RMSNorms of head_dim (gain per head dimension, eps rms_norm_eps) before the rotary embedding, as ours.
-value_embeddings, bigram_embeddings and smear have no transformers class of this family that computes them: export
-refuses them (export_problem).
+value_embeddings has no transformers class of this family that computes it: export refuses it (export_problem).
 """
 import json
 import re
@@ -19,7 +18,7 @@ import torch
 from model import LEVERS, ModelConfig, Transformer
 
 MODEL_TYPES = ("llama", "qwen3")  # what an export's config.json is, and what from_hf reads back
-NOT_EXPORTED = ("value_embeddings", "bigram_embeddings", "smear")
+NOT_EXPORTED = ("value_embeddings",)
 
 
 def export_problem(config):

@@ -8,9 +8,8 @@ each concern runs (the loss, the MLP, attention) is the choice model_kernels/reg
 
 The architecture levers (ModelConfig's last fields, all off by default: then the model, its parameter names and
 its initialisation under a seed are the plain Llama's above) change the math, as modded-nanogpt's records did:
-qk_norm (Qwen3's per-head RMSNorm of q and k before the rotary embedding), value_embeddings
-(Transformer.through_blocks says its math), bigram_embeddings and smear (Transformer.embed says their math). The
-levers that lost their screens left the code (REMOVED_LEVERS).
+qk_norm (Qwen3's per-head RMSNorm of q and k before the rotary embedding) and value_embeddings
+(Transformer.through_blocks says its math). The levers that lost their screens left the code (REMOVED_LEVERS).
 
     python model.py      # the preset table
 """
@@ -60,8 +59,6 @@ class ModelConfig:
     # architecture levers (#38), off by default (the module's docstring; settings.py's Recipe declares them)
     qk_norm: bool = False
     value_embeddings: int = 0
-    bigram_embeddings: int = 0  # rows of the hashed bigram table; 0: none
-    smear: bool = False
 
     def __post_init__(self):
         for field in ("vocab_size", "dim", "n_layers", "n_heads", "hidden_dim", "max_seq_len"):
@@ -80,10 +77,6 @@ class ModelConfig:
         if not isinstance(k, int) or k < 0 or 2 * k > self.n_layers:
             raise ValueError(f"value_embeddings {k!r} needs 2 x {k!r} blocks (the first and last of them take a "
                              f"table each) and the model has {self.n_layers}; give 0 to {self.n_layers // 2}")
-        rows = self.bigram_embeddings
-        if not isinstance(rows, int) or rows < 0 or rows == 1:
-            raise ValueError(f"bigram_embeddings {rows!r} is the hashed bigram table's rows (one of them kept for "
-                             f"each row's first token); give 0 (none) or at least 2, e.g. the vocabulary's size")
 
     @property
     def head_dim(self):
@@ -151,25 +144,11 @@ def flops_per_token(config, seq_len):
 def parameter_count(config):
     """The model's parameters without building it: the tied embedding, each block's projections and norms, the
     final norm, and the levers' own: q and k gains per block, the value embeddings' tables and their two mixing
-    weights in each block that takes one, the bigram table, smear's gate and its weight."""
+    weights in each block that takes one."""
     c = config
     per_layer = 4 * c.dim * c.dim + 3 * c.dim * c.hidden_dim + 2 * c.dim + 2 * c.head_dim * c.qk_norm
-    tables = (1 + c.value_embeddings) * c.vocab_size * c.dim + c.bigram_embeddings * c.dim
-    return tables + c.n_layers * per_layer + c.dim + 2 * (2 * c.value_embeddings) + (smear_width(c) + 1) * c.smear
-
-
-def smear_width(config):
-    """How many of the embedding's first channels smear's gate reads (modded-nanogpt's 12, or the width if less)."""
-    return min(12, config.dim)
-
-
-def bigram_ids(idx, rows):
-    """The bigram table's row of each position of idx (B, T): (previous token, token) hashed into rows - 1 rows,
-    the last row for each row's first token, which has no previous token in its row (a context schedule's window
-    starts one too). Multiplying each id by its own odd constant and adding spreads the pairs over int64's range
-    before the remainder; pairs that collide share a row."""
-    pairs = (idx[:, 1:] * 1_000_003 + idx[:, :-1] * 2_654_435_761) % (rows - 1)
-    return torch.cat((torch.full_like(idx[:, :1], rows - 1), pairs), dim=1)
+    tables = (1 + c.value_embeddings) * c.vocab_size * c.dim
+    return tables + c.n_layers * per_layer + c.dim + 2 * (2 * c.value_embeddings)
 
 
 def value_embedding_layers(config):
@@ -282,15 +261,6 @@ class Transformer(nn.Module):
         self.value_embeds = nn.ModuleList(nn.Embedding(config.vocab_size, config.dim)
                                           for _ in range(config.value_embeddings))
         self._value_embedding_of = value_embedding_layers(config)
-        # bigram_embeddings: a hashed table of (previous token, token) pairs, AdamW's too
-        # (made as zeros, drawing nothing: the other weights under a seed are the model's without it)
-        rows = config.bigram_embeddings
-        self.bigram_embed = nn.Embedding(rows, config.dim, _weight=torch.zeros(rows, config.dim)) if rows else None
-        # smear: a gate over the embedding's first channels and the weight of the previous position's embedding,
-        # both 0 at first (made as zeros, drawing nothing: the model starts as the one without it)
-        if config.smear:
-            self.smear_gate = nn.Parameter(torch.zeros(1, smear_width(config)))
-            self.smear_lambda = nn.Parameter(torch.zeros(()))
         self.layers = nn.ModuleList(Block(config, mlp_impl, value_embedding=table is not None)
                                     for table in self._value_embedding_of)
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
@@ -309,14 +279,12 @@ class Transformer(nn.Module):
         self.attention_backend, self._sdpa_backends = name, choice.backends
 
     def reset_parameters(self):
-        """RMSNorm gains (qk_norm's too) 1, value-embedding mixes 0.5 each; the bigram table, smear's gate and its
-        weight 0 (the model starts as the model without them); the output projections N(0, 0.02 / sqrt(2 x layers));
-        every other matrix N(0, 0.02): the embedding (the tied LM head) and the value embeddings' tables."""
+        """RMSNorm gains (qk_norm's too) 1, value-embedding mixes 0.5 each; the output projections
+        N(0, 0.02 / sqrt(2 x layers)); every other matrix N(0, 0.02): the embedding (the tied LM head) and the value
+        embeddings' tables."""
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, p in self.named_parameters():
-            if name.startswith(("bigram_embed.", "smear_")):
-                nn.init.zeros_(p)
-            elif name.endswith("value_lambdas"):
+            if name.endswith("value_lambdas"):
                 nn.init.constant_(p, 0.5)
             elif p.dim() < 2:
                 nn.init.ones_(p)  # RMSNorm gains
@@ -357,23 +325,10 @@ class Transformer(nn.Module):
         device_type = idx.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else self.rope_cos.dtype
         cos, sin = self.rope_cos[:T].to(dtype), self.rope_sin_signed[:T].to(dtype)
-        x = self.embed(idx)
+        x = self.tok_embeddings(idx)
         if self.residual_dtype is not None and torch.is_autocast_enabled(device_type):
             x = x.to(self.residual_dtype)  # the declared bf16 stream: every add and norm then reads half the bytes
         return self.norm(self.through_blocks(x, idx, cos, sin))
-
-    def embed(self, idx):
-        """The token embedding; with the bigram_embeddings lever, plus the bigram table's row of each position's
-        (previous token, token) pair (bigram_ids), as modded-nanogpt's bigram hash embedding; with smear, as
-        modded-nanogpt's smear, each position after a row's first then adds the previous position's embedding times
-        lambda * sigmoid(gate . its own first smear_width channels), lambda and the gate learnt (0 at first)."""
-        x = self.tok_embeddings(idx)
-        if self.bigram_embed is not None:
-            x = x + self.bigram_embed(bigram_ids(idx, self.config.bigram_embeddings))
-        if self.config.smear:
-            gate = torch.sigmoid(x[:, 1:, :self.smear_gate.shape[1]] @ self.smear_gate.t())  # (B, T - 1, 1)
-            x = torch.cat((x[:, :1], x[:, 1:] + self.smear_lambda * gate * x[:, :-1]), dim=1)
-        return x
 
     def through_blocks(self, x, idx, cos, sin):
         """The blocks over the embedded x, with the value_embeddings lever: for k tables, ve_j = value_embeds[j](idx);

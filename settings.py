@@ -182,11 +182,6 @@ class Recipe:
                                    "before the rotary embedding", RECIPE)
     value_embeddings: int = setting(0, "k > 0: k more embedding tables, table i added to the values of block i "
                                        "and of block n_layers - k + i (at most n_layers / 2)", RECIPE, bounds=">= 0")
-    bigram_embeddings: int = setting(0, "rows > 0: a table of that many rows, (previous token, token) hashed into "
-                                        "it, its row added to each position's embedding (0 at first)", RECIPE,
-                                     bounds=">= 0")
-    smear: bool = setting(False, "each position's embedding plus the previous one's times a learnt weight and a "
-                                 "gate over its first 12 channels (modded-nanogpt's smear; both 0 at first)", RECIPE)
 
 
 @dataclasses.dataclass

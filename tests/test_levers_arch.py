@@ -20,8 +20,7 @@ from configurator import ConfigError
 from tests.test_train import assert_ddp_update_equals_one_process, checkpoint_parameters, small_config
 
 # each lever on, as a recipe sets it
-LEVERS = {"qk_norm": dict(qk_norm=True), "value_embeddings": dict(value_embeddings=1),
-          "bigram_embeddings": dict(bigram_embeddings=61), "smear": dict(smear=True)}
+LEVERS = {"qk_norm": dict(qk_norm=True), "value_embeddings": dict(value_embeddings=1)}
 ALL = {k: v for lever in LEVERS.values() for k, v in lever.items()}
 
 
@@ -75,17 +74,6 @@ def reference_logits(m, idx):
     """The model's logits, each lever's math as model.py's docstrings declare it, written out plainly."""
     c, (B, T) = m.config, idx.shape
     x, eps = m.tok_embeddings.weight[idx], c.norm_eps
-    if c.bigram_embeddings:  # each position's (previous token, token) row; a row's first token the last row
-        rows = c.bigram_embeddings
-        pair = [[rows - 1 if t == 0 else (int(idx[b, t]) * 1_000_003 + int(idx[b, t - 1]) * 2_654_435_761) % (rows - 1)
-                 for t in range(T)] for b in range(B)]
-        x = x + m.bigram_embed.weight[torch.tensor(pair)]
-    if c.smear:  # position t > 0 of a row adds lambda sigmoid(gate . x_t[:12]) x_{t-1}
-        smeared = [x[:, 0]]
-        for t in range(1, T):
-            gate = torch.sigmoid((x[:, t, :m.smear_gate.shape[1]] * m.smear_gate[0]).sum(-1, keepdim=True))
-            smeared.append(x[:, t] + m.smear_lambda * gate * x[:, t - 1])
-        x = torch.stack(smeared, dim=1)
     ves = [table.weight[idx] for table in m.value_embeds]
     n, k = c.n_layers, c.value_embeddings
     for i, layer in enumerate(m.layers):
@@ -120,29 +108,6 @@ def test_each_lever_computes_its_declared_math(n_layers, levers):
             loss = F.cross_entropy(expected.flatten(0, 1), y.flatten(), ignore_index=-100)
             assert torch.allclose(m(x, y), loss, rtol=1e-5), impl  # evaluation's losses-only op with fused
         assert torch.allclose(m(x, y), loss, rtol=1e-5), impl  # training's loss, with gradients
-
-
-def test_bigram_rows_by_hand():
-    """Token 7 after 5: (7 x 1,000,003 + 5 x 2,654,435,761) mod 10 = 13,279,178,826 mod 10 = 6; 7 after 7:
-    18,588,050,348 mod 10 = 8; 5 after 7: 18,586,050,342 mod 10 = 2; a row's first token: the last of the 11 rows."""
-    assert model.bigram_ids(torch.tensor([[5, 7, 7], [7, 7, 5]]), 11).tolist() == [[10, 6, 8], [10, 8, 2]]
-
-
-@pytest.mark.parametrize("lever", ["bigram_embeddings", "smear"])
-def test_a_model_with_the_embedding_levers_starts_as_the_model_without_them(lever):
-    """The bigram table, smear's gate and its weight start at zero and their making draws nothing: under one seed the
-    other weights, and so the logits, are the lever-less model's."""
-    x, _ = batch(tiny())
-    torch.manual_seed(0)
-    plain = model.Transformer(tiny())
-    torch.manual_seed(0)
-    on = model.Transformer(tiny(**LEVERS[lever]))
-    own = {n: p for n, p in on.named_parameters() if n.startswith(("bigram_embed.", "smear_"))}
-    assert own and not any(p.any() for p in own.values())
-    assert {n: tuple(p.shape) for n, p in own.items()} == ({"bigram_embed.weight": (61, 32)} if lever != "smear" else
-                                                          {"smear_gate": (1, 12), "smear_lambda": ()})
-    with torch.no_grad():
-        assert torch.equal(plain(x), on(x))
 
 
 def test_the_levers_own_parameters_and_their_start():
@@ -183,12 +148,11 @@ def test_every_lever_off_is_todays_model_and_identity():
     assert model.ModelConfig(**tiny(qk_norm=True).to_dict()) == tiny(qk_norm=True)  # a checkpoint's dict
 
 
-def test_the_levers_tables_are_adamw_tables_under_muon():
+def test_value_embeddings_are_adamw_tables_under_muon():
     m = model.Transformer(tiny(**dict(ALL, value_embeddings=1)))
     opt = optim.build_optimizer(m, dict(settings.defaults(settings.TrainSettings), optimizer="muon"), "cpu")
     in_muon = {id(p) for group in opt.muon.param_groups for p in group["params"]}
-    tables = (m.value_embeds[0].weight, m.bigram_embed.weight, m.smear_gate, m.smear_lambda, m.output.weight)
-    assert not {id(t) for t in tables} & in_muon
+    assert id(m.value_embeds[0].weight) not in in_muon and id(m.output.weight) not in in_muon
     assert id(m.layers[0].attention.wqkv.weight) in in_muon
 
 
@@ -257,8 +221,7 @@ def test_all_levers_under_ddp_equal_one_process(text_cache, tmp_path):
 
 @pytest.mark.parametrize("change, words", [
     (dict(value_embeddings=2, n_layers=3), "value_embeddings 2 needs 2 x 2 blocks"),
-    (dict(value_embeddings=-1), "value_embeddings must be 0 or more"),
-    (dict(bigram_embeddings=1), "bigram_embeddings 1 is the hashed bigram table's rows")])
+    (dict(value_embeddings=-1), "value_embeddings must be 0 or more")])
 def test_a_lever_that_cannot_be_right_is_one_config_error(change, words):
     cfg = settings.Config(settings.defaults(settings.TrainSettings), **change)
     with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
