@@ -31,19 +31,19 @@ from model_kernels.registry import ATTENTION, LOSS, MLP
 # settings refuse the keys (configurator.py).
 REMOVED_LEVERS = {"mlp_activation": "silu", "zero_init_proj": False, "logit_softcap": 0.0, "tie_embeddings": True,
                   "unet_skips": False, "batch_schedule": "", "muon_orthogonalizer": "newton_schulz",
-                  "cautious_weight_decay": False}
-REMOVED_IN = "94da7b6"
+                  "cautious_weight_decay": False, "bigram_embeddings": 0, "smear": False}
+REMOVED_IN = dict.fromkeys(REMOVED_LEVERS, "94da7b6") | {"bigram_embeddings": "6921dcb", "smear": "6921dcb"}
 
 
 class RemovedLever(ValueError):
-    """A saved model config with a removed lever switched on: the run needs the code of commit REMOVED_IN."""
+    """A saved model config with a removed lever switched on: the run needs the code of its commit, REMOVED_IN."""
 
 
 def removed_lever(key, value=None):
     """The sentence that refuses a removed lever: `key`, or key=value when the value is known."""
     named = key if value is None else f"{key}={value}"
     return (f"{named} was a time-to-quality lever removed after its screen (docs/TIME_TO_QUALITY.md); the code "
-            f"that ran it is in commit {REMOVED_IN}")
+            f"that ran it is in commit {REMOVED_IN[key]}")
 
 
 @dataclass(frozen=True)

@@ -252,12 +252,14 @@ def test_export_refuses_a_lever_no_transformers_class_computes(tmp_path, lever):
 # ---------------------------------------------------------------- the levers removed after their screens
 
 REMOVED_ON = {"mlp_activation": "relu2", "zero_init_proj": True, "logit_softcap": 15.0, "tie_embeddings": False,
-              "unet_skips": True}
+              "unet_skips": True, "bigram_embeddings": 32000, "smear": True}
+REMOVED_AT = {"bigram_embeddings": "6921dcb", "smear": "6921dcb"}  # the others left at 94da7b6
 
 
 def removed_sentence(named):
+    key = named.split("=")[0]
     return (f"{named} was a time-to-quality lever removed after its screen (docs/TIME_TO_QUALITY.md); the code that "
-            f"ran it is in commit 94da7b6")
+            f"ran it is in commit {REMOVED_AT.get(key, '94da7b6')}")
 
 
 def test_a_checkpoint_with_a_removed_lever_off_loads_and_one_on_is_refused_naming_it(tmp_path):
