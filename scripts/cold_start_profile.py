@@ -7,8 +7,8 @@ Times the imports (torch, the project), the run's checks (which import the atten
 and optimizer, the attention kernel's and the loss kernel's first calls (flash-attn-4 and the fused loss compile on
 first use), then three updates of synthetic tokens: the first compiles (its seconds split into torch.compile's
 phases: Dynamo's tracing, AOTAutograd, Inductor's code generation, the wait for the Triton compiles, the backward's
-compile), the second records the CUDA graphs, the third replays them. Records the phases under --name in the results
-file.
+compile), the second records the CUDA graphs, the third replays them. Records the phases, and what torch.compile's
+caches gave (hits and misses), under --name in the results file.
 """
 import sys
 import time
@@ -55,6 +55,14 @@ def compile_phases():
             "inductor_codegen": inductor - wait, "triton_compile_wait": wait, "compile_total": frame + backward}
 
 
+def cache_counters():
+    """What torch.compile's on-disk caches gave the run: Inductor's and AOTAutograd's cache counters (hits, misses,
+    bypasses, saves), so that of two warm starts the slower one shows which cache it missed."""
+    counters = torch._dynamo.utils.counters
+    return {group: {name: n for name, n in sorted(counters[group].items()) if "cache" in name}
+            for group in ("inductor", "aot_autograd")}
+
+
 def first_kernels(cfg, trainer, device):
     """The attention kernel's forward and backward and the fused loss's kernel at the run's shapes, called once:
     what compiles on first use outside torch.compile (flash-attn-4's CuTe kernels, the loss's Triton kernel)."""
@@ -89,12 +97,15 @@ def main(argv):
     for name in ("first_update", "second_update", "third_update"):
         phases[name] = timed(lambda: trainer.update(*next(batches)), device)
     phases.update(compile_phases())
+    counters = cache_counters()
     record(cfg.results_file, [cfg.name], {"run_id": env.new_run_id(), "config": dict(cfg), "attention": plan.attention,
                                           "compiler_cache": folders, "cache_was_cold": was_cold, "seconds": phases,
-                                          "environment": env.fingerprint(None)})
+                                          "cache_counters": counters, "environment": env.fingerprint(None)})
     print(f"{cfg.name}: {'cold' if was_cold else 'warm'} compiler caches, attention {plan.attention}")
     for phase, seconds in phases.items():
         print(f"  {phase:<26}{seconds:8.2f} s")
+    for group, found in counters.items():
+        print(f"  {group} caches: " + (", ".join(f"{name} {n}" for name, n in found.items()) or "none used"))
 
 
 if __name__ == "__main__":

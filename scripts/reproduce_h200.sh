@@ -125,7 +125,9 @@ push() {  # the third push beside the tree before it (68eb922, a worktree under 
 cold() {  # docs/COLD_START.md: the first update by phase, cold and warm; each compile scope from empty caches (twice),
   # then blocks in one set of empty caches and warm; 50m with each scope; the kernels of each scope; train.py's Muon
   # recipe from empty caches; a loaded compile cache. Rows of older code ran at the commits the document names.
-  python scripts/cold_start_profile.py $REF --cold=True --name=cold-start-20m-model --results_file="$R"
+  python scripts/cold_start_profile.py $REF --cold=True --compile_scope=model --name=cold-start-20m-model \
+    --results_file="$R"
+  python scripts/cold_start_profile.py $REF --cold=True --name=cold-start-20m-blocks --results_file="$R"
   local g
   for g in g1 g2; do
     bench $REF --cold=True --compile_scope=blocks --name=cold-bench-20m-blocks-grads-in-graph-$g
@@ -152,8 +154,18 @@ cold() {  # docs/COLD_START.md: the first update by phase, cold and warm; each c
       --val_subset_tokens=65536 --epochs=1 --overwrite=True --results_file="$R" \
       --name=cold-train-20m-muon-wsd-${scope#*:}
   done
-  bench $REF --cold=True --compile_cache=$caches/20m.compile --name=cache-save-20m --warmup=3 --steps=5 --windows=1
-  bench $REF --cold=True --compile_cache=$caches/20m.compile --name=cache-load-20m
+  bench $REF --cold=True --compile_cache=$caches/20m.compile --name=cold-bench-20m-blocks-cache-save --warmup=3 \
+    --steps=5 --windows=1
+  bench $REF --cold=True --compile_cache=$caches/20m.compile --name=cache-load-bench-20m-blocks
+  local train="python train.py config/20m_muon_wsd.py --train_subset_tokens=1310721 --val_subset_tokens=65536
+    --epochs=1 --overwrite=True --results_file=$R --compile_cache=$caches/muon.compile"
+  for name in cold-train-20m-muon-wsd-blocks-cache-save cache-load-train-20m-muon-wsd-blocks; do
+    fresh=$(mktemp -d)
+    TORCHINDUCTOR_CACHE_DIR=$fresh/i TRITON_CACHE_DIR=$fresh/t FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=$fresh/f \
+      timeout 300 $train --name=$name
+  done
+  TORCHINDUCTOR_CACHE_DIR=$fresh/i TRITON_CACHE_DIR=$fresh/t FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=$fresh/f \
+    timeout 300 $train --name=warm-train-20m-muon-wsd-blocks  # the caches the loaded run filled
 }
 speedrun() {  # TIME_TO_QUALITY.md's "The speedrun's levers, screened": each kept lever on the shipped recipe, then its
   # cost; the levers not kept left the code, and their rows ran this part at commit 94da7b6
