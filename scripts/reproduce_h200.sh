@@ -5,8 +5,8 @@
 # Parts, in the document's order, with their time on one H200 (warm compiler caches; cold adds about 20 s per
 # compiled shape): ceilings (1 min), current (8 min), accumulation (2 min), loss (2 min), matched (5 min, then
 # compare.py with no GPU), tune (15 min), levers (9 min), quack (6 min), push (10 min), cold (10 min; a fresh
-# machine for its first profile), speedrun (about 5 min: docs/TIME_TO_QUALITY.md's screens of the kept levers), all
-# (about 75 min).
+# machine for its first profile), speedrun (about 7 min: docs/TIME_TO_QUALITY.md's screens of the kept levers, the speed
+# candidate's seeds), all (about 77 min).
 # Merge the results file into results/h200.json with scripts/merge_results.py (parts quack's and push's into
 # results/h200-levers.json, cold's into results/h200-cold-start.json). Needs data/cache/gutenberg;
 # requirements-gpu.txt for the fa4 and quack rows, which are skipped without it. The rows of choices no longer in the
@@ -181,6 +181,11 @@ normuon --normuon=True
 ema-0.98 --ema=0.98
 context-ramp --seq_len_schedule=256:0.3,512:0.6
 LEVERS
+  local s  # "The speed candidate": its three seeds, each alone (the first fills the caches of its three contexts)
+  for s in 1337 1338 1339; do
+    timeout 300 python train.py config/20m_speed.py --seed=$s --target_loss=4.2462 --overwrite=True \
+      --name=20m-speed-winners-14m-seed$s --results_file="$R"
+  done
 }
 
 for part in "${parts[@]}"; do
