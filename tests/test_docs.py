@@ -66,3 +66,30 @@ def test_every_entry_the_cold_start_doc_cites_is_in_a_results_file():
     for name in ("h200-cold-start.json", "h200-levers.json"):
         recorded |= recorded_entries(json.loads((ROOT / "results" / name).read_text()))
     assert len(cited) >= 15 and sorted(cited - recorded) == []
+
+
+def commands(lines, ref=""):
+    """Each command's (program, its first config file or None) in lines of shell: python SCRIPT or torchrun ...
+    SCRIPT, the config the first argument that ends in .py after it ($REF read as ref)."""
+    found = set()
+    for line in lines:
+        words = line.replace("$REF", ref).split()
+        scripts = [i for i, w in enumerate(words) if w.endswith(".py") and not w.startswith("config/")]
+        if not words or words[0] not in ("python", "torchrun") or not scripts:
+            continue
+        script = words[scripts[0]]
+        config = next((w for w in words[scripts[0] + 1:] if w.startswith("config/")), None)
+        found.add(("torchrun " if "torchrun" in words else "") + script + (f" {config}" if config else ""))
+    return found
+
+
+def test_the_gpu_smoke_runs_every_gpu_command_of_the_readme():
+    """scripts/gpu_smoke.sh is the README's GPU commands with short settings: a command added to the README's GPU
+    block (a script, or a script on another config) has its step there too. prepare.py makes the cache it needs."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## On a GPU", 1)[1].split("```", 2)[1]
+    smoke = (ROOT / "scripts" / "gpu_smoke.sh").read_text()
+    ref = re.search(r"^REF=(\S+)", smoke, flags=re.M).group(1)
+    steps = [re.sub(r'^run "[^"]*" ', "", line.strip()) for line in smoke.splitlines()]
+    wanted = commands(block.splitlines()) - {"data/prepare.py"}
+    assert len(wanted) >= 8 and sorted(wanted - commands(steps, ref)) == []
