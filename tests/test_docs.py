@@ -1,6 +1,7 @@
 """The docs cite their figures by results entry: each cited entry must exist in the results file the document
 names (results/h200.json, or for quack-kernels, update_graph and the cold start results/h200-levers.json and
-results/h200-cold-start.json), so that a figure in a document can always be traced to the measurement behind it."""
+results/h200-cold-start.json), so that a figure in a document can always be traced to the measurement behind it;
+and the GPU smoke runs every GPU command the README gives."""
 import json
 import re
 from pathlib import Path
