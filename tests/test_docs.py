@@ -70,8 +70,8 @@ def test_every_entry_the_cold_start_doc_cites_is_in_a_results_file():
 
 
 def commands(lines, ref=""):
-    """Each command's (program, its first config file or None) in lines of shell: python SCRIPT or torchrun ...
-    SCRIPT, the config the first argument that ends in .py after it ($REF read as ref)."""
+    """Each command in lines of shell (python SCRIPT ... or torchrun ... SCRIPT ...) as "SCRIPT CONFIG", CONFIG its
+    first argument under config/ (none: "SCRIPT"), torchrun's prefixed "torchrun "; $REF read as ref."""
     found = set()
     for line in lines:
         words = line.replace("$REF", ref).split()
