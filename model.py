@@ -167,16 +167,6 @@ def rotary_tables(config, device=None):
     return angles.cos(), angles.sin()
 
 
-def leave_symbolic(*tensors, dims=(0, 1)):
-    """Marks these dims of each tensor (rows and context) for torch.compile to leave symbolic (dynamic_contexts):
-    one graph then serves every context length of a schedule. maybe_mark_dynamic, so that where the traced code
-    needs a fixed length, the graph is specialized per length as without the mark, not refused."""
-    for t in tensors:
-        if t is not None:
-            for dim in dims:
-                torch._dynamo.maybe_mark_dynamic(t, dim)
-
-
 def signed_sin(sin):
     """sin with its first half negated, so that rotate_half(x) * sin == cat(x2, x1) * signed_sin(sin)."""
     first, second = sin.chunk(2, dim=-1)
@@ -263,7 +253,6 @@ class Transformer(nn.Module):
             raise ValueError(f"unknown residual_dtype {residual_dtype!r}; valid: {', '.join(RESIDUAL_DTYPES)}")
         self.residual_dtype = RESIDUAL_DTYPES[residual_dtype]
         self.loss_impl, self.loss_chunk_tokens, self.lm_head_fp8 = loss_impl, loss_chunk_tokens, lm_head_fp8
-        self.dynamic_context = False  # the trainer's dynamic_contexts: the compiled regions' inputs left symbolic
         # the declared FP8 head runs in training's loss only (model_kernels/linear_cross_entropy_fp8.py); the
         # settings and shapes that can run a choice are model_kernels/registry.py's to say, and settings.py's to check
         self._train_loss, self._losses_only = (loss.fp8 if lm_head_fp8 else loss.train), loss.losses_only
@@ -347,9 +336,6 @@ class Transformer(nn.Module):
         v = value_lambdas[0] v + value_lambdas[1] ve_i (per head, the table's width split as v is), both lambdas 0.5
         at first."""
         ves = [table(idx) for table in self.value_embeds]
-        if self.dynamic_context and not torch.compiler.is_compiling():  # compile_scope blocks: each block a region
-            leave_symbolic(x, *ves)
-            leave_symbolic(cos, sin, dims=(0,))
         for layer, table in zip(self.layers, self._value_embedding_of):
             x = layer(x, cos, sin, self._sdpa_backends, None if table is None else ves[table])
         return x
@@ -366,8 +352,6 @@ class Transformer(nn.Module):
         h = self.hidden_states(idx)
         if targets is None:
             return self.output(h)
-        if self.dynamic_context and not torch.compiler.is_compiling():  # the loss head, a region of its own
-            leave_symbolic(h, targets)
         return self.loss(h, targets, reduction)
 
     def loss(self, h, targets, reduction="mean"):

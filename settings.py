@@ -200,9 +200,6 @@ class Execution:
                                            "whole as one); model: one graph of the whole model, compiled in one piece "
                                            "(docs/COLD_START.md)",
                                  choices=COMPILE_SCOPES)
-    dynamic_contexts: bool = setting(False, "compiled, with a seq_len_schedule: its contexts share the compiled "
-                                            "graphs, their rows and length left symbolic, so a context switch "
-                                            "compiles nothing (torch.compile's dynamic shapes; other kernels)")
     compile_cache: str = setting("", "compiled only: a file of the run's compiled code (compile_cache.py), loaded at "
                                      "start when the same code, torch and GPU made it, and written when the run has "
                                      "compiled what it lacks, so another machine starts warm")
@@ -465,15 +462,6 @@ def _update_graph(cfg):
     if cfg.update_graph and not cfg.compile:
         return "update_graph compiles the clip and the optimizer step with the model; set compile=True (or leave " \
                "update_graph off)"
-
-
-@combination("dynamic_contexts", "compile", "seq_len_schedule")
-def _dynamic_contexts(cfg):
-    if cfg.dynamic_contexts and not (cfg.compile and cfg.seq_len_schedule):
-        missing = "compiles nothing" if not cfg.compile else "has one context (no seq_len_schedule)"
-        return (f"dynamic_contexts shares the compiled graphs among a seq_len_schedule's contexts and this run "
-                f"{missing}; set {'compile=True' if not cfg.compile else 'seq_len_schedule'} or leave "
-                f"dynamic_contexts off")
 
 
 @combination("compile_cache", "compile")

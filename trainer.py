@@ -138,8 +138,6 @@ class Trainer:
         self.stable_grads = self.cudagraphs and settings.micro_steps(cfg, world_size) > 1
         if self.stable_grads:
             self.allocate_gradients()
-        # dynamic_contexts: a context schedule's lengths share the compiled graphs, left symbolic in them
-        self.raw_model.dynamic_context = bool(cfg.compile and cfg.get("dynamic_contexts", False))
         self.model = self.compiled(self.raw_model) if cfg.compile else self.raw_model
         self.eval_model = self.model  # evaluation needs no gradient sync, so never the DDP wrapper
         if world_size > 1:
@@ -292,8 +290,6 @@ class Trainer:
                     sync = self.model.no_sync()  # all-reduce gradients once, on the last micro-step
                 if self.cudagraphs:
                     torch.compiler.cudagraph_mark_step_begin()
-                if self.raw_model.dynamic_context:  # compile_scope model's one graph (blocks: the model marks)
-                    model_lib.leave_symbolic(x, y)
                 with sync:
                     loss = self.model(x, y, reduction="sum")
                     with self.autocast(enabled=False):

@@ -92,9 +92,7 @@ def test_the_context_split_leaves_each_update_s_tokens_and_targets_as_without_it
     (dict(seq_len_schedule="8:0.5,16:0.2"), "must grow within (0, 1), got 0.2 after 0.5"),
     (dict(seq_len_schedule="8:1.0"), "must grow within (0, 1), got 1"),
     (dict(seq_len_schedule="12:0.2"), "context 12 must divide seq_len 32"),
-    (dict(seq_len_schedule="1:0.1,2:0.2,4:0.3,8:0.4,16:0.5"), "has 5 steps; at most 4"),
-    (dict(dynamic_contexts=True, seq_len_schedule=CONTEXT), "and this run compiles nothing; set compile=True"),
-    (dict(dynamic_contexts=True, compile=True), "has one context (no seq_len_schedule); set seq_len_schedule")])
+    (dict(seq_len_schedule="1:0.1,2:0.2,4:0.3,8:0.4,16:0.5"), "has 5 steps; at most 4")])
 def test_a_schedule_that_cannot_be_right_is_one_line_before_any_work(text_cache, tmp_path, capsys, change, words):
     cfg = config(text_cache, tmp_path, **change)
     with pytest.raises(configurator.ConfigError) as info:
@@ -218,38 +216,3 @@ def test_a_run_with_the_schedule_compiles_each_shape_once(text_cache, tmp_path, 
     assert entry["status"] == "complete" and entry["step"] == 6
     window = lambda c: (2 * T // c, c)
     assert sorted(shapes) == sorted([(window(c),) * 2 for c in (8, 16, 32)] + [((4, T),) * 2])  # each once
-
-
-def test_dynamic_contexts_compiles_the_blocks_and_the_loss_head_once_for_every_context(text_cache, tmp_path,
-                                                                                          monkeypatch):
-    """compile_scope blocks with the schedule: each region (a block, the loss head) compiles once per context, and
-    with dynamic_contexts once for all three, its rows and length symbolic (the validation, under no_grad, is a
-    graph of its own either way); compile_scope model's one graph the same. The same math: an eager backend gives
-    the same losses bit for bit."""
-    compile_ = torch.compile
-
-    def run(dynamic_contexts, scope="blocks"):
-        graphs = []
-
-        def counting_backend(gm, example_inputs):  # each graph compiled: does a size of its inputs stay symbolic?
-            graphs.append(any(isinstance(t, torch.SymInt) for t in example_inputs))
-            return gm.forward
-        monkeypatch.setattr(torch, "compile", lambda model, dynamic, mode: compile_(model, backend=counting_backend,
-                                                                                    dynamic=dynamic))
-        torch._dynamo.reset()
-        try:
-            entry = train.train(config(text_cache, tmp_path / f"{scope}{dynamic_contexts}", compile=True,
-                                       compile_scope=scope, epochs=1, seq_len_schedule=CONTEXT,
-                                       dynamic_contexts=dynamic_contexts))
-        finally:
-            torch._dynamo.reset()
-        assert entry["status"] == "complete" and entry["step"] == 6
-        return graphs, [p["loss"] for p in entry["training_curve"]], entry["best_subset_loss"]
-
-    static, dynamic = run(False), run(True)
-    assert static[0] == [False] * 2 * (3 + 1)  # block and loss head: three contexts and the validation
-    assert dynamic[0] == [True] * 2 * (1 + 1)  # once for the three contexts, once for the validation
-    assert dynamic[1:] == static[1:]
-    whole = run(True, scope="model")  # one graph of the whole model: the update's inputs marked by the trainer
-    assert whole[0] == [True, False] and whole[1:] == static[1:]  # the validation's one shape, fixed
-
