@@ -82,7 +82,8 @@ def test_a_stop_signal_checkpoints_even_with_no_reader_left_or_as_a_hang_up(text
     """Cases 1 and 4: the handler's own acknowledgement raised BrokenPipeError (the run failed, no checkpoint);
     SIGHUP (a terminal closed without nohup) killed the process and left its entry "running"."""
     cfg = tiny_config(text_cache, tmp_path, **LONG)
-    proc = start_train(cfg)
+    # a terminal's hang-up, whatever ran the tests: under nohup the child would inherit an ignored SIGHUP
+    proc = start_train(cfg, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     read_until(proc, "first update")
     if fault.startswith("SIGTERM"):
         proc.stdout.close()  # the ssh session dropped, the tee killed: nobody reads stdout and stderr any more
