@@ -133,3 +133,11 @@ def test_compare_and_tune_vary_only_execution_keys():
     assert env.hash_json(settings.recipe(settings.Config(train.DEFAULTS, compile=True, micro_batch_size=4),
                                          model_lib.get_preset("20m", vocab_size=256), "c")) == \
         env.hash_json(settings.recipe(settings.Config(train.DEFAULTS), model_lib.get_preset("20m", vocab_size=256), "c"))
+
+
+@pytest.mark.parametrize("config_file", sorted(p.name for p in (Path(__file__).parent.parent / "config").glob("*.py")))
+def test_every_shipped_config_passes_every_check_of_a_setting(config_file):
+    """A shipped recipe that names a removed lever, a value out of bounds or a refused combination would fail its
+    first user; the checks are train.py's own (settings.resolve), before any data or model."""
+    cfg = settings.resolve(TrainSettings, [str(Path(__file__).parent.parent / "config" / config_file)])
+    assert cfg.name and cfg.preset in model_lib.PRESETS
