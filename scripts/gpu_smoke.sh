@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU command the README shows, with short settings, so that a change to the training path is seen to run
-# on a GPU (CUDA graphs, compile modes and kernels exist only there). About 11 minutes on one H200 from empty
+# on a GPU (CUDA graphs, compile modes and kernels exist only there). About 13 minutes on one H200 from empty
 # compiler caches. Exits non-zero, naming the command, at the first that fails. Needs the token cache
 # data/cache/gutenberg (python data/prepare.py --source ../shared/data/gutenberg --out data/cache/gutenberg).
 #     bash scripts/gpu_smoke.sh [RESULTS_FILE] [FIRST] [LAST]   # default out/smoke/results.json, every step
@@ -56,6 +56,8 @@ run "train, compile_scope=model (the whole model one graph, torch's CUDA graphs)
   --compile_scope=model --name=smoke-model-scope --results_file="$R" $SHORT_TRAIN
 run "train, the speed candidate (the context schedule, value embeddings)" python train.py config/20m_speed.py \
   --name=smoke-speed --results_file="$R" $SHORT_TRAIN --eval_interval=10
+run "train, the quality candidate (passes, the weights' average)" python train.py config/20m_quality.py \
+  --name=smoke-quality --results_file="$R" $SHORT_TRAIN --epochs=2 --eval_interval=10
 run "bench" python bench.py $REF --name=smoke-bench --results_file="$R" $SHORT_BENCH --profile=True --partial_probe=True
 run "bench, micro-batch 16" python bench.py $REF --micro_batch_size=16 --name=smoke-bench-mb16 --results_file="$R" $SHORT_BENCH
 # eager: the presets' shapes and kernels without three more compiles (bench.py's compiled presets are timed apart)

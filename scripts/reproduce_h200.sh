@@ -5,8 +5,8 @@
 # Parts, in the document's order, with their time on one H200 (warm compiler caches; cold adds about 20 s per
 # compiled shape): ceilings (1 min), current (8 min), accumulation (2 min), loss (2 min), matched (5 min, then
 # compare.py with no GPU), tune (15 min), levers (9 min), quack (6 min), push (10 min), cold (10 min; a fresh
-# machine for its first profile), speedrun (about 7 min: docs/TIME_TO_QUALITY.md's screens of the kept levers, the speed
-# candidate's seeds), all (about 77 min).
+# machine for its first profile), speedrun (about 15 min: docs/TIME_TO_QUALITY.md's screens of the kept levers, the speed
+# candidate's seeds and verdict, the quality candidate), all (about 85 min).
 # Merge the results file into results/h200.json with scripts/merge_results.py (parts quack's and push's into
 # results/h200-levers.json, cold's into results/h200-cold-start.json). Needs data/cache/gutenberg;
 # requirements-gpu.txt for the fa4 and quack rows, which are skipped without it. The rows of choices no longer in the
@@ -185,6 +185,13 @@ LEVERS
   for s in 1337 1338 1339; do
     timeout 300 python train.py config/20m_speed.py --seed=$s --target_loss=4.2462 --overwrite=True \
       --name=20m-speed-winners-14m-seed$s --results_file="$R"
+  done
+  # its 5-seed verdict beside the reference's 3 seeds; the quality candidate's screens (two at once in the docs' rows)
+  timeout 600 python compare.py config/20m_speed.py --mode=time-to-target --seeds=5 --target_loss=4.2462 \
+    --target_baseline=config/20m_gh200.py --target_baseline_seeds=3 --name=20m-speed-winners --results_file="$R"
+  for s in 3 4; do
+    timeout 600 python train.py config/20m_quality.py --epochs=$s --overwrite=True \
+      --name=screen-quality-q$s-ema-winners --results_file="$R"
   done
 }
 
