@@ -189,9 +189,10 @@ LEVERS
   # its 5-seed verdict beside the reference's 3 seeds; the quality candidate's screens (two at once in the docs' rows)
   timeout 600 python compare.py config/20m_speed.py --mode=time-to-target --seeds=5 --target_loss=4.2462 \
     --target_baseline=config/20m_gh200.py --target_baseline_seeds=3 --name=20m-speed-winners --results_file="$R"
-  for s in 3 4; do
-    timeout 600 python train.py config/20m_quality.py --epochs=$s --overwrite=True \
-      --name=screen-quality-q$s-ema-winners --results_file="$R"
+  local e
+  for e in 3 4; do
+    timeout 600 python train.py config/20m_quality.py --epochs=$e --overwrite=True \
+      --name=screen-quality-q$e-ema-winners --results_file="$R"
   done
 }
 
