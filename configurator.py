@@ -168,7 +168,8 @@ def load_config(settings, argv, file_keys=None):
             # One namespace holding the settings so far, as nanoGPT's configurator runs a file in the script's
             # globals: `tokens_per_update = seq_len * 32` sees the default seq_len, and a comprehension or
             # function in the file sees the names assigned above it (with separate locals it did not).
-            namespace = dict(also, **config)
+            # __file__ is the file's own path, so that a recipe can build on another beside it (config/20m_quality.py)
+            namespace = dict(also, **config, __file__=str(path))
             try:  # its bytes, as Python runs a file: a UTF-8 BOM (Windows editors) or a coding line is understood
                 exec(compile(path.read_bytes(), str(path), "exec"), namespace)
             except SystemExit as exc:  # sys.exit() in a config file would end the script silently, having done nothing
