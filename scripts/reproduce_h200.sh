@@ -186,13 +186,22 @@ LEVERS
     timeout 300 python train.py config/20m_speed.py --seed=$s --target_loss=4.2462 --overwrite=True \
       --name=20m-speed-winners-14m-seed$s --results_file="$R"
   done
-  # its 5-seed verdict beside the reference's 3 seeds; the quality candidate's screens (two at once in the docs' rows)
+  # its 5-seed verdict beside the reference's 3 seeds
   timeout 600 python compare.py config/20m_speed.py --mode=time-to-target --seeds=5 --target_loss=4.2462 \
     --target_baseline=config/20m_gh200.py --target_baseline_seeds=3 --name=20m-speed-winners --results_file="$R"
-  local e
+  # "The quality candidate": the recipe before it (its keys then) over 3 and 4 passes, then both seed by seed (the
+  # docs' rows ran four at once; their seeds 1338 to 1340 were stopped at update 4175)
+  local before="--weight_decay=0.1 --cooldown_fraction=0.5 --ema=0.995" e suffix
   for e in 3 4; do
-    timeout 600 python train.py config/20m_quality.py --epochs=$e --overwrite=True \
+    timeout 600 python train.py config/20m_quality.py $before --epochs=$e --overwrite=True \
       --name=screen-quality-q$e-ema-winners --results_file="$R"
+  done
+  for s in 1337 1338 1339 1340; do
+    suffix=$([ $s = 1337 ] || echo "-seed$s")
+    [ $s = 1340 ] || [ $s = 1337 ] || timeout 600 python train.py config/20m_quality.py $before --seed=$s \
+      --overwrite=True --name=screen-quality-q3-ema-winners$suffix --results_file="$R"
+    timeout 600 python train.py config/20m_quality.py --seed=$s --overwrite=True \
+      --name=screen-quality-q3-wd0.3-ema0.998-cooldown0.7$suffix --results_file="$R"
   done
 }
 
