@@ -198,8 +198,9 @@ LEVERS
   done
   for s in 1337 1338 1339 1340; do
     suffix=$([ $s = 1337 ] || echo "-seed$s")
-    [ $s = 1340 ] || [ $s = 1337 ] || timeout 600 python train.py config/20m_quality.py $before --seed=$s \
-      --overwrite=True --name=screen-quality-q3-ema-winners$suffix --results_file="$R"
+    case $s in 1338|1339)  # the recipe before it at 1337 is the 3-pass run above
+      timeout 600 python train.py config/20m_quality.py $before --seed=$s --overwrite=True \
+        --name=screen-quality-q3-ema-winners$suffix --results_file="$R" ;; esac
     timeout 600 python train.py config/20m_quality.py --seed=$s --overwrite=True \
       --name=screen-quality-q3-wd0.3-ema0.998-cooldown0.7$suffix --results_file="$R"
   done
