@@ -869,11 +869,17 @@ def test_a_corrupt_or_foreign_checkpoint_is_one_line_error(text_cache, tmp_path,
     assert len(err) == 1 and "ckpt.pt" in err[0] and words in err[0], err
 
 
-def test_an_activation_memory_budget_saves_less_for_backward_with_the_same_math(text_cache, tmp_path, monkeypatch):
+def test_an_activation_memory_budget_saves_less_for_backward_with_the_same_math(text_cache, tmp_path):
     """activation_memory_budget < 1 makes the compiled update recompute cheap ops in backward instead of saving
     their outputs: fewer bytes kept between forward and backward, the same loss and gradient norm."""
     import torch._functorch.config
-    monkeypatch.setattr(torch._functorch.config, "activation_memory_budget", 1.0)  # restored after the test
+    # torch's own patch restores the setting after the test; pytest's monkeypatch would delete it on undo, which
+    # torch's config module takes as hiding the key, and every later compile in the process then fails reading it
+    with torch._functorch.config.patch(activation_memory_budget=1.0):
+        budget_saves_less(text_cache, tmp_path)
+
+
+def budget_saves_less(text_cache, tmp_path):
     cfg = small_config(text_cache, tmp_path, micro_batch_size=8)
     batches, n_tokens = train_data(cfg).micro_batches(0, 0, cfg.micro_batch_size)
     results = {}
