@@ -5,8 +5,8 @@
 # Parts, in the document's order, with their time on one H200 (warm compiler caches; cold adds about 20 s per
 # compiled shape): ceilings (1 min), current (8 min), accumulation (2 min), loss (2 min), matched (5 min, then
 # compare.py with no GPU), tune (15 min), levers (9 min), quack (6 min), push (10 min), cold (10 min; a fresh
-# machine for its first profile), speedrun (about 15 min: docs/TIME_TO_QUALITY.md's screens of the kept levers, the speed
-# candidate's seeds and verdict, the quality candidate), all (about 85 min).
+# machine for its first profile), speedrun (about 22 min: docs/TIME_TO_QUALITY.md's screens of the kept levers, the speed
+# candidate's seeds and verdict, the quality candidate's seeds beside the recipe before it), all (about 92 min).
 # Merge the results file into results/h200.json with scripts/merge_results.py (parts quack's and push's into
 # results/h200-levers.json, cold's into results/h200-cold-start.json). Needs data/cache/gutenberg;
 # requirements-gpu.txt for the fa4 and quack rows, which are skipped without it. The rows of choices no longer in the
@@ -189,20 +189,20 @@ LEVERS
   # its 5-seed verdict beside the reference's 3 seeds
   timeout 600 python compare.py config/20m_speed.py --mode=time-to-target --seeds=5 --target_loss=4.2462 \
     --target_baseline=config/20m_gh200.py --target_baseline_seeds=3 --name=20m-speed-winners --results_file="$R"
-  # "The quality candidate": the recipe before it (its keys then) over 3 and 4 passes, then both seed by seed (the
-  # docs' rows ran four at once; their seeds 1338 to 1340 were stopped at update 4175)
-  local before="--weight_decay=0.1 --cooldown_fraction=0.5 --ema=0.995" e suffix
+  # "The quality candidate": the recipe before it (its keys then) over 3 and 4 passes and at seeds 1338 and 1339, then
+  # the candidate's seeds, each alone (the docs' rows ran four at once, and four of them were stopped at update 4175)
+  local before="--weight_decay=0.1 --cooldown_fraction=0.5 --ema=0.995" e
   for e in 3 4; do
     timeout 600 python train.py config/20m_quality.py $before --epochs=$e --overwrite=True \
       --name=screen-quality-q$e-ema-winners --results_file="$R"
   done
+  for s in 1338 1339; do
+    timeout 600 python train.py config/20m_quality.py $before --seed=$s --overwrite=True \
+      --name=screen-quality-q3-ema-winners-seed$s --results_file="$R"
+  done
   for s in 1337 1338 1339 1340; do
-    suffix=$([ $s = 1337 ] || echo "-seed$s")
-    case $s in 1338|1339)  # the recipe before it at 1337 is the 3-pass run above
-      timeout 600 python train.py config/20m_quality.py $before --seed=$s --overwrite=True \
-        --name=screen-quality-q3-ema-winners$suffix --results_file="$R" ;; esac
-    timeout 600 python train.py config/20m_quality.py --seed=$s --overwrite=True \
-      --name=screen-quality-q3-wd0.3-ema0.998-cooldown0.7$suffix --results_file="$R"
+    timeout 600 python train.py config/20m_quality.py --seed=$s --overwrite=True --name=20m-quality-seed$s \
+      --results_file="$R"
   done
 }
 

@@ -2,6 +2,7 @@
 settings are resolved, and every refusal comes before the model is built or a folder is made."""
 import dataclasses
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -143,12 +144,14 @@ def test_every_shipped_config_passes_every_check_of_a_setting(config_file):
     assert cfg.name and cfg.preset in model_lib.PRESETS
 
 
-def test_the_quality_candidate_is_the_speed_candidate_over_three_passes_regularised():
+def test_the_quality_candidate_is_the_speed_candidate_over_three_passes_regularised(tmp_path, monkeypatch):
     """config/20m_quality.py reads config/20m_speed.py beside it (a config file sees its own __file__): its recipe
-    is the speed candidate's but for the keys it names, wherever the script runs from."""
-    root = Path(__file__).parent.parent
+    is the speed candidate's but for the keys it names, wherever the script runs from (here a relative path from
+    another folder, so that a path read from the working directory would not find the speed config)."""
+    root = Path(__file__).resolve().parent.parent
     speed = settings.resolve(TrainSettings, [str(root / "config" / "20m_speed.py")])
-    quality = settings.resolve(TrainSettings, [str(root / "config" / "20m_quality.py")])
+    monkeypatch.chdir(tmp_path)
+    quality = settings.resolve(TrainSettings, [os.path.relpath(root / "config" / "20m_quality.py")])
     assert {k: quality[k] for k in quality if quality[k] != speed[k]} == \
         {"name": "20m-quality", "train_subset_tokens": 0, "epochs": 3, "weight_decay": 0.3, "cooldown_fraction": 0.7,
          "ema": 0.998}
