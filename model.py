@@ -10,7 +10,6 @@ The architecture levers (ModelConfig's last fields, all off by default: then the
 its initialisation under a seed are the plain Llama's above) change the math, as modded-nanogpt's records did:
 qk_norm (Qwen3's per-head RMSNorm of q and k before the rotary embedding) and value_embeddings
 (Transformer.through_blocks says its math). The levers that lost their screens left the code (REMOVED_LEVERS).
-The dropout recipe key (Block.dropped) acts in training only, so it is the Transformer's argument, not a field.
 
     python model.py      # the preset table
 """
@@ -32,8 +31,9 @@ from model_kernels.registry import ATTENTION, LOSS, MLP
 # settings refuse the keys (configurator.py).
 REMOVED_LEVERS = {"mlp_activation": "silu", "zero_init_proj": False, "logit_softcap": 0.0, "tie_embeddings": True,
                   "unet_skips": False, "batch_schedule": "", "muon_orthogonalizer": "newton_schulz",
-                  "cautious_weight_decay": False, "bigram_embeddings": 0, "smear": False}
-REMOVED_IN = dict.fromkeys(REMOVED_LEVERS, "94da7b6") | {"bigram_embeddings": "6921dcb", "smear": "6921dcb"}
+                  "cautious_weight_decay": False, "bigram_embeddings": 0, "smear": False, "dropout": 0.0}
+REMOVED_IN = dict.fromkeys(REMOVED_LEVERS, "94da7b6") | {"bigram_embeddings": "6921dcb", "smear": "6921dcb",
+                                                         "dropout": "4e6b149"}
 
 
 class RemovedLever(ValueError):
@@ -227,27 +227,21 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config, mlp_impl="torch", value_embedding=False, dropout=0.0):
+    def __init__(self, config, mlp_impl="torch", value_embedding=False):
         super().__init__()
         self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.attention = Attention(config, value_embedding)
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.feed_forward = FeedForward(config, mlp_impl)
-        self.dropout = dropout
 
     def forward(self, x, cos, sin, backends, ve=None):
-        x = x + self.dropped(self.attention(self.attention_norm(x), cos, sin, backends, ve))
-        return x + self.dropped(self.feed_forward(self.ffn_norm(x)))
-
-    def dropped(self, out):
-        """The dropout recipe key: in training, out's entries zeroed with probability p, the rest times 1 / (1 - p);
-        off (p = 0) or in eval mode, out itself, so the graph is the one without it."""
-        return F.dropout(out, self.dropout) if self.dropout and self.training else out
+        x = x + self.attention(self.attention_norm(x), cos, sin, backends, ve)
+        return x + self.feed_forward(self.ffn_norm(x))
 
 
 class Transformer(nn.Module):
     def __init__(self, config, attention_backend="auto", loss_impl="full", loss_chunk_tokens=8192,
-                 residual_dtype="float32", lm_head_fp8=False, mlp_impl="torch", dropout=0.0):
+                 residual_dtype="float32", lm_head_fp8=False, mlp_impl="torch"):
         super().__init__()
         if isinstance(config, str):
             config = get_preset(config)
@@ -268,9 +262,7 @@ class Transformer(nn.Module):
         self.value_embeds = nn.ModuleList(nn.Embedding(config.vocab_size, config.dim)
                                           for _ in range(config.value_embeddings))
         self._value_embedding_of = value_embedding_layers(config)
-        # dropout: the recipe's regulariser in training, not a field of the model config: the trained function (what
-        # validation, a checkpoint and the export compute) is the same without it
-        self.layers = nn.ModuleList(Block(config, mlp_impl, value_embedding=table is not None, dropout=dropout)
+        self.layers = nn.ModuleList(Block(config, mlp_impl, value_embedding=table is not None)
                                     for table in self._value_embedding_of)
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)

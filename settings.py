@@ -171,10 +171,6 @@ class Recipe:
     ema: float = setting(0.0, "the weights' exponential moving average with this decay (0: none), debiased: "
                               "validated, evaluated, sampled and exported in place of the trained weights", RECIPE,
                          bounds="[0, 1)")
-    dropout: float = setting(0.0, "in training, each block's attention and MLP outputs dropped with this probability "
-                                  "(the rest scaled by 1 / (1 - p)) before they join the residual (nanoGPT's "
-                                  "resid_dropout; 0: none); validation, sampling and the export run without it",
-                             RECIPE, bounds="[0, 1)")
     # the data schedule (#38): an update's context grows during the run; off ("") by default
     seq_len_schedule: str = setting("", 'shorter contexts first, as CONTEXT:UNTIL steps: "256:0.3,512:0.6" splits '
                                         'each sequence into windows of 256 until 30% of the run\'s tokens, 512 until '

@@ -127,8 +127,7 @@ class Trainer:
         self.raw_model = model_lib.Transformer(mcfg, attention_backend=self.attention, loss_impl=cfg.loss_impl,
                                                loss_chunk_tokens=cfg.loss_chunk_tokens,
                                                residual_dtype=cfg.residual_dtype,
-                                               lm_head_fp8=cfg.lm_head_fp8, mlp_impl=cfg.mlp_impl,
-                                               dropout=cfg.get("dropout", 0.0)).to(self.device)
+                                               lm_head_fp8=cfg.lm_head_fp8, mlp_impl=cfg.mlp_impl).to(self.device)
         if initial_state is not None:  # init_from: the weights a run starts from, in place of the seed's
             self.raw_model.load_state_dict(initial_state)
         captured = captures_update(cfg, self.device, world_size)

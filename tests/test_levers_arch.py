@@ -253,7 +253,7 @@ def test_export_refuses_a_lever_no_transformers_class_computes(tmp_path, lever):
 
 REMOVED_ON = {"mlp_activation": "relu2", "zero_init_proj": True, "logit_softcap": 15.0, "tie_embeddings": False,
               "unet_skips": True, "bigram_embeddings": 32000, "smear": True}
-REMOVED_AT = {"bigram_embeddings": "6921dcb", "smear": "6921dcb"}  # the others left at 94da7b6
+REMOVED_AT = {"bigram_embeddings": "6921dcb", "smear": "6921dcb", "dropout": "4e6b149"}  # the others left at 94da7b6
 
 
 def removed_sentence(named):
@@ -292,76 +292,3 @@ def test_a_removed_lever_s_key_is_refused_naming_the_commit_that_ran_it(tmp_path
             settings.load(settings.TrainSettings, args)
         assert str(refused.value) == (f"{where}: {removed_sentence(key)}; leave the key out (the run is then the "
                                       f"lever off)")
-
-
-# ---------------------------------------------------------------- dropout: a recipe key acting in training only
-
-def test_dropout_zeroes_each_block_output_with_its_probability_and_evaluation_runs_without_it():
-    """Block.dropped: with the MLP's output projection zeroed, a block's training output minus its input is the
-    attention's output with each entry either 0 (about p of them) or scaled by 1 / (1 - p); in eval mode, and at
-    p = 0, the model is the one without dropout."""
-    config = tiny()
-    m = perturbed(config, dropout=0.25)
-    block = m.layers[0]
-    with torch.no_grad():
-        block.feed_forward.w2.weight.zero_()
-    x = torch.randn(8, 32, config.dim)
-    cos, sin = m.rope_cos[:32], m.rope_sin_signed[:32]
-    out = block(x, cos, sin, m._sdpa_backends) - x
-    attended = block.attention(block.attention_norm(x), cos, sin, m._sdpa_backends)
-    kept = out != 0
-    assert torch.allclose(out[kept], attended[kept] / 0.75, rtol=1e-5, atol=1e-6)
-    assert 0.22 < 1 - kept.float().mean().item() < 0.28
-    x, y = batch(config)
-    plain = perturbed(config)
-    m.load_state_dict(plain.state_dict())
-    assert m(x, y).item() != plain(x, y).item()  # training: masks
-    m.eval()
-    assert torch.equal(m(x, y), plain(x, y))
-    assert torch.equal(perturbed(config, dropout=0.0)(x, y), plain(x, y))
-
-
-def test_dropout_compiles_whole_draws_fresh_masks_and_repeats_under_a_seed():
-    """Under torch.compile (fullgraph, aot_eager as the lever tests above): one graph, a new mask each call (the
-    losses differ), the same masks from the same generator state (what a bitwise resume needs), and eval mode the
-    eager model's loss."""
-    config = tiny()
-    x, y = batch(config)
-    m = perturbed(config, dropout=0.5)
-    step = torch.compile(m, backend="aot_eager", fullgraph=True, dynamic=False)
-    torch.manual_seed(7)
-    first, second = step(x, y).item(), step(x, y).item()
-    torch.manual_seed(7)
-    assert first != second and step(x, y).item() == first
-    m.eval()
-    eager = perturbed(config)
-    assert torch.allclose(step(x, y), eager.eval()(x, y), rtol=1e-6)
-
-
-def test_dropout_trains_resumes_bitwise_and_the_checkpoint_exports_as_llama(text_cache, tmp_path):
-    """train.py with dropout: other weights than without it (the trainer hands it to the model), a run stopped and
-    resumed equal to one straight through, bit for bit (the checkpoint's generator states hold the masks to come),
-    the recipe holding the key; the checkpoint's model has no dropout field and exports as transformers' Llama."""
-    runs = {}
-    for name, overrides in (("none", {}), ("straight", dict(dropout=0.2))):
-        runs[name] = train.train(small_config(text_cache, tmp_path, name=name, out_dir=str(tmp_path / name),
-                                              epochs=1, **overrides))
-    cfg = small_config(text_cache, tmp_path, name="resumed", out_dir=str(tmp_path / "resumed"), epochs=1,
-                       dropout=0.2)
-    assert train.train(settings.Config(cfg, stop_after_updates=2))["status"] == "interrupted"
-    resumed = train.train(settings.Config(cfg, resume=True))
-    assert resumed["status"] == "complete" and resumed["sessions"] == 2
-    assert resumed["final_validation"]["loss"] == runs["straight"]["final_validation"]["loss"]
-    assert runs["none"]["final_validation"]["loss"] != runs["straight"]["final_validation"]["loss"]
-    a, b = checkpoint_parameters(tmp_path / "straight"), checkpoint_parameters(tmp_path / "resumed")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert resumed["recipe"]["dropout"] == 0.2 and "dropout" not in resumed["recipe"]["model"]
-    assert "dropout" not in runs["none"]["recipe"]  # off, the key leaves a recipe's identity as it was
-    rebuilt, _ = checkpoint.load_model(tmp_path / "resumed" / "ckpt.pt")
-    assert hf.export_problem(rebuilt.config) is None
-
-
-def test_a_dropout_of_one_or_more_is_refused_in_one_line():
-    cfg = settings.Config(settings.defaults(settings.TrainSettings), dropout=1.0)
-    with pytest.raises(ConfigError, match=r"dropout must lie in \[0, 1\)"):
-        settings.check(settings.TrainSettings, cfg)
