@@ -5,8 +5,9 @@
 # Parts, in the document's order, with their time on one H200 (warm compiler caches; cold adds about 20 s per
 # compiled shape): ceilings (1 min), current (8 min), accumulation (2 min), loss (2 min), matched (5 min, then
 # compare.py with no GPU), tune (15 min), levers (9 min), quack (6 min), push (10 min), cold (10 min; a fresh
-# machine for its first profile), speedrun (about 22 min: docs/TIME_TO_QUALITY.md's screens of the kept levers, the speed
-# candidate's seeds and verdict, the quality candidate's seeds beside the recipe before it), all (about 92 min).
+# machine for its first profile), speedrun (about 28 min: docs/TIME_TO_QUALITY.md's screens of the kept levers, the speed
+# candidate's seeds and verdict, the quality candidate's seeds beside the recipe before it and four passes at 32,768
+# tokens an update), all (about 98 min).
 # Merge the results file into results/h200.json with scripts/merge_results.py (parts quack's and push's into
 # results/h200-levers.json, cold's into results/h200-cold-start.json). Needs data/cache/gutenberg;
 # requirements-gpu.txt for the fa4 and quack rows, which are skipped without it. The rows of choices no longer in the
@@ -203,6 +204,11 @@ LEVERS
   for s in 1337 1338 1339 1340; do
     timeout 600 python train.py config/20m_quality.py --seed=$s --overwrite=True --name=20m-quality-seed$s \
       --results_file="$R"
+  done
+  # four passes at 32,768 tokens an update, each seed alone (the docs' rows ran six and three at once but seed 1338)
+  for s in 1337 1338 1339 1340 1341; do
+    timeout 600 python train.py config/20m_quality.py --epochs=4 --tokens_per_update=32768 --micro_batch_size=32 \
+      --muon_lr=0.004 --seed=$s --overwrite=True --name=20m-quality-q4-32k-seed$s --results_file="$R"
   done
 }
 
