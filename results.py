@@ -22,6 +22,8 @@ class ResultsFileError(RuntimeError):
 SECTIONS = frozenset({"environment", "benchmarks", "tuning", "profiles", "history", "matched-comparison",
                       "partial-probe", "trained-parity", "allocation-usage", "loss-microbench", "accumulation-check",
                       "ceilings", "time-to-target", "mlp-microbench", "evaluation"})
+# Those of them whose entries are named (results[section][name]): a merge joins them entry by entry.
+NAMED_SECTIONS = frozenset({"benchmarks", "profiles", "evaluation", "time-to-target"})
 
 
 _UMASK = os.umask(0o022)  # read once, at import (single-threaded): os.umask can only be read by setting it

@@ -2,8 +2,9 @@
 
     python scripts/merge_results.py FROM.json [INTO.json]
 
-Benchmark, profile and other two-level sections merge entry by entry, training runs by name, all through
-record_many, so nothing already in INTO is lost (a replaced entry moves to its "history").
+Sections of named entries (benchmarks, profiles, evaluations, time-to-target verdicts: results.NAMED_SECTIONS) merge
+entry by entry, training runs by name, all through record_many, so nothing already in INTO is lost (a replaced entry
+moves to its "history").
 
 FROM may have started as a copy of INTO (runs made elsewhere on top of it), so it can hold entries that INTO has
 replaced since: an entry whose value INTO keeps in its history is skipped, not merged over the newer one.
@@ -13,9 +14,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from results import ResultsFileError, lookup, read_results, record_many  # noqa: E402
-
-NESTED = {"benchmarks", "profiles", "evaluation"}
+from results import NAMED_SECTIONS, ResultsFileError, lookup, read_results, record_many  # noqa: E402
 
 
 def canonical(path, value):
@@ -31,7 +30,7 @@ def merge(source, target):
         if not isinstance(value, (dict, list)):  # every entry is an object (a few sections lists): not a results file
             raise ResultsFileError(f"{source} is not a results file: its entry {key!r} is a {type(value).__name__}, "
                                    f"where results.py writes objects; nothing was merged")
-        if key in NESTED and isinstance(value, dict):
+        if key in NAMED_SECTIONS and isinstance(value, dict):
             items += [([key, name], entry) for name, entry in value.items()]
         else:
             items.append(([key], value))

@@ -465,11 +465,14 @@ def test_merging_a_returned_results_file_keeps_everything(tmp_path):
     record(returned, ["benchmarks", "changed"], {"run_id": "d", "tokens_per_second": 4.0})
     record(returned, ["profiles", "new"], {"run_id": "c", "kernel_count": 7})
     record(returned, ["run-2"], {"run_id": "r2", "status": "complete"})
-    assert merge_results.merge(returned, local) == (4, 0)
+    record(local, ["time-to-target", "speed"], {"run_id": "t1", "reaches_target": True})
+    record(returned, ["time-to-target", "quality"], {"run_id": "t2", "reaches_target": False})
+    assert merge_results.merge(returned, local) == (5, 0)
     merged = read_results(local)
     assert set(merged["benchmarks"]) == {"old", "new", "changed"}
     assert merged["benchmarks"]["changed"]["run_id"] == "d" and merged["profiles"]["new"]["kernel_count"] == 7
     assert merged["run-1"]["run_id"] == "r1" and merged["run-2"]["run_id"] == "r2"
+    assert set(merged["time-to-target"]) == {"speed", "quality"}  # a verdict section joins, never replaces
     assert [h["path"] for h in merged["history"]] == [["benchmarks", "changed"]]  # the replaced entry is kept
     # another JSON object (a cache's meta.json, say) is refused in one line, and nothing of it merged
     other = tmp_path / "meta.json"
