@@ -5,8 +5,8 @@
 # Parts, in the document's order, with their time on one H200 (warm compiler caches; cold adds about 20 s per
 # compiled shape): ceilings (1 min), current (8 min), accumulation (2 min), loss (2 min), matched (5 min, then
 # compare.py with no GPU), tune (15 min), levers (9 min), quack (6 min), push (10 min), cold (10 min; a fresh
-# machine for its first profile), speedrun (about 36 min: docs/TIME_TO_QUALITY.md's screens of the kept levers, the speed
-# candidate's seeds and verdict, the quality candidate's seeds beside the recipe before it, four passes at 32,768
+# machine for its first profile), speedrun (about 36 min: docs/TIME_TO_QUALITY.md's screens of the kept levers, the
+# speed candidate's seeds and verdict, the quality candidate's seeds beside the recipe before it, four passes at 32,768
 # tokens an update and their verdict at 1024 throughout), all (about 106 min).
 # Merge the results file into results/h200.json with scripts/merge_results.py (parts quack's and push's into
 # results/h200-levers.json, cold's into results/h200-cold-start.json). Needs data/cache/gutenberg;
@@ -213,7 +213,8 @@ LEVERS
   # the same four passes at 1024 throughout: their 5-seed verdict beside the reference's two seeds
   timeout 900 python compare.py config/20m_quality.py --epochs=4 --tokens_per_update=32768 --micro_batch_size=32 \
     --muon_lr=0.004 --seq_len_schedule= --mode=time-to-target --seeds=5 --target_loss=3.80 \
-    --target_baseline=config/20m_gh200.py --target_baseline_seeds=2 --name=20m-quality-q4-32k-ctx-none --results_file="$R"
+    --target_baseline=config/20m_gh200.py --target_baseline_seeds=2 --name=20m-quality-q4-32k-ctx-none \
+    --results_file="$R"
 }
 
 for part in "${parts[@]}"; do
