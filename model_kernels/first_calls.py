@@ -60,7 +60,9 @@ def spec(cfg, mcfg, device, attention, contexts, cold):
         return None
     # a window of C tokens makes rows of C: micro_batch_size * seq_len / C of them (data/loader.py)
     shapes = [[cfg.micro_batch_size * cfg.seq_len // c, c, mcfg.n_heads, mcfg.head_dim] for c in sorted(contexts)]
-    return {"device": str(device), "attention": shapes if "attention" in kernels else [],
+    # context_windows: attention's variable-length kernels compile in the run, at their first call
+    attends = "attention" in kernels and not cfg.get("context_windows", False)
+    return {"device": str(device), "attention": shapes if attends else [],
             "vocab_size": mcfg.vocab_size if "loss" in kernels else 0}
 
 
