@@ -95,7 +95,7 @@ def test_the_context_split_leaves_each_update_s_tokens_and_targets_as_without_it
     (dict(seq_len_schedule="8:1.0"), "must grow within (0, 1), got 1"),
     (dict(seq_len_schedule="12:0.2"), "context 12 must divide seq_len 32"),
     (dict(seq_len_schedule="1:0.1,2:0.2,4:0.3,8:0.4,16:0.5"), "has 5 steps; at most 4"),
-    (dict(context_windows=True), "context_windows keeps a seq_len_schedule's windows in whole rows, and there is none")])
+    (dict(context_windows=True), "keeps a seq_len_schedule's windows in whole rows, and there is none")])
 def test_a_schedule_that_cannot_be_right_is_one_line_before_any_work(text_cache, tmp_path, capsys, change, words):
     cfg = config(text_cache, tmp_path, **change)
     with pytest.raises(configurator.ConfigError) as info:
