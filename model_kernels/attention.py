@@ -140,6 +140,7 @@ def flash_attention_4(q, k, v):
 def _windows_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, longest: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _windows_outputs(q)
+    first_calls.wait("attention")  # a child compiling the pair for this run (model_kernels/first_calls.py)
     flash_attn_4()._flash_attn_fwd(q, k, v, cu_seqlens_q=starts, cu_seqlens_k=starts, max_seqlen_q=longest,
                                    max_seqlen_k=longest, causal=True, return_lse=True, out=out, lse=lse)
     return out, lse
