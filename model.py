@@ -198,7 +198,7 @@ class Attention(nn.Module):
         if value_embedding:  # v <- lambdas[0] v + lambdas[1] ve (Transformer.through_blocks)
             self.value_lambdas = nn.Parameter(torch.full((2,), 0.5))
 
-    def forward(self, x, cos, sin, backends, ve=None):
+    def forward(self, x, cos, sin, backends, ve=None, windows=None):
         B, T, C = x.shape
         qkv = self.wqkv(x).view(B, T, 3, self.n_heads, self.head_dim)
         # split (not slicing and indexing, whose backward pads each gradient with zeros and adds them),
@@ -212,7 +212,7 @@ class Attention(nn.Module):
         v = v.squeeze(2)
         if ve is not None:  # in float32 (the table's), rounded once to v's dtype for the attention kernel
             v = (self.value_lambdas[0] * v + self.value_lambdas[1] * ve.view_as(v)).to(v.dtype)
-        return self.wo(causal_attention(q, k, v, backends).reshape(B, T, C))
+        return self.wo(causal_attention(q, k, v, backends, windows).reshape(B, T, C))
 
 
 class FeedForward(nn.Module):
@@ -234,8 +234,8 @@ class Block(nn.Module):
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.feed_forward = FeedForward(config, mlp_impl)
 
-    def forward(self, x, cos, sin, backends, ve=None):
-        x = x + self.attention(self.attention_norm(x), cos, sin, backends, ve)
+    def forward(self, x, cos, sin, backends, ve=None, windows=None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, backends, ve, windows)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -320,29 +320,33 @@ class Transformer(nn.Module):
                 raise ValueError(f"targets must lie in [0, {self.config.vocab_size}) or be -100 (ignored), got "
                                  f"{int(counted.min())} to {int(counted.max())}")
 
-    def hidden_states(self, idx):
+    def hidden_states(self, idx, windows=None):
         T = idx.shape[1]
         # q and k come out of the projection in the autocast dtype: cast the tables to it once per forward.
         device_type = idx.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else self.rope_cos.dtype
-        cos, sin = self.rope_cos[:T].to(dtype), self.rope_sin_signed[:T].to(dtype)
+        at = slice(T) if windows is None else windows[0]  # context_windows: each position's place in its window
+        cos, sin = self.rope_cos[at].to(dtype), self.rope_sin_signed[at].to(dtype)
         x = self.tok_embeddings(idx)
         if self.residual_dtype is not None and torch.is_autocast_enabled(device_type):
             x = x.to(self.residual_dtype)  # the declared bf16 stream: every add and norm then reads half the bytes
-        return self.norm(self.through_blocks(x, idx, cos, sin))
+        return self.norm(self.through_blocks(x, idx, cos, sin, windows))
 
-    def through_blocks(self, x, idx, cos, sin):
+    def through_blocks(self, x, idx, cos, sin, windows=None):
         """The blocks over the embedded x, with the value_embeddings lever: for k tables, ve_j = value_embeds[j](idx);
         block i of the first k and block n - k + i of the last k take ve_i into their values,
         v = value_lambdas[0] v + value_lambdas[1] ve_i (per head, the table's width split as v is), both lambdas 0.5
         at first."""
         ves = [table(idx) for table in self.value_embeds]
         for layer, table in zip(self.layers, self._value_embedding_of):
-            x = layer(x, cos, sin, self._sdpa_backends, None if table is None else ves[table])
+            x = layer(x, cos, sin, self._sdpa_backends, None if table is None else ves[table], windows)
         return x
 
-    def forward(self, idx, targets=None, reduction="mean"):
+    def forward(self, idx, targets=None, reduction="mean", windows=None):
         """Logits (B, T, V) without targets; else the token cross-entropy, ignoring targets of -100.
+
+        windows: None, or (positions, starts), data/loader.py's window_tensors: each row is windows of a shorter
+        context, positions restarting at each and attention kept within it (context_windows).
 
         reduction "mean" averages over the counted targets; "sum" adds them (the training step divides
         by the update's token count itself, so that a partial update weighs each token the same); "none"
@@ -350,7 +354,7 @@ class Transformer(nn.Module):
         """
         if not torch.compiler.is_compiling():
             self.check_input(idx, targets)
-        h = self.hidden_states(idx)
+        h = self.hidden_states(idx, windows)
         if targets is None:
             return self.output(h)
         return self.loss(h, targets, reduction)

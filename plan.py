@@ -206,7 +206,7 @@ def training_data(plan):
     (train.py trains it, bench.py times it)."""
     cfg = plan.cfg
     return TrainData(plan.cache.train, cfg.seq_len, plan.sequences_per_update, cfg.seed, cfg.train_subset_tokens,
-                     cfg.epochs, plan.context_steps)
+                     cfg.epochs, plan.context_steps, cfg.get("context_windows", False))
 
 
 def run_dir(cfg):

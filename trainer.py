@@ -284,14 +284,14 @@ class Trainer:
         # region ends, so eager casts the weights once per update instead of once per micro-step (the
         # weights change only in the optimizer step, so the copies are the same). Backward runs outside it.
         with self.autocast():
-            for i, (x, y) in enumerate(micro_batches):
+            for i, (x, y, *windows) in enumerate(micro_batches):  # windows: context_windows' (data/loader.py)
                 sync = contextlib.nullcontext()
                 if self.world_size > 1 and i < last:
                     sync = self.model.no_sync()  # all-reduce gradients once, on the last micro-step
                 if self.cudagraphs:
                     torch.compiler.cudagraph_mark_step_begin()
                 with sync:
-                    loss = self.model(x, y, reduction="sum")
+                    loss = self.model(x, y, reduction="sum", windows=tuple(windows) or None)
                     with self.autocast(enabled=False):
                         (loss * scale).backward()
                 loss_sum += loss.detach()

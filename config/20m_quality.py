@@ -6,7 +6,7 @@
 # 49.2 training s against the reference's whole 49 to 50 s); the recipe before it (weight decay 0.1, cooldown 0.5,
 # ema 0.995) at 3.8500, and 0.026 to 0.029 above this one at update 4150 in each of seeds 1337 to 1339. The bar is
 # every one of 5 seeds below 3.80 (docs/TIME_TO_QUALITY.md, "The quality candidate"). It exports to no transformers
-# class (value embeddings). Execution settings as the reference's.
+# class (value embeddings). Execution settings as the speed candidate's (those figures ran before context_windows).
 from pathlib import Path
 
 exec(Path(__file__).with_name("20m_speed.py").read_text())  # the speed candidate's keys, then what differs:

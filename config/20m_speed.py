@@ -4,7 +4,8 @@
 # last half), on the first 14M tokens of the shuffled cache. Its 5-seed verdict on one H200, warm caches: it reaches
 # the reference's best loss L = 4.2462 (p = 0.00064) in a median 12.7 training s, 2.32x the reference's 29.6 s to L
 # in the same call, where the bar is 3x (docs/TIME_TO_QUALITY.md, "The speed candidate"). It exports to no
-# transformers class (value embeddings). Execution settings as the reference's.
+# transformers class (value embeddings). Execution settings as the reference's, and the context schedule's windows
+# kept in whole rows (context_windows: one shape for every context, compiled and captured once; the same math).
 name = "20m-speed"
 preset = "20m"
 data_dir = "data/cache/gutenberg"
@@ -29,3 +30,4 @@ eval_interval = 25
 compile = True
 loss_impl = "fused"
 compile_mode = "reduce-overhead"
+context_windows = True

@@ -11,7 +11,9 @@ number of GPUs. Only how an update's sequences are split into micro-batches depe
 A sequence-length schedule keeps each update's tokens, targets and order: a micro-batch's rows of T + 1 tokens are
 cut into windows of C + 1 tokens that overlap by one (a reshape of the inputs and of the targets to rows of C), so
 every target is still scored once, from a context of at most C tokens. A micro-batch is then (rows x T / C, C):
-one shape per context, whatever the update's size.
+one shape per context, whatever the update's size. With context_windows the rows stay whole, (rows, T), and the
+micro-batch carries its windows as two tensors of one shape for every context (window_tensors): the model then
+restarts positions and keeps attention within each window, the same math in one shape.
 """
 import hashlib
 import json
@@ -179,6 +181,17 @@ def split_context(x, y, context):
     return x.view(-1, context), y.view(-1, context)
 
 
+def window_tensors(rows, seq_len, context, smallest):
+    """A micro-batch's windows of `context` inside its rows of seq_len, as the model takes them: each position's
+    place in its window (seq_len,), and the windows' starts over the rows' rows x seq_len tokens, int32, padded with
+    windows of no tokens to as many as the smallest context makes (rows x seq_len / smallest + 1), so that neither
+    tensor's shape depends on the context."""
+    positions = torch.arange(seq_len) % context
+    starts = torch.arange(0, rows * seq_len + 1, context, dtype=torch.int32)
+    return positions, torch.cat((starts, starts.new_full((rows * seq_len // smallest + 1 - len(starts),),
+                                                          rows * seq_len)))
+
+
 def sequence_lengths(seq_len, context_steps):
     """The contexts a run's micro-batches may take (one shape each), in order: seq_len and its schedule's."""
     return sorted({value for value, _ in context_steps} | {seq_len})
@@ -190,7 +203,8 @@ class TrainData:
     context_steps ((context, until), ...) is the sequence-length schedule: an update's micro-batches are in windows
     of `context` (else seq_len) while the run's sequences before it are below `until` of its epochs x n_sequences."""
 
-    def __init__(self, tokens, seq_len, sequences_per_update, seed, subset_tokens=0, epochs=1, context_steps=()):
+    def __init__(self, tokens, seq_len, sequences_per_update, seed, subset_tokens=0, epochs=1, context_steps=(),
+                 context_windows=False):
         if subset_tokens:
             if subset_tokens > len(tokens):
                 raise CacheError(f"train_subset_tokens {subset_tokens:,} exceeds the {len(tokens):,} training "
@@ -202,7 +216,7 @@ class TrainData:
         if self.n_sequences == 0:
             raise CacheError(f"the training subset ({len(tokens)} tokens) is shorter than one sequence of "
                              f"{seq_len + 1} tokens")
-        self.epochs, self.context_steps = epochs, tuple(context_steps)
+        self.epochs, self.context_steps, self.context_windows = epochs, tuple(context_steps), context_windows
         self.updates_per_epoch = math.ceil(self.n_sequences / sequences_per_update)
         self.tokens_per_epoch = self.n_sequences * seq_len
         self._order_cache = (None, None)
@@ -234,6 +248,9 @@ class TrainData:
         """
         context = self.context(epoch, update)
         batches, n_tokens = self.batches_of(self.update_sequences(epoch, update), micro_batch_size, rank, world_size)
+        if self.context_windows:  # whole rows, and their windows as tensors (window_tensors)
+            smallest = min(self.contexts())
+            return [(x, y, *window_tensors(len(x), self.seq_len, context, smallest)) for x, y in batches], n_tokens
         return [split_context(x, y, context) for x, y in batches], n_tokens
 
     def batches_of(self, sequences, micro_batch_size, rank=0, world_size=1):
@@ -293,7 +310,7 @@ class Prefetcher:
             for key in keys:
                 batches, n_tokens = make_batches(key)
                 if self.pin:
-                    batches = [(x.pin_memory(), y.pin_memory()) for x, y in batches]
+                    batches = [tuple(t.pin_memory() for t in batch) for batch in batches]
                 if not self._put((key, batches, n_tokens)):
                     return
         except BaseException as exc:  # surface loader errors in the training thread
@@ -312,8 +329,7 @@ class Prefetcher:
                 if isinstance(item, BaseException):
                     raise item
                 key, batches, n_tokens = item
-                yield key, [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
-                            for x, y in batches], n_tokens
+                yield key, [tuple(t.to(self.device, non_blocking=True) for t in batch) for batch in batches], n_tokens
         finally:  # also when the consumer stops early (a signal, an error): let the thread end
             self.close()
 

@@ -132,10 +132,87 @@ def flash_attention_4(q, k, v):
     return _flash_attention_4_op(q, k, v)[0]
 
 
-def causal_attention(q, k, v, backends):
-    """q, k, v: (B, T, H, D); backends: an attention choice's (model_kernels/registry.py). Returns (B, T, H, D)."""
+# ---------------------------------------------------------------- windows within rows (context_windows)
+# A context schedule's windows kept inside the rows (data/loader.py, window_tensors), so that every context is one
+# shape: flash-attn-4's variable-length kernels, each window one sequence of the flattened rows, both directions
+# flash-attn-4's (cuDNN's forward takes no window starts); elsewhere SDPA with a mask that keeps each window apart.
+@torch.library.custom_op("tiny_llm::flash_attention_4_windows", mutates_args=())
+def _windows_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, longest: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _windows_outputs(q)
+    first_calls.wait("attention")  # a child compiling the pair for this run (model_kernels/first_calls.py)
+    flash_attn_4()._flash_attn_fwd(q, k, v, cu_seqlens_q=starts, cu_seqlens_k=starts, max_seqlen_q=longest,
+                                   max_seqlen_k=longest, causal=True, return_lse=True, out=out, lse=lse)
+    return out, lse
+
+
+def _windows_outputs(q):
+    """The output (N, H, D) and the log-sum-exp (H, N), float32, of N flattened tokens: allocated here so that the
+    op and its fake agree on strides."""
+    N, H, D = q.shape
+    return torch.empty(N, H, D, dtype=q.dtype, device=q.device), torch.empty(H, N, dtype=torch.float32,
+                                                                             device=q.device)
+
+
+@_windows_op.register_fake
+def _(q, k, v, starts, longest):
+    return _windows_outputs(q)
+
+
+@torch.library.custom_op("tiny_llm::flash_attention_4_windows_backward", mutates_args=())
+def _windows_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                         grad_out: torch.Tensor, starts: torch.Tensor, longest: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = _flash_attention_4_gradients(q, k, v)
+    flash_attn_4()._flash_attn_bwd(q, k, v, out, grad_out, lse, causal=True, cu_seqlens_q=starts,
+                                   cu_seqlens_k=starts, max_seqlen_q=longest, max_seqlen_k=longest,
+                                   dq=dq, dk=dk, dv=dv)
+    return dq, dk, dv
+
+
+@_windows_backward_op.register_fake
+def _(q, k, v, out, lse, grad_out, starts, longest):
+    return _flash_attention_4_gradients(q, k, v)
+
+
+def _windows_setup(ctx, inputs, output):
+    q, k, v, starts, longest = inputs
+    ctx.save_for_backward(q, k, v, starts, *output)
+    ctx.longest = longest
+
+
+def _windows_backward(ctx, grad_out, _grad_lse):
+    q, k, v, starts, out, lse = ctx.saved_tensors
+    return (*_windows_backward_op(q, k, v, out, lse, grad_out, starts, ctx.longest), None, None)
+
+
+_windows_op.register_autograd(_windows_backward, setup_context=_windows_setup)
+
+
+def window_mask(positions):
+    """(T, T) bool, True where query i may see key j: j <= i in the same window (positions restart at each)."""
+    starts = torch.arange(len(positions), device=positions.device) - positions
+    return (starts[:, None] == starts[None, :]) & torch.ones(len(positions), len(positions), dtype=torch.bool,
+                                                             device=positions.device).tril()
+
+
+def windowed_attention(q, k, v, backends, windows):
+    """Causal attention within each window of the rows: windows = (positions, starts), data/loader.py's."""
+    positions, starts = windows
+    B, T, H, D = q.shape
+    if backends == "fa4" and torch.is_grad_enabled() and q.requires_grad:
+        return _windows_op(*(t.reshape(B * T, H, D) for t in (q, k, v)), starts, T)[0].view(B, T, H, D)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(positions)).transpose(1, 2)
+
+
+def causal_attention(q, k, v, backends, windows=None):
+    """q, k, v: (B, T, H, D); backends: an attention choice's (model_kernels/registry.py); windows: None, or the
+    context_windows tensors (windowed_attention). Returns (B, T, H, D)."""
     if backends == "auto":  # a model used without the Trainer, which resolves it once (resolve_backend)
         backends = "fa4" if not torch.compiler.is_compiling() and _fa4_runs_on(q.device) else None
+    if windows is not None:
+        return windowed_attention(q, k, v, backends, windows)
     if backends == "fa4":
         if torch.is_grad_enabled() and q.requires_grad:
             return flash_attention_4(q, k, v)

@@ -1,6 +1,7 @@
 """The helpers a cold first update would otherwise wait for, started before the run resolves its settings, data and
 model: a child process per kernel that compiles at its first call, outside torch.compile (flash-attn-4's CuTe
-backward, attention "fa4"; the fused loss's Triton rows), and Inductor's pool of compile workers.
+backward, attention "fa4", or its variable-length pair with context_windows; the fused loss's Triton rows), and
+Inductor's pool of compile workers.
 
 Cold, those kernels compile in series with Inductor's code generation, 5 and 2 s of the first update on the H200
 (docs/COLD_START.md). Both keep what they compile on disk (flash-attn-4's CuTe cache, which
@@ -20,7 +21,7 @@ while they are not yet ready (torch._inductor.async_compile); each imports torch
 them too.
 
     python -m model_kernels.first_calls KERNEL STARTED_UNIX_SECONDS    # then, on its input:
-    {"device": "cuda:0", "attention": [[B, T, H, D], ...], "vocab_size": V}
+    {"device": "cuda:0", "attention": [[B, T, H, D], ...], "windows": [[ROWS, T, H, D, SMALLEST]], "vocab_size": V}
 """
 import atexit
 import json
@@ -60,13 +61,18 @@ def spec(cfg, mcfg, device, attention, contexts, cold):
         return None
     # a window of C tokens makes rows of C: micro_batch_size * seq_len / C of them (data/loader.py)
     shapes = [[cfg.micro_batch_size * cfg.seq_len // c, c, mcfg.n_heads, mcfg.head_dim] for c in sorted(contexts)]
-    return {"device": str(device), "attention": shapes if "attention" in kernels else [],
+    windows = cfg.get("context_windows", False)
+    attends = "attention" in kernels
+    # context_windows: whole rows of seq_len, and the variable-length pair instead (data/loader.window_tensors)
+    windowed = [[cfg.micro_batch_size, cfg.seq_len, mcfg.n_heads, mcfg.head_dim, min(contexts)]]
+    return {"device": str(device), "attention": shapes if attends and not windows else [],
+            "windows": windowed if attends and windows else [],
             "vocab_size": mcfg.vocab_size if "loss" in kernels else 0}
 
 
 def kernels_of(job):
     """The kernels a job compiles, each a child of its own."""
-    return [k for k in KERNELS if (job["vocab_size"] if k == "loss" else job["attention"])]
+    return [k for k in KERNELS if (job["vocab_size"] if k == "loss" else job["attention"] or job.get("windows"))]
 
 
 def prestart(cfg, device, cold, command=None):
@@ -184,7 +190,9 @@ def compile_kernel(kernel, started, job_text):
     if kernel == "loss":
         from model_kernels.cross_entropy import _cross_entropy_rows
     else:
-        from model_kernels.attention import _flash_attention_4_backward_op, flash_attn_4
+        from model_kernels.attention import _flash_attention_4_backward_op, _windows_backward_op, _windows_op, \
+            flash_attn_4
+        from data.loader import window_tensors
         flash_attn_4()
     phases["code"] = since()
     line = job_text()
@@ -205,6 +213,11 @@ def compile_kernel(kernel, started, job_text):
             q, k, v, out, grad_out = (torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16) for _ in range(5))
             lse = torch.randn(B, H, T, device=device, dtype=torch.float32)
             _flash_attention_4_backward_op(q, k, v, out, lse, grad_out)
+        for rows, T, H, D, smallest in job.get("windows", []):  # context_windows: the variable-length pair
+            q, k, v, grad_out = (torch.randn(rows * T, H, D, device=device, dtype=torch.bfloat16) for _ in range(4))
+            starts = window_tensors(rows, T, smallest, smallest)[1].to(device)
+            out, lse = _windows_op(q, k, v, starts, T)
+            _windows_backward_op(q, k, v, out, lse, grad_out, starts, T)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     print(kernel, since(), *(f"{name}={seconds}" for name, seconds in phases.items()), flush=True)

@@ -261,7 +261,12 @@ def test_the_child_compiles_each_sequence_length_and_nothing_when_no_kernel_woul
     cuda = torch.device("cuda", 0)
     job = first_calls.spec(first_calls_cfg(), mcfg, cuda, "fa4", [512, 256], True)
     # windows of 256 hold twice the rows of the micro-batch's 512-token sequences
-    assert job == {"device": "cuda:0", "attention": [[16, 256, 5, 64], [8, 512, 5, 64]], "vocab_size": 32000}
+    assert job == {"device": "cuda:0", "attention": [[16, 256, 5, 64], [8, 512, 5, 64]], "windows": [],
+                   "vocab_size": 32000}
+    # context_windows: one job for every context, the variable-length pair over whole rows (rows, T, H, D, smallest)
+    windows = first_calls.spec(first_calls_cfg(context_windows=True), mcfg, cuda, "fa4", [512, 256], True)
+    assert windows["attention"] == [] and windows["windows"] == [[8, 512, 5, 64, 256]]
+    assert first_calls.kernels_of(windows) == ["loss", "attention"]
     assert first_calls.spec(first_calls_cfg(), mcfg, cuda, "sdpa", [512], True)["attention"] == []
     assert first_calls.spec(first_calls_cfg(lm_head_fp8=True), mcfg, cuda, "fa4", [512], True)["vocab_size"] == 0
     for cfg, device, attention in ((first_calls_cfg(compile=False), cuda, "fa4"),  # eager: nothing compiles beside

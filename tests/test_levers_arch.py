@@ -202,8 +202,8 @@ def test_all_levers_under_bf16_autocast_keep_the_kernels_dtypes_and_the_loss(mon
     m = perturbed(config, loss_impl="fused", loss_chunk_tokens=20)
     dtypes = []
     attention = model.causal_attention
-    monkeypatch.setattr(model, "causal_attention", lambda q, k, v, b: dtypes.append((q.dtype, k.dtype, v.dtype))
-                        or attention(q, k, v, b))
+    monkeypatch.setattr(model, "causal_attention", lambda q, k, v, b, windows=None:
+                        dtypes.append((q.dtype, k.dtype, v.dtype)) or attention(q, k, v, b, windows))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = m(x, y)
     loss.backward()

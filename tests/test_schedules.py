@@ -11,7 +11,9 @@ import configurator
 import plan
 import settings
 import train
-from data.loader import IGNORE, TokenCache, TrainData
+import model as model_lib
+from tests.conftest import attention_backward_by_hand, attention_forward_by_hand
+from data.loader import IGNORE, TokenCache, TrainData, split_context, window_tensors
 from tests.test_train import (assert_close_parameters, checkpoint_parameters, free_port, make_trainer,
                               parameters, recipe_id, small_config)
 from tests.test_train import restore_threads  # noqa: F401 (autouse: the trainer's cpu_threads=1 is undone)
@@ -92,7 +94,8 @@ def test_the_context_split_leaves_each_update_s_tokens_and_targets_as_without_it
     (dict(seq_len_schedule="8:0.5,16:0.2"), "must grow within (0, 1), got 0.2 after 0.5"),
     (dict(seq_len_schedule="8:1.0"), "must grow within (0, 1), got 1"),
     (dict(seq_len_schedule="12:0.2"), "context 12 must divide seq_len 32"),
-    (dict(seq_len_schedule="1:0.1,2:0.2,4:0.3,8:0.4,16:0.5"), "has 5 steps; at most 4")])
+    (dict(seq_len_schedule="1:0.1,2:0.2,4:0.3,8:0.4,16:0.5"), "has 5 steps; at most 4"),
+    (dict(context_windows=True), "keeps a seq_len_schedule's windows in whole rows, and there is none")])
 def test_a_schedule_that_cannot_be_right_is_one_line_before_any_work(text_cache, tmp_path, capsys, change, words):
     cfg = config(text_cache, tmp_path, **change)
     with pytest.raises(configurator.ConfigError) as info:
@@ -216,3 +219,125 @@ def test_a_run_with_the_schedule_compiles_each_shape_once(text_cache, tmp_path, 
     assert entry["status"] == "complete" and entry["step"] == 6
     window = lambda c: (2 * T // c, c)
     assert sorted(shapes) == sorted([(window(c),) * 2 for c in (8, 16, 32)] + [((4, T),) * 2])  # each once
+
+
+# ---------------------------------------------------------------- context_windows: every context one shape
+
+def test_window_tensors_have_one_shape_for_every_context_and_mark_its_windows():
+    """Positions restart at each window; the window starts cover the rows' tokens, padded with empty windows to the
+    smallest context's count, so that no context changes a shape (a compile, a CUDA graph's capture)."""
+    made = {c: window_tensors(3, T, c, smallest=8) for c in (8, 16, 32)}
+    assert {tuple(p.shape) for p, _ in made.values()} == {(T,)}
+    assert {tuple(s.shape) for _, s in made.values()} == {(3 * T // 8 + 1,)}
+    positions, starts = made[16]
+    assert positions.tolist() == list(range(16)) * 2
+    assert starts.dtype == torch.int32 and starts.tolist() == list(range(0, 3 * T + 1, 16)) + [3 * T] * 6
+
+
+def test_windows_in_whole_rows_give_the_context_split_s_loss_and_gradients():
+    """The model on rows of T with windows of 8 computes what it computes on the split rows of 8: the same targets
+    from the same contexts, at the same positions (float32, the CPU's SDPA with a mask against its causal kernel)."""
+    torch.manual_seed(0)
+    net = model_lib.Transformer(model_lib.ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
+                                                      max_seq_len=T, qk_norm=True, value_embeddings=1))
+    x, y = torch.randint(0, 64, (3, T)), torch.randint(0, 64, (3, T))
+    y[2, 5:] = IGNORE  # a padded row's ignored targets too
+    losses, grads = [], []
+    for batch in (split_context(x, y, 8), (x, y, *window_tensors(3, T, 8, smallest=8))):
+        net.zero_grad()
+        xs, ys, *windows = batch
+        loss = net(xs, ys, reduction="sum", windows=tuple(windows) or None)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([p.grad.clone() for p in net.parameters()])
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_run_with_context_windows_trains_as_the_context_split_does(text_cache, tmp_path):
+    """Two epochs through the three contexts: the same tokens, targets and order, the same math; the weights and
+    the curves agree with the split run's (not bit for bit: the masked and the split kernels add in other orders)."""
+    recipe = dict(seq_len_schedule=CONTEXT, lr_schedule="wsd", cooldown_fraction=0.5)
+    split = train.train(config(text_cache, tmp_path, name="split", out_dir=str(tmp_path / "split"), **recipe))
+    whole = train.train(config(text_cache, tmp_path, name="whole", out_dir=str(tmp_path / "whole"),
+                               context_windows=True, **recipe))
+    assert whole["status"] == split["status"] == "complete" and whole["tokens"] == split["tokens"] == 2 * N * T
+    assert whole["recipe"] == split["recipe"]  # an execution setting: the recipe is the same
+    for a, b in zip(whole["training_curve"], split["training_curve"]):
+        assert a["tokens"] == b["tokens"] and abs(a["loss"] - b["loss"]) < 1e-4
+    a, b = checkpoint_parameters(tmp_path / "whole"), checkpoint_parameters(tmp_path / "split")
+    assert all(torch.allclose(a[k], b[k], atol=1e-4) for k in a)
+
+
+def test_context_windows_compile_one_training_shape(text_cache, tmp_path, monkeypatch):
+    """With context_windows the three contexts are one shape: the training graph compiles once (and validation's)."""
+    shapes, compile_ = [], torch.compile
+
+    def counting_backend(gm, example_inputs):
+        shapes.append(tuple(tuple(t.shape) for t in example_inputs if t.dtype == torch.int64 and t.dim() == 2))
+        return gm.forward
+    monkeypatch.setattr(torch, "compile", lambda model, dynamic, mode: compile_(model, backend=counting_backend,
+                                                                                dynamic=dynamic))
+    torch._dynamo.reset()
+    try:
+        entry = train.train(config(text_cache, tmp_path, compile=True, compile_scope="model", epochs=1,
+                                   seq_len_schedule=CONTEXT, context_windows=True))
+    finally:
+        torch._dynamo.reset()
+    assert entry["status"] == "complete" and entry["step"] == 6
+    assert sorted(shapes) == sorted([((2, T),) * 2, ((4, T),) * 2])  # training's rows, validation's: once each
+
+
+def windows_of(starts):
+    return [(a, b) for a, b in zip(starts.tolist()[:-1], starts.tolist()[1:]) if b > a]
+
+
+def varlen_forward_by_hand(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, return_lse,
+                           out, lse, **unused):
+    """flash-attn-4's _flash_attn_fwd over variable-length sequences, in plain torch: each window of the flattened
+    tokens (N, H, D) attended causally alone, into out (N, H, D) and lse (H, N)."""
+    assert causal and return_lse and not unused and torch.equal(cu_seqlens_q, cu_seqlens_k)
+    assert cu_seqlens_q.dtype == torch.int32 and max_seqlen_q == max_seqlen_k
+    for a, b in windows_of(cu_seqlens_q):
+        assert b - a <= max_seqlen_q
+        o, l = attention_forward_by_hand(*(t[None, a:b] for t in (q, k, v)))
+        out[a:b], lse[:, a:b] = o[0], l[0]
+    return out, lse, None, None, None
+
+
+def varlen_backward_by_hand(q, k, v, out, dout, lse, causal, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            dq, dk, dv, **unused):
+    """flash-attn-4's _flash_attn_bwd over the same windows, in plain torch."""
+    assert not unused
+    for a, b in windows_of(cu_seqlens_q):
+        grads = [torch.empty_like(t[None, a:b]) for t in (q, k, v)]
+        attention_backward_by_hand(*(t[None, a:b] for t in (q, k, v, out, dout)), lse[None, :, a:b], causal, *grads)
+        for full, part in zip((dq, dk, dv), grads):
+            full[a:b] = part[0]
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fa4_windows_op_gives_the_masked_sdpa_loss_and_gradients(flash_attn_4_stand_in, compiled):
+    """The fa4 form of windowed attention (flash-attn-4's variable-length pair, written out by hand here): the model's
+    loss and gradients equal the SDPA form's, so the op hands the kernels the flattened tokens, the window starts and
+    the longest window, and uses what they return as they return it (compiled: its fakes agree)."""
+    flash_attn_4_stand_in._flash_attn_fwd = varlen_forward_by_hand
+    flash_attn_4_stand_in._flash_attn_bwd = varlen_backward_by_hand
+    config = model_lib.ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_seq_len=T)
+    x, y = torch.randint(0, 64, (3, T)), torch.randint(0, 64, (3, T))
+    windows = window_tensors(3, T, 16, smallest=8)
+    results = {}
+    for backend in ("math", "fa4"):
+        torch.manual_seed(0)
+        net = model_lib.Transformer(config)
+        net.set_attention_backend(backend)
+        run = torch.compile(net, backend="inductor", dynamic=False) if compiled else net
+        loss = run(x, y, windows=windows)
+        loss.backward()
+        results[backend] = loss.detach(), [p.grad for p in net.parameters()]
+    (loss_a, grads_a), (loss_b, grads_b) = results["math"], results["fa4"]
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=0)
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
