@@ -211,8 +211,9 @@ class Execution:
                                         "the model's compile mode (with reduce-overhead, CUDA graphs); AdamW then "
                                         "runs its capturable foreach form with the learning rate a device tensor: "
                                         "the same update, other kernels")
-    context_windows: bool = setting(False, "with seq_len_schedule: each context's windows kept inside the rows of "
-                                           "seq_len, positions restarting and attention within each window "
+    context_windows: bool = setting(False, "with a seq_len_schedule (without one, no effect): each context's "
+                                           "windows kept in the rows of seq_len, positions restarting and "
+                                           "attention within each window "
                                            "(flash-attn-4's variable-length kernels), so that every context is one "
                                            "shape, compiled and captured once: the same math")
     activation_memory_budget: float = setting(1.0, "compiled only: the share of the compiler's activation memory to "
@@ -414,13 +415,6 @@ def _seq_len_schedule(cfg):
             return (f"seq_len_schedule's context {context} must divide seq_len {cfg.seq_len} and be shorter (each "
                     f"sequence is split into windows of that many targets); valid: "
                     f"{[c for c in range(1, cfg.seq_len) if cfg.seq_len % c == 0]}")
-
-
-@combination("context_windows", "seq_len_schedule")
-def _context_windows(cfg):
-    if cfg.context_windows and not cfg.seq_len_schedule:
-        return "context_windows keeps a seq_len_schedule's windows in whole rows, and there is none; set one, or " \
-               "leave context_windows off"
 
 
 @combination("seq_len_schedule", "windows")

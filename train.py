@@ -169,8 +169,9 @@ class Run:
             return
         cfg, data, facts, plan = self.cfg, self.data, self.metrics.facts, self.plan
         compiles = cfg.compile and self.state.first_update_seconds is None
-        contexts = (f", contexts {data.contexts()} (seq_len_schedule {cfg.seq_len_schedule})" if plan.context_steps
-                    else "")
+        contexts = (f", contexts {data.contexts()} (seq_len_schedule {cfg.seq_len_schedule}"
+                    + ("; in whole rows, one shape: context_windows)" if data.context_windows else ")")
+                    if plan.context_steps else "")
         print(f"{cfg.name}: {facts['parameters']:,} parameters, {data.n_sequences:,} sequences of {cfg.seq_len} per "
               f"epoch, {data.updates_per_epoch} updates per epoch x {cfg.epochs} epochs, micro-batch "
               f"{cfg.micro_batch_size} x {plan.micro_steps} accumulation x {self.world_size} process(es), "

@@ -192,6 +192,12 @@ def window_tensors(rows, seq_len, context, smallest):
                                                           rows * seq_len)))
 
 
+def windowed(context_windows, contexts):
+    """Whether a run's micro-batches keep their windows in whole rows: context_windows (the setting) where the run
+    has more than one context (a seq_len_schedule); with one context the rows are its windows."""
+    return bool(context_windows) and len(contexts) > 1
+
+
 def sequence_lengths(seq_len, context_steps):
     """The contexts a run's micro-batches may take (one shape each), in order: seq_len and its schedule's."""
     return sorted({value for value, _ in context_steps} | {seq_len})
@@ -216,7 +222,8 @@ class TrainData:
         if self.n_sequences == 0:
             raise CacheError(f"the training subset ({len(tokens)} tokens) is shorter than one sequence of "
                              f"{seq_len + 1} tokens")
-        self.epochs, self.context_steps, self.context_windows = epochs, tuple(context_steps), context_windows
+        self.epochs, self.context_steps = epochs, tuple(context_steps)
+        self.context_windows = windowed(context_windows, self.contexts())
         self.updates_per_epoch = math.ceil(self.n_sequences / sequences_per_update)
         self.tokens_per_epoch = self.n_sequences * seq_len
         self._order_cache = (None, None)

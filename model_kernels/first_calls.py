@@ -61,7 +61,8 @@ def spec(cfg, mcfg, device, attention, contexts, cold):
         return None
     # a window of C tokens makes rows of C: micro_batch_size * seq_len / C of them (data/loader.py)
     shapes = [[cfg.micro_batch_size * cfg.seq_len // c, c, mcfg.n_heads, mcfg.head_dim] for c in sorted(contexts)]
-    windows = cfg.get("context_windows", False)
+    from data.loader import windowed  # here: the module stays light for prestart, before the run imports torch
+    windows = windowed(cfg.get("context_windows", False), contexts)
     attends = "attention" in kernels
     # context_windows: whole rows of seq_len, and the variable-length pair instead (data/loader.window_tensors)
     windowed = [[cfg.micro_batch_size, cfg.seq_len, mcfg.n_heads, mcfg.head_dim, min(contexts)]]

@@ -94,8 +94,7 @@ def test_the_context_split_leaves_each_update_s_tokens_and_targets_as_without_it
     (dict(seq_len_schedule="8:0.5,16:0.2"), "must grow within (0, 1), got 0.2 after 0.5"),
     (dict(seq_len_schedule="8:1.0"), "must grow within (0, 1), got 1"),
     (dict(seq_len_schedule="12:0.2"), "context 12 must divide seq_len 32"),
-    (dict(seq_len_schedule="1:0.1,2:0.2,4:0.3,8:0.4,16:0.5"), "has 5 steps; at most 4"),
-    (dict(context_windows=True), "keeps a seq_len_schedule's windows in whole rows, and there is none")])
+    (dict(seq_len_schedule="1:0.1,2:0.2,4:0.3,8:0.4,16:0.5"), "has 5 steps; at most 4")])
 def test_a_schedule_that_cannot_be_right_is_one_line_before_any_work(text_cache, tmp_path, capsys, change, words):
     cfg = config(text_cache, tmp_path, **change)
     with pytest.raises(configurator.ConfigError) as info:
@@ -232,6 +231,21 @@ def test_window_tensors_have_one_shape_for_every_context_and_mark_its_windows():
     positions, starts = made[16]
     assert positions.tolist() == list(range(16)) * 2
     assert starts.dtype == torch.int32 and starts.tolist() == list(range(0, 3 * T + 1, 16)) + [3 * T] * 6
+
+
+def test_context_windows_without_a_schedule_leaves_the_rows_as_they_are():
+    """A config that keeps its windows in whole rows, run with its schedule dropped (--seq_len_schedule=): one
+    context, so the micro-batches are the plain rows, and the first update's helper compiles the dense kernels."""
+    tokens = torch.arange(N * T + 1, dtype=torch.int32)
+    data = TrainData(tokens, T, 8, 0, context_steps=(), context_windows=True)
+    batches, _ = data.micro_batches(0, 0, 4)
+    assert not data.context_windows and all(len(batch) == 2 and batch[0].shape == (4, T) for batch in batches)
+    from model_kernels import first_calls
+    mcfg = model_lib.ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_seq_len=T)
+    cfg = settings.Config(dict(compile=True, loss_impl="full", micro_batch_size=4, seq_len=T, warm_kernels=True,
+                               attention_backend="auto", context_windows=True))
+    job = first_calls.spec(cfg, mcfg, torch.device("cuda", 0), "fa4", [T], True)
+    assert job["attention"] == [[4, T, 2, 16]] and job["windows"] == []
 
 
 def test_windows_in_whole_rows_give_the_context_split_s_loss_and_gradients():
