@@ -5,9 +5,9 @@
 # Parts, in the document's order, with their time on one H200 (warm compiler caches; cold adds about 20 s per
 # compiled shape): ceilings (1 min), current (8 min), accumulation (2 min), loss (2 min), matched (5 min, then
 # compare.py with no GPU), tune (15 min), levers (9 min), quack (6 min), push (10 min), cold (10 min; a fresh
-# machine for its first profile), speedrun (about 36 min: docs/TIME_TO_QUALITY.md's screens of the kept levers, the
-# speed candidate's seeds and verdict, the quality candidate's seeds beside the recipe before it, four passes at 32,768
-# tokens an update and their verdict at 1024 throughout), all (about 106 min).
+# machine for its first profile), speedrun (about 38 min: docs/TIME_TO_QUALITY.md's screens of the kept levers, the
+# speed candidate's seeds, verdict and contexts in one shape, the quality candidate's seeds beside the recipe before
+# it, four passes at 32,768 tokens an update and their verdict at 1024 throughout), all (about 108 min).
 # Merge the results file into results/h200.json with scripts/merge_results.py (parts quack's and push's into
 # results/h200-levers.json, cold's into results/h200-cold-start.json). Needs data/cache/gutenberg;
 # requirements-gpu.txt for the fa4 and quack rows, which are skipped without it. The rows of choices no longer in the
@@ -182,33 +182,42 @@ normuon --normuon=True
 ema-0.98 --ema=0.98
 context-ramp --seq_len_schedule=256:0.3,512:0.6
 LEVERS
-  local s  # "The speed candidate": its three seeds, each alone (the first fills the caches of its three contexts)
+  # "The speed candidate": its three seeds, each alone (the first fills the caches of its three contexts), and its
+  # 5-seed verdict beside the reference's 3 seeds, with the contexts split as they ran (split), as the rows below too
+  local s split=--context_windows=False
   for s in 1337 1338 1339; do
-    timeout 300 python train.py config/20m_speed.py --seed=$s --target_loss=4.2462 --overwrite=True \
+    timeout 300 python train.py config/20m_speed.py $split --seed=$s --target_loss=4.2462 --overwrite=True \
       --name=20m-speed-winners-14m-seed$s --results_file="$R"
   done
-  # its 5-seed verdict beside the reference's 3 seeds
-  timeout 600 python compare.py config/20m_speed.py --mode=time-to-target --seeds=5 --target_loss=4.2462 \
+  timeout 600 python compare.py config/20m_speed.py $split --mode=time-to-target --seeds=5 --target_loss=4.2462 \
     --target_baseline=config/20m_gh200.py --target_baseline_seeds=3 --name=20m-speed-winners --results_file="$R"
+  # "The contexts in one shape": seed 1339 split (once to fill its caches, then warm), then in whole rows
+  local name
+  for name in split-cold split windows; do
+    timeout 300 python train.py config/20m_speed.py $([ $name = windows ] || echo $split) --seed=1339 \
+      --target_loss=4.2462 --overwrite=True --name=20m-speed-seed1339-$name --results_file="$R"
+  done
+  python compare.py --baseline=20m-speed-seed1339-split --optimized=20m-speed-seed1339-windows --results_file="$R"
   # "The quality candidate": the recipe before it (its keys then) over 3 and 4 passes and at seeds 1338 and 1339, then
   # the candidate's seeds, each alone (the docs' rows ran four at once, and four of them were stopped at update 4175)
   local before="--weight_decay=0.1 --cooldown_fraction=0.5 --ema=0.995" e
   for e in 3 4; do
-    timeout 600 python train.py config/20m_quality.py $before --epochs=$e --overwrite=True \
+    timeout 600 python train.py config/20m_quality.py $split $before --epochs=$e --overwrite=True \
       --name=screen-quality-q$e-ema-winners --results_file="$R"
   done
   for s in 1338 1339; do
-    timeout 600 python train.py config/20m_quality.py $before --seed=$s --overwrite=True \
+    timeout 600 python train.py config/20m_quality.py $split $before --seed=$s --overwrite=True \
       --name=screen-quality-q3-ema-winners-seed$s --results_file="$R"
   done
   for s in 1337 1338 1339 1340; do
-    timeout 600 python train.py config/20m_quality.py --seed=$s --overwrite=True --name=20m-quality-seed$s \
+    timeout 600 python train.py config/20m_quality.py $split --seed=$s --overwrite=True --name=20m-quality-seed$s \
       --results_file="$R"
   done
   # four passes at 32,768 tokens an update, each seed alone (the docs' rows ran six and three at once but seed 1338)
   for s in 1337 1338 1339 1340 1341; do
-    timeout 600 python train.py config/20m_quality.py --epochs=4 --tokens_per_update=32768 --micro_batch_size=32 \
-      --muon_lr=0.004 --seed=$s --overwrite=True --name=20m-quality-q4-32k-seed$s --results_file="$R"
+    timeout 600 python train.py config/20m_quality.py $split --epochs=4 --tokens_per_update=32768 \
+      --micro_batch_size=32 --muon_lr=0.004 --seed=$s --overwrite=True --name=20m-quality-q4-32k-seed$s \
+      --results_file="$R"
   done
   # the same four passes at 1024 throughout: their 5-seed verdict beside the reference's two seeds
   timeout 900 python compare.py config/20m_quality.py --epochs=4 --tokens_per_update=32768 --micro_batch_size=32 \
