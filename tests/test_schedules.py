@@ -118,10 +118,12 @@ def test_bench_refuses_the_schedule_it_would_not_time():
         settings.check(settings.BenchSettings, cfg)
 
 
-def test_stop_and_resume_across_the_context_steps_is_bitwise_identical(text_cache, tmp_path):
+@pytest.mark.parametrize("context_windows", [False, True])
+def test_stop_and_resume_across_the_context_steps_is_bitwise_identical(text_cache, tmp_path, context_windows):
     """Stopped in the first context, resumed across both step changes, finished: the uninterrupted run's curve and
-    weights, bit for bit; the learning rate's schedule spans the run's 12 updates."""
-    recipe = dict(seq_len_schedule=CONTEXT, lr_schedule="wsd", cooldown_fraction=0.5)
+    weights, bit for bit; the learning rate's schedule spans the run's 12 updates (the windows split or in whole
+    rows)."""
+    recipe = dict(seq_len_schedule=CONTEXT, lr_schedule="wsd", cooldown_fraction=0.5, context_windows=context_windows)
     full = train.train(config(text_cache, tmp_path, name="straight", out_dir=str(tmp_path / "straight"), **recipe))
     assert full["step"] == full["total_updates"] == 12 and full["tokens"] == 2 * N * T
     curve = lambda entry: [(p["update"], p["tokens"], p["loss"], p["lr"], p["grad_norm"])
@@ -150,7 +152,8 @@ UPDATES = ((0, 0), (0, 5), (1, 3))
 def run_data(cfg):
     cache = TokenCache(cfg.data_dir)
     return TrainData(cache.train, cfg.seq_len, cfg.tokens_per_update // cfg.seq_len, cfg.seed,
-                     cfg.train_subset_tokens, cfg.epochs, settings.schedule_steps(cfg.seq_len_schedule))
+                     cfg.train_subset_tokens, cfg.epochs, settings.schedule_steps(cfg.seq_len_schedule),
+                     cfg.context_windows)
 
 
 def ddp_worker(rank, cfg, port, out):
@@ -174,9 +177,10 @@ def ddp_worker(rank, cfg, port, out):
     torch.distributed.destroy_process_group()
 
 
-def test_ddp_with_the_schedule_equals_one_process(text_cache, tmp_path):
+@pytest.mark.parametrize("context_windows", [False, True])
+def test_ddp_with_the_schedule_equals_one_process(text_cache, tmp_path, context_windows):
     import multiprocessing
-    cfg = config(text_cache, tmp_path, micro_batch_size=1, seq_len_schedule=CONTEXT)
+    cfg = config(text_cache, tmp_path, micro_batch_size=1, seq_len_schedule=CONTEXT, context_windows=context_windows)
     port, out, fork = free_port(), tmp_path / "ddp.pt", multiprocessing.get_context("fork")
     procs = [fork.Process(target=ddp_worker, args=(r, cfg, port, out)) for r in range(2)]
     for p in procs:
@@ -192,6 +196,7 @@ def test_ddp_with_the_schedule_equals_one_process(text_cache, tmp_path):
     assert [(len(data.update_sequences(e, u)), data.context(e, u)) for e, u in UPDATES] == [(8, 8), (5, 16), (8, 32)]
     for epoch, u in UPDATES:
         batches, n_tokens = data.micro_batches(epoch, u, 4)
+        assert {len(batch) for batch in batches} == {4 if context_windows else 2}  # (x, y[, positions, starts])
         losses.append(trainer.update(batches, n_tokens)[0].item() / n_tokens)
     assert ddp["losses"] == pytest.approx(losses, rel=1e-6)
     assert_close_parameters(ddp["params"], parameters(trainer.raw_model), 1e-5)
