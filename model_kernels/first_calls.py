@@ -61,13 +61,13 @@ def spec(cfg, mcfg, device, attention, contexts, cold):
         return None
     # a window of C tokens makes rows of C: micro_batch_size * seq_len / C of them (data/loader.py)
     shapes = [[cfg.micro_batch_size * cfg.seq_len // c, c, mcfg.n_heads, mcfg.head_dim] for c in sorted(contexts)]
-    from data.loader import windowed  # here: the module stays light for prestart, before the run imports torch
-    windows = windowed(cfg.get("context_windows", False), contexts)
+    from data.loader import windowed  # here, not at the top: the child imports this module before it times torch's
+    in_rows = windowed(cfg.get("context_windows", False), contexts)
     attends = "attention" in kernels
     # context_windows: whole rows of seq_len, and the variable-length pair instead (data/loader.window_tensors)
-    windowed = [[cfg.micro_batch_size, cfg.seq_len, mcfg.n_heads, mcfg.head_dim, min(contexts)]]
-    return {"device": str(device), "attention": shapes if attends and not windows else [],
-            "windows": windowed if attends and windows else [],
+    rows = [[cfg.micro_batch_size, cfg.seq_len, mcfg.n_heads, mcfg.head_dim, min(contexts)]]
+    return {"device": str(device), "attention": shapes if attends and not in_rows else [],
+            "windows": rows if attends and in_rows else [],
             "vocab_size": mcfg.vocab_size if "loss" in kernels else 0}
 
 
