@@ -212,10 +212,9 @@ class Execution:
                                         "runs its capturable foreach form with the learning rate a device tensor: "
                                         "the same update, other kernels")
     context_windows: bool = setting(False, "with a seq_len_schedule (without one, no effect): each context's "
-                                           "windows kept in the rows of seq_len, positions restarting and "
-                                           "attention within each window "
-                                           "(flash-attn-4's variable-length kernels), so that every context is one "
-                                           "shape, compiled and captured once: the same math")
+                                           "windows kept in the rows of seq_len, positions restarting and attention "
+                                           "within each window (flash-attn-4's variable-length kernels), so that "
+                                           "every context is one shape, compiled and captured once: the same math")
     activation_memory_budget: float = setting(1.0, "compiled only: the share of the compiler's activation memory to "
                                                    "keep; below 1 it recomputes cheap ops in backward", bounds="(0, 1]")
     cpu_threads: int = setting(0, "0: PyTorch's default", bounds=">= 0")
