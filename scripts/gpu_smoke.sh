@@ -54,7 +54,7 @@ run "train, the Muon + WSD recipe, to a target" python train.py config/20m_muon_
   --results_file="$R" $SHORT_TRAIN --eval_interval=10 --target_loss=8.5
 run "train, compile_scope=model (the whole model one graph, torch's CUDA graphs)" python train.py $REF \
   --compile_scope=model --name=smoke-model-scope --results_file="$R" $SHORT_TRAIN
-run "train, the speed candidate (the context schedule, value embeddings)" python train.py config/20m_speed.py \
+run "train, the speed candidate (contexts in whole rows, value embeddings)" python train.py config/20m_speed.py \
   --name=smoke-speed --results_file="$R" $SHORT_TRAIN --eval_interval=10
 run "train, the quality candidate (passes, the weights' average)" python train.py config/20m_quality.py \
   --name=smoke-quality --results_file="$R" $SHORT_TRAIN --epochs=2 --eval_interval=10
