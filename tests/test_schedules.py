@@ -360,3 +360,33 @@ def test_fa4_windows_op_gives_the_masked_sdpa_loss_and_gradients(flash_attn_4_st
     torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=0)
     for a, b in zip(grads_a, grads_b):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_the_first_calls_child_compiles_the_windows_pair_at_the_run_s_shapes(flash_attn_4_stand_in, capsys):
+    """A cold run with context_windows hands its child (model_kernels/first_calls.py) the rows' job; the child calls
+    flash-attn-4's variable-length forward and backward once each, at the run's flattened shape, with the window
+    starts of the smallest context and the row's length as the longest window (what the run's own calls compile),
+    then prints its line."""
+    import json
+    import time
+    from model_kernels import first_calls
+    calls = []
+
+    def recording(kernel, by_hand):
+        def call(*args, **kwargs):
+            q, starts = args[0], kwargs["cu_seqlens_q"]
+            calls.append((kernel, tuple(q.shape), q.dtype, starts.tolist(), kwargs["max_seqlen_q"]))
+            return by_hand(*args, **kwargs)
+        return call
+    flash_attn_4_stand_in._flash_attn_fwd = recording("forward", varlen_forward_by_hand)
+    flash_attn_4_stand_in._flash_attn_bwd = recording("backward", varlen_backward_by_hand)
+    mcfg = model_lib.ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_seq_len=T)
+    cfg = settings.Config(dict(compile=True, loss_impl="full", micro_batch_size=2, seq_len=T, warm_kernels=True,
+                               attention_backend="auto", context_windows=True))
+    job = first_calls.spec(cfg, mcfg, torch.device("cuda", 0), "fa4", [8, 16, T], True)
+    job["device"] = "cpu"  # the kernels written out by hand run here
+    first_calls.compile_kernel("attention", time.time(), lambda: json.dumps(job))
+    starts = list(range(0, 2 * T + 1, 8))
+    assert calls == [("forward", (2 * T, 2, 16), torch.bfloat16, starts, T),
+                     ("backward", (2 * T, 2, 16), torch.bfloat16, starts, T)]
+    assert first_calls.ready_line("attention", capsys.readouterr().out.splitlines()[-1]) is not None
