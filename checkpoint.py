@@ -111,18 +111,22 @@ def run_data_dir(ckpt):
 
 
 def rng_state():
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """The generators' states. torch's are kept as numpy arrays: a resume reads the checkpoint with map_location on
+    the run's device, which moves tensors there, and torch.set_rng_state takes only a CPU tensor."""
+    state = {"torch": torch.get_rng_state().numpy(), "numpy": np.random.get_state(), "python": random.getstate()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = [s.numpy() for s in torch.cuda.get_rng_state_all()]
     return state
 
 
 def set_rng_state(state):
-    torch.set_rng_state(state["torch"])
+    """rng_state()'s states back, also from a checkpoint that kept torch's as tensors (then on the run's device)."""
+    cpu = lambda s: torch.as_tensor(s, device="cpu")
+    torch.set_rng_state(cpu(state["torch"]))
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([cpu(s) for s in state["cuda"]])
 
 
 @dataclasses.dataclass

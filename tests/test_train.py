@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint
 import configurator
 from results import lookup, read_results
 import trainer as trainer_lib
@@ -399,8 +400,23 @@ def test_resume_restores_the_random_number_generators(text_cache, tmp_path):
     run = train.Run(plan.resolve(settings.Config(cfg, resume=True)))
     torch.manual_seed(12345), np.random.seed(12345), random.seed(12345)
     run.resume_or_start()
-    assert torch.equal(torch.get_rng_state(), saved["torch"])
+    assert torch.get_rng_state().tolist() == saved["torch"].tolist()
     assert np.random.get_state()[1].tolist() == saved["numpy"][1].tolist() and random.getstate() == saved["python"]
+
+
+def test_the_random_number_generators_resume_from_a_checkpoint_read_onto_another_device(text_cache, tmp_path):
+    """A resume reads the checkpoint with map_location on the run's device (a GPU's resume failed so: "RNG state
+    must be a torch.ByteTensor"). The meta device stands in for the GPU: it moves every tensor off the CPU."""
+    cfg = small_config(text_cache, tmp_path, epochs=1)
+    train.train(settings.Config(cfg, stop_after_updates=1))
+    path = tmp_path / "out" / "ckpt.pt"
+    expected = torch.load(path, weights_only=False)["rng"]["torch"].tolist()
+    torch.manual_seed(12345)
+    checkpoint.set_rng_state(checkpoint.read(path, "meta")["rng"])
+    assert torch.get_rng_state().tolist() == expected
+    torch.manual_seed(12345)  # a checkpoint that kept torch's state as a tensor, as older ones did
+    checkpoint.set_rng_state(dict(checkpoint.rng_state(), torch=torch.tensor(expected, dtype=torch.uint8)))
+    assert torch.get_rng_state().tolist() == expected
 
 
 def wait_for(predicate, timeout, what):
