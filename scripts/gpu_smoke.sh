@@ -46,6 +46,9 @@ run() {  # run LABEL COMMAND...: the command's output, then one line saying it p
 }
 
 run "train, the reference recipe" python train.py $REF --name=smoke-train --results_file="$R" $SHORT_TRAIN
+# stop_after_updates exits 3 (interrupted, checkpointed); the resume reads the checkpoint onto the GPU
+run "train, stopped and resumed" bash -c "python train.py $REF --name=smoke-resume --results_file='$R' $SHORT_TRAIN \
+  --stop_after_updates=5; [ \$? -eq 3 ] && python train.py --name=smoke-resume --resume=True --results_file='$R'"
 run "train, micro-batch 16 (CUDA graphs with accumulation)" python train.py $REF --micro_batch_size=16 \
   --name=smoke-train-mb16 --results_file="$R" $SHORT_TRAIN
 run "train, the declared fast track (bf16 residual, FP8 head)" python train.py $REF --residual_dtype=bfloat16 \
