@@ -1,12 +1,12 @@
 # Time to quality, the speed candidate: the shipped Muon recipe (config/20m_muon_wsd.py) with the four levers that won
 # their screens (QK-norm, NorMuon, two value-embedding tables, contexts of 256 then 512 then 1024 tokens) and the
 # three 14M-token screens' winners (updates of 16,384 tokens with muon_lr 0.003, AdamW at 8e-3, a cooldown over the
-# last half), on the first 14M tokens of the shuffled cache. Its 5-seed verdict on one H200, warm caches: it reaches
-# the reference's best loss L = 4.2462 (p = 0.00064) in a median 12.7 training s, 2.32x the reference's 29.6 s to L
-# in the same call, where the bar is 3x (docs/TIME_TO_QUALITY.md, "The speed candidate"). It exports to no
-# transformers class (value embeddings). Execution settings as the reference's, and the context schedule's windows
-# kept in whole rows (context_windows: one shape for every context, compiled and captured once; the same math): seed
-# 1339 warm reached L after 11.3 s against 13.8 s with the contexts split, in one call (the verdict above ran split).
+# last half), on the first 14M tokens of the shuffled cache. It exports to no transformers class (value
+# embeddings). Execution settings as the reference's, and the context schedule's windows kept in whole rows
+# (context_windows: one shape for every context, compiled and captured once; the same math). Its 5-seed verdict on
+# one H200, warm caches: it reaches the reference's best loss L = 4.2462 (p = 0.0012) in a median 11.8 training s,
+# at least 2.47x the reference in the same session (two of its three seeds reached L, after 28.4 and 29.2 s), where
+# the bar is 3x (docs/TIME_TO_QUALITY.md, "The speed candidate").
 name = "20m-speed"
 preset = "20m"
 data_dir = "data/cache/gutenberg"
