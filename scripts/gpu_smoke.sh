@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU command the README shows, with short settings, so that a change to the training path is seen to run
-# on a GPU (CUDA graphs, compile modes and kernels exist only there). About 13 minutes on one H200 from empty
+# on a GPU (CUDA graphs, compile modes and kernels exist only there). About 14 minutes on one H200 from empty
 # compiler caches. Exits non-zero, naming the command, at the first that fails. Needs the token cache
 # data/cache/gutenberg (python data/prepare.py --source ../shared/data/gutenberg --out data/cache/gutenberg).
 #     bash scripts/gpu_smoke.sh [RESULTS_FILE] [FIRST] [LAST]   # default out/smoke/results.json, every step
