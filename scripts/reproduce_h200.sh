@@ -5,9 +5,10 @@
 # Parts, in the document's order, with their time on one H200 (warm compiler caches; cold adds about 20 s per
 # compiled shape): ceilings (1 min), current (8 min), accumulation (2 min), loss (2 min), matched (5 min, then
 # compare.py with no GPU), tune (15 min), levers (9 min), quack (6 min), push (10 min), cold (10 min; a fresh
-# machine for its first profile), speedrun (about 38 min: docs/TIME_TO_QUALITY.md's screens of the kept levers, the
-# speed candidate's seeds, verdict and contexts in one shape, the quality candidate's seeds beside the recipe before
-# it, four passes at 32,768 tokens an update and their verdict at 1024 throughout), all (about 108 min).
+# machine for its first profile), speedrun (about 46 min: docs/TIME_TO_QUALITY.md's screens of the kept levers, the
+# speed candidate's seeds, verdict, contexts in one shape and its verdict with them, the quality candidate's seeds
+# beside the recipe before it, four passes at 32,768 tokens an update and their verdict at 1024 throughout), all
+# (about 116 min).
 # Merge the results file into results/h200.json with scripts/merge_results.py (parts quack's and push's into
 # results/h200-levers.json, cold's into results/h200-cold-start.json). Needs data/cache/gutenberg;
 # requirements-gpu.txt for the fa4 and quack rows, which are skipped without it. The rows of choices no longer in the
@@ -198,6 +199,9 @@ LEVERS
       --target_loss=4.2462 --overwrite=True --name=20m-speed-seed1339-$name --results_file="$R"
   done
   python compare.py --baseline=20m-speed-seed1339-split --optimized=20m-speed-seed1339-windows --results_file="$R"
+  # its 5-seed verdict with the contexts in one shape (its settings now), beside the reference's 3 seeds again
+  timeout 900 python compare.py config/20m_speed.py --mode=time-to-target --seeds=5 --target_loss=4.2462 \
+    --target_baseline=config/20m_gh200.py --target_baseline_seeds=3 --name=20m-speed-context-windows --results_file="$R"
   # "The quality candidate": the recipe before it (its keys then) over 3 and 4 passes and at seeds 1338 and 1339, then
   # the candidate's seeds, each alone (the docs' rows ran four at once, and four of them were stopped at update 4175)
   local before="--weight_decay=0.1 --cooldown_fraction=0.5 --ema=0.995" e
