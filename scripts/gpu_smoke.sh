@@ -1,48 +1,106 @@
 #!/usr/bin/env bash
 # Every GPU command the README shows, with short settings, so that a change to the training path is seen to run
 # on a GPU (CUDA graphs, compile modes and kernels exist only there). About 14 minutes on one H200 from empty
-# compiler caches. Exits non-zero, naming the command, at the first that fails. Needs the token cache
-# data/cache/gutenberg (python data/prepare.py --source ../shared/data/gutenberg --out data/cache/gutenberg).
+# compiler caches, one step at a time. Exits non-zero, naming the command, at the first that fails. Needs the token
+# cache data/cache/gutenberg (python data/prepare.py --source ../shared/data/gutenberg --out data/cache/gutenberg).
 #     bash scripts/gpu_smoke.sh [RESULTS_FILE] [FIRST] [LAST]   # default out/smoke/results.json, every step
 # Each step prints its number: after a failure or a time limit, go on from that step with the same results file
 # (a step needs the runs of those before it: sample the first train's, train from the export). A step that runs
 # past STEP_LIMIT seconds (default 400, well above the longest step's time) is stopped and named as failed, so that
 # a hang is seen as one.
+# JOBS=N (default 1) runs up to N steps at once, for a GPU whose compiles leave it idle: each step's output goes to
+# logs/STEP.log beside the results file and is reported when the step ends (a failed step's last lines printed, the
+# steps still running stopped); a step that needs an earlier one's run starts after it has ended.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 R=${1:-out/smoke/results.json}
 FIRST=${2:-1}
 LAST=${3:-999}
 STEP_LIMIT=${STEP_LIMIT:-400}
+JOBS=${JOBS:-1}
 case $STEP_LIMIT in
   ''|*[!0-9]*|0) echo "STEP_LIMIT must be a whole number of seconds above 0, got '$STEP_LIMIT'" >&2; exit 2 ;;
 esac
+case $JOBS in
+  ''|*[!0-9]*|0) echo "JOBS must be a whole number of steps above 0 (1 runs them one at a time), got '$JOBS'" >&2
+                 exit 2 ;;
+esac
 mkdir -p "$(dirname "$R")"
+LOGS=$(dirname "$R")/logs
 REF=config/20m_gh200.py
 SHORT_TRAIN="--epochs=1 --train_subset_tokens=655361 --val_subset_tokens=65536 --log_interval=5 --overwrite=True"
 SHORT_BENCH="--warmup=3 --steps=5 --windows=1"
 start=$SECONDS
 passed=0
 step=0
+running=()           # the steps in flight (JOBS > 1)
+declare -A label_of command_of pid_of started_at
+
+ended() {  # ended STEP LABEL STATUS SECONDS COMMAND: one line saying it passed, or which failed and why (then exit)
+  local status=$3
+  if [ "$status" -eq 0 ]; then
+    passed=$((passed + 1))
+    echo "=== ok: step $1, $2 ($4 s)"
+    return
+  fi
+  if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
+    echo "=== FAILED: step $1, $2 (stopped after its $STEP_LIMIT s limit): $5"
+  else
+    echo "=== FAILED: step $1, $2 (exit $status): $5"
+  fi
+  if [ "$JOBS" -gt 1 ]; then
+    echo "=== the last lines of $LOGS/$1.log:"; tail -n 40 "$LOGS/$1.log"
+    stop_running
+  fi
+  exit 1
+}
+
+stop_running() {  # ends the steps still in flight: their timeout passes the signal on to the command
+  local s
+  for s in "${running[@]}"; do
+    [ -f "$LOGS/$s.status" ] || { echo "=== stopped: step $s, ${label_of[$s]}"; pkill -TERM -P "${pid_of[$s]}"; }
+  done
+  wait
+}
+
+reap() {  # waits until a step in flight ends, then reports it
+  local s done_step="" rest=()
+  while [ -z "$done_step" ]; do
+    for s in "${running[@]}"; do [ -f "$LOGS/$s.status" ] && { done_step=$s; break; }; done
+    [ -n "$done_step" ] || sleep 1
+  done
+  for s in "${running[@]}"; do [ "$s" = "$done_step" ] || rest+=("$s"); done
+  running=("${rest[@]}")
+  wait "${pid_of[$done_step]}"
+  ended "$done_step" "${label_of[$done_step]}" "$(cat "$LOGS/$done_step.status")" \
+    $((SECONDS - started_at[$done_step])) "${command_of[$done_step]}"
+}
+
+after_earlier() {  # the steps that follow need the runs of those before: wait for every step in flight
+  while [ "${#running[@]}" -gt 0 ]; do reap; done
+}
 
 run() {  # run LABEL COMMAND...: the command's output, then one line saying it passed or which one failed
   local label=$1; shift
-  local t=$SECONDS
   step=$((step + 1))
   if [ "$step" -lt "$FIRST" ] || [ "$step" -gt "$LAST" ]; then echo "=== step $step skipped: $label"; return; fi
-  echo "=== $(date +%T) step $step, $label: $*"
-  timeout --kill-after=30 "$STEP_LIMIT" "$@"
-  local status=$?
-  if [ "$status" -eq 0 ]; then
-    passed=$((passed + 1))
-    echo "=== ok: $label ($((SECONDS - t)) s)"
-  elif [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
-    echo "=== FAILED: $label (stopped after its $STEP_LIMIT s limit): $*"
-    exit 1
-  else
-    echo "=== FAILED: $label (exit $status): $*"
-    exit 1
+  if [ "$JOBS" -eq 1 ]; then
+    local t=$SECONDS
+    echo "=== $(date +%T) step $step, $label: $*"
+    timeout --kill-after=30 "$STEP_LIMIT" "$@"
+    ended "$step" "$label" $? $((SECONDS - t)) "$*"
+    return
   fi
+  while [ "${#running[@]}" -ge "$JOBS" ]; do reap; done
+  mkdir -p "$LOGS"
+  rm -f "$LOGS/$step.status"
+  echo "=== $(date +%T) step $step started, $label: $*"
+  ( timeout --kill-after=30 "$STEP_LIMIT" "$@" > "$LOGS/$step.log" 2>&1; echo $? > "$LOGS/$step.status" ) &
+  pid_of[$step]=$!
+  label_of[$step]=$label
+  command_of[$step]="$*"
+  started_at[$step]=$SECONDS
+  running+=("$step")
 }
 
 run "train, the reference recipe" python train.py $REF --name=smoke-train --results_file="$R" $SHORT_TRAIN
@@ -69,8 +127,6 @@ run "bench, presets" python bench.py $REF --presets=20m,50m,90m --name=smoke-pre
 # two minutes: with flash-attn-4 installed each run starts about 25 s later (its import and kernels), and a
 # one-minute budget left no room to confirm the incumbent
 run "tune" python tune.py $REF --budget=2 --name=smoke-tune --results_file="$R" --tuned_dir=out/smoke/tuned
-run "compare, the tuned config" python compare.py $REF --tuned=True --name=smoke-compare --results_file="$R" \
-  --plot=out/smoke/compare.png --train_subset_tokens=655361 --val_subset_tokens=65536 --epochs=1 --rerun=True
 run "compare, time to a target" python compare.py config/20m_muon_wsd.py --mode=time-to-target --seeds=3 \
   --target_loss=8.5 --eval_interval=10 --target_baseline=$REF --name=smoke-ttq --results_file="$R" \
   --plot=out/smoke/ttq.png --train_subset_tokens=655361 --epochs=1
@@ -80,12 +136,18 @@ if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; th
 else
   echo "=== skipped: torchrun on 2 GPUs (this machine has one)"
 fi
+after_earlier  # tune's config, the first train's checkpoint
+run "compare, the tuned config" python compare.py $REF --tuned=True --name=smoke-compare --results_file="$R" \
+  --plot=out/smoke/compare.png --train_subset_tokens=655361 --val_subset_tokens=65536 --epochs=1 --rerun=True
 run "sample" python sample.py $REF --name=smoke-train --prompt="It was a dark and stormy night" --max_new_tokens=32
 run "export" python sample.py $REF --name=smoke-train --export_hf=out/smoke/hf
 run "evaluate the checkpoint" python evaluate.py --init_from=out/smoke-train --name=smoke-eval --results_file="$R"
+after_earlier  # the export
 run "evaluate the export" python evaluate.py --init_from=out/smoke/hf --data_dir=data/cache/gutenberg \
   --name=smoke-eval-export --results_file="$R"
 run "train from the export" python train.py $REF --init_from=out/smoke/hf --name=smoke-init --results_file="$R" \
   $SHORT_TRAIN
+after_earlier  # every run in the results file
 run "plot runs" python scripts/plot_runs.py "$R" --out=out/smoke/runs.png
+after_earlier
 echo "=== gpu smoke passed: $passed commands (steps $FIRST to $((LAST < step ? LAST : step))) in $((SECONDS - start)) s"
