@@ -143,51 +143,64 @@ def load_config(settings, argv, file_keys=None):
     while args:
         arg = args.pop(0)
         if arg.startswith("--"):
-            key, eq, text = arg[2:].partition("=")
-            key = key.replace("-", "_")
-            if key not in defaults:
-                if key in also:
-                    raise ConfigError(f"--{key} is a key this script does not use (config files may set it, for "
-                                      f"train.py); --help lists this script's keys")
-                raise _unknown_key(key, defaults, f"--{key}")
-            if not eq:  # --key value, or a bare --flag for a boolean
-                takes_next = args and not args[0].startswith("--")
-                if takes_next and kinds[key] is bool:
-                    takes_next = args[0].strip().lower() in ("true", "false", "1", "0", "yes", "no", "on", "off")
-                if takes_next:
-                    text = args.pop(0)
-                elif kinds[key] is bool:
-                    text = "True"
-                else:
-                    raise ConfigError(f"--{key} needs a value: --{key}=VALUE")
-            config[key] = _parse_value(key, text, defaults[key], kinds[key])
+            key, value = _override(arg, args, defaults, kinds, also)
+            config[key] = value
         else:
-            path = Path(arg)
-            if not path.is_file():
-                raise missing_config_file(arg)
-            # One namespace holding the settings so far, as nanoGPT's configurator runs a file in the script's
-            # globals: `tokens_per_update = seq_len * 32` sees the default seq_len, and a comprehension or
-            # function in the file sees the names assigned above it (with separate locals it did not).
-            # __file__ is the file's own path, so that a recipe can build on another beside it (config/20m_quality.py)
-            namespace = dict(also, **config, __file__=str(path))
-            try:  # its bytes, as Python runs a file: a UTF-8 BOM (Windows editors) or a coding line is understood
-                exec(compile(path.read_bytes(), str(path), "exec"), namespace)
-            except SystemExit as exc:  # sys.exit() in a config file would end the script silently, having done nothing
-                raise ConfigError(f"config file {arg} called exit({'' if exc.code is None else repr(exc.code)}); a "
-                                  f"config file assigns settings and ends by itself") from None
-            except Exception as exc:  # a config file is user input: report, don't trace back
-                raise ConfigError(f"config file {arg} could not be run: {type(exc).__name__}: {exc}") from None
-            for key, value in namespace.items():
-                if key.startswith("_") or isinstance(value, (types.ModuleType, types.FunctionType, type,
-                                                             types.BuiltinFunctionType)):
-                    continue  # `import math`, `from math import sqrt`, a helper function: not settings
-                if key not in defaults and key in also:
-                    _check_type(key, value, also[key], also_kinds[key], f"config file {arg}")
-                    continue
-                if key not in defaults:
-                    raise _unknown_key(key, defaults, f"config file {arg}")
-                config[key] = _check_type(key, value, defaults[key], kinds[key], f"config file {arg}")
+            config.update(_config_file(arg, config, defaults, kinds, also, also_kinds))
     return config
+
+
+def _override(arg, args, defaults, kinds, also):
+    """(key, value) of one `--key=value`, `--key value` or bare boolean `--flag`, taking the value from args."""
+    key, eq, text = arg[2:].partition("=")
+    key = key.replace("-", "_")
+    if key not in defaults:
+        if key in also:
+            raise ConfigError(f"--{key} is a key this script does not use (config files may set it, for "
+                              f"train.py); --help lists this script's keys")
+        raise _unknown_key(key, defaults, f"--{key}")
+    if not eq:  # --key value, or a bare --flag for a boolean
+        takes_next = args and not args[0].startswith("--")
+        if takes_next and kinds[key] is bool:
+            takes_next = args[0].strip().lower() in ("true", "false", "1", "0", "yes", "no", "on", "off")
+        if takes_next:
+            text = args.pop(0)
+        elif kinds[key] is bool:
+            text = "True"
+        else:
+            raise ConfigError(f"--{key} needs a value: --{key}=VALUE")
+    return key, _parse_value(key, text, defaults[key], kinds[key])
+
+
+def _config_file(arg, config, defaults, kinds, also, also_kinds):
+    """The settings a config file assigns, checked, run over the settings so far (config)."""
+    path = Path(arg)
+    if not path.is_file():
+        raise missing_config_file(arg)
+    # One namespace holding the settings so far, as nanoGPT's configurator runs a file in the script's
+    # globals: `tokens_per_update = seq_len * 32` sees the default seq_len, and a comprehension or
+    # function in the file sees the names assigned above it (with separate locals it did not).
+    # __file__ is the file's own path, so that a recipe can build on another beside it (config/20m_quality.py)
+    namespace = dict(also, **config, __file__=str(path))
+    try:  # its bytes, as Python runs a file: a UTF-8 BOM (Windows editors) or a coding line is understood
+        exec(compile(path.read_bytes(), str(path), "exec"), namespace)
+    except SystemExit as exc:  # sys.exit() in a config file would end the script silently, having done nothing
+        raise ConfigError(f"config file {arg} called exit({'' if exc.code is None else repr(exc.code)}); a "
+                          f"config file assigns settings and ends by itself") from None
+    except Exception as exc:  # a config file is user input: report, don't trace back
+        raise ConfigError(f"config file {arg} could not be run: {type(exc).__name__}: {exc}") from None
+    assigned = {}
+    for key, value in namespace.items():
+        if key.startswith("_") or isinstance(value, (types.ModuleType, types.FunctionType, type,
+                                                     types.BuiltinFunctionType)):
+            continue  # `import math`, `from math import sqrt`, a helper function: not settings
+        if key not in defaults and key in also:
+            _check_type(key, value, also[key], also_kinds[key], f"config file {arg}")
+            continue
+        if key not in defaults:
+            raise _unknown_key(key, defaults, f"config file {arg}")
+        assigned[key] = _check_type(key, value, defaults[key], kinds[key], f"config file {arg}")
+    return assigned
 
 
 def write_config_file(path, config, defaults, header=""):
