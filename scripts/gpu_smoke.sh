@@ -67,7 +67,7 @@ reap() {  # waits until a step in flight ends, then reports it
   local s done_step="" rest=()
   while [ -z "$done_step" ]; do
     for s in "${running[@]}"; do [ -f "$LOGS/$s.status" ] && { done_step=$s; break; }; done
-    [ -n "$done_step" ] || sleep 1
+    [ -n "$done_step" ] || sleep 0.2
   done
   for s in "${running[@]}"; do [ "$s" = "$done_step" ] || rest+=("$s"); done
   running=("${rest[@]}")
