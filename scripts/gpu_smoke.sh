@@ -58,7 +58,10 @@ ended() {  # ended STEP LABEL STATUS SECONDS COMMAND: one line saying it passed,
 stop_running() {  # ends the steps still in flight: their timeout passes the signal on to the command
   local s
   for s in "${running[@]}"; do
-    [ -f "$LOGS/$s.status" ] || { echo "=== stopped: step $s, ${label_of[$s]}"; pkill -TERM -P "${pid_of[$s]}"; }
+    [ -f "$LOGS/$s.status" ] && continue
+    echo "=== stopped: step $s, ${label_of[$s]}"
+    until [ -s "$LOGS/$s.pid" ]; do sleep 0.1; done  # written as the step starts
+    kill -TERM "$(cat "$LOGS/$s.pid")" 2> /dev/null
   done
   wait
 }
@@ -93,9 +96,11 @@ run() {  # run LABEL COMMAND...: the command's output, then one line saying it p
   fi
   while [ "${#running[@]}" -ge "$JOBS" ]; do reap; done
   mkdir -p "$LOGS"
-  rm -f "$LOGS/$step.status"
+  rm -f "$LOGS/$step.status" "$LOGS/$step.pid"
   echo "=== $(date +%T) step $step started, $label: $*"
-  ( timeout --kill-after=30 "$STEP_LIMIT" "$@" > "$LOGS/$step.log" 2>&1; echo $? > "$LOGS/$step.status" ) &
+  # the step's timeout, its pid written for stop_running, and its exit status when it ends (whole, by a rename)
+  ( timeout --kill-after=30 "$STEP_LIMIT" "$@" > "$LOGS/$step.log" 2>&1 &
+    echo $! > "$LOGS/$step.pid"; wait $!; echo $? > "$LOGS/$step.ended"; mv "$LOGS/$step.ended" "$LOGS/$step.status" ) &
   pid_of[$step]=$!
   label_of[$step]=$label
   command_of[$step]="$*"
