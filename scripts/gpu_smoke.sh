@@ -10,7 +10,8 @@
 # a hang is seen as one.
 # JOBS=N (default 1) runs up to N steps at once, for a GPU whose compiles leave it idle: each step's output goes to
 # logs/STEP.log beside the results file and is reported when the step ends (a failed step's last lines printed, the
-# steps still running stopped); a step that needs an earlier one's run starts after it has ended.
+# steps still running stopped); a step that needs an earlier one's run starts after it has ended, and the first
+# runs alone, filling the compiler caches that most steps then read.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 R=${1:-out/smoke/results.json}
@@ -109,6 +110,7 @@ run() {  # run LABEL COMMAND...: the command's output, then one line saying it p
 }
 
 run "train, the reference recipe" python train.py $REF --name=smoke-train --results_file="$R" $SHORT_TRAIN
+after_earlier  # alone: it fills the compiler caches with the reference's kernels, which most steps then read
 # stop_after_updates exits 3 (interrupted, checkpointed); the resume reads the checkpoint onto the GPU
 run "train, stopped and resumed" bash -c "python train.py $REF --name=smoke-resume --results_file='$R' $SHORT_TRAIN \
   --stop_after_updates=5; [ \$? -eq 3 ] && python train.py --name=smoke-resume --resume=True --results_file='$R'"
