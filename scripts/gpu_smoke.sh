@@ -143,7 +143,7 @@ if [ "$(python -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; th
 else
   echo "=== skipped: torchrun on 2 GPUs (this machine has one)"
 fi
-after_earlier  # tune's config, the first train's checkpoint
+after_earlier  # tune's selected config, which the tuned compare reads
 run "compare, the tuned config" python compare.py $REF --tuned=True --name=smoke-compare --results_file="$R" \
   --plot=out/smoke/compare.png --train_subset_tokens=655361 --val_subset_tokens=65536 --epochs=1 --rerun=True
 run "sample" python sample.py $REF --name=smoke-train --prompt="It was a dark and stormy night" --max_new_tokens=32
