@@ -48,16 +48,12 @@ _triton_rows = None
 ROWS_BLOCK, ROWS_NUM_WARPS = 8192, 8
 
 
-def _cross_entropy_rows_triton(logits, targets, write_grad=True, block=None, num_warps=None, grad=None,
-                               grad_scale=1.0):
-    """The Triton kernel: one program per row, logits read once, the gradient stored in their place (or, times
-    grad_scale, into `grad` in its dtype, as _cross_entropy_rows_torch).
-
-    Built on first use so that importing this file never needs Triton (the CPU build has none)."""
-    import triton
-    first_calls.wait("loss")  # a child compiling this kernel for the run (model_kernels/first_calls.py)
+def _rows_kernel():
+    """The Triton kernel, built on first use so that importing this file never needs Triton (the CPU build has
+    none): one program per row, logits read once, the gradient stored in their place (or into another tensor)."""
     global _triton_rows
     if _triton_rows is None:
+        import triton
         import triton.language as tl
 
         @triton.jit
@@ -102,14 +98,24 @@ def _cross_entropy_rows_triton(logits, targets, write_grad=True, block=None, num
             tl.store(losses_ptr + row, tl.where(counted, lse - target_logit, 0.0))
 
         _triton_rows = cross_entropy_rows_kernel
+    return _triton_rows
+
+
+def _cross_entropy_rows_triton(logits, targets, write_grad=True, block=None, num_warps=None, grad=None,
+                               grad_scale=1.0):
+    """The Triton kernel launched: the per-row losses, the gradient stored in the logits' place (or, times
+    grad_scale, into `grad` in its dtype, as _cross_entropy_rows_torch)."""
+    import triton
+    first_calls.wait("loss")  # a child compiling this kernel for the run (model_kernels/first_calls.py)
+    kernel = _rows_kernel()
     n_rows, n_cols = logits.shape
     losses = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     block = min(triton.next_power_of_2(n_cols), block or ROWS_BLOCK)
     num_warps = num_warps or min(ROWS_NUM_WARPS, max(4, block // 1024))  # a small vocabulary needs fewer threads
     grad = logits if grad is None else grad
-    _triton_rows[(n_rows,)](logits, logits.stride(0), targets, losses, grad, grad.stride(0), n_cols,
-                            GRAD_SCALE=float(grad_scale), BLOCK=block, ONE_BLOCK=n_cols <= block,
-                            WRITE_GRAD=write_grad, num_warps=num_warps)
+    kernel[(n_rows,)](logits, logits.stride(0), targets, losses, grad, grad.stride(0), n_cols,
+                      GRAD_SCALE=float(grad_scale), BLOCK=block, ONE_BLOCK=n_cols <= block,
+                      WRITE_GRAD=write_grad, num_warps=num_warps)
     return losses
 
 
