@@ -4,6 +4,7 @@
 # compiler caches, one step at a time. Exits non-zero, naming the command, at the first that fails. Needs the token
 # cache data/cache/gutenberg (python data/prepare.py --source ../shared/data/gutenberg --out data/cache/gutenberg).
 #     bash scripts/gpu_smoke.sh [RESULTS_FILE] [FIRST] [LAST]   # default out/smoke/results.json, every step
+# (from any folder: the steps run from the repository root; a relative RESULTS_FILE is taken from where it started)
 # Each step prints its number: after a failure or a time limit, go on from that step with the same results file
 # (a step needs the runs of those before it: sample the first train's, train from the export). A step that runs
 # past STEP_LIMIT seconds (default 400, well above the longest step's time) is stopped and named as failed, so that
@@ -19,14 +20,18 @@ FIRST=${2:-1}
 LAST=${3:-999}
 STEP_LIMIT=${STEP_LIMIT:-400}
 JOBS=${JOBS:-1}
-case $STEP_LIMIT in
-  ''|*[!0-9]*|0) echo "STEP_LIMIT must be a whole number of seconds above 0, got '$STEP_LIMIT'" >&2; exit 2 ;;
-esac
-case $JOBS in
-  ''|*[!0-9]*|0) echo "JOBS must be a whole number of steps above 0 (1 runs them one at a time), got '$JOBS'" >&2
-                 exit 2 ;;
-esac
+above_zero() {  # above_zero NAME VALUE WHAT: a whole number above 0, else one line saying what is wanted (exit 2)
+  case $2 in
+    ''|*[!0-9]*|0) echo "$1 must be a whole number $3 above 0, got '$2'" >&2; exit 2 ;;
+  esac
+}
+above_zero FIRST "$FIRST" "(the step to start at)"
+above_zero LAST "$LAST" "(the step to end at)"
+above_zero STEP_LIMIT "$STEP_LIMIT" "of seconds"
+above_zero JOBS "$JOBS" "of steps (1 runs them one at a time)"
 mkdir -p "$(dirname "$R")"
+R=$(cd "$(dirname "$R")" && pwd)/$(basename "$R")  # the results file as given from here; the steps run from the root
+cd "$(dirname "$0")/.."
 LOGS=$(dirname "$R")/logs
 REF=config/20m_gh200.py
 SHORT_TRAIN="--epochs=1 --train_subset_tokens=655361 --val_subset_tokens=65536 --log_interval=5 --overwrite=True"
@@ -127,7 +132,8 @@ run "train, the speed candidate (contexts in whole rows, value embeddings)" pyth
 run "train, the quality candidate (passes, the weights' average)" python train.py config/20m_quality.py \
   --name=smoke-quality --results_file="$R" $SHORT_TRAIN --epochs=2 --eval_interval=10
 run "bench" python bench.py $REF --name=smoke-bench --results_file="$R" $SHORT_BENCH --profile=True --partial_probe=True
-run "bench, micro-batch 16" python bench.py $REF --micro_batch_size=16 --name=smoke-bench-mb16 --results_file="$R" $SHORT_BENCH
+run "bench, micro-batch 16" python bench.py $REF --micro_batch_size=16 --name=smoke-bench-mb16 --results_file="$R" \
+  $SHORT_BENCH
 # eager: the presets' shapes and kernels without three more compiles (bench.py's compiled presets are timed apart)
 run "bench, presets" python bench.py $REF --presets=20m,50m,90m --name=smoke-presets --results_file="$R" $SHORT_BENCH \
   --compile=False

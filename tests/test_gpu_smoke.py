@@ -116,8 +116,27 @@ def test_first_and_last_choose_the_steps(tmp_path):
     assert "=== gpu smoke passed: 2 commands (steps 15 to 16)" in out
 
 
-@pytest.mark.parametrize("name, value", [("JOBS", "0"), ("JOBS", "two"), ("STEP_LIMIT", "-5")])
+@pytest.mark.parametrize("name, value", [("JOBS", "0"), ("JOBS", "two"), ("STEP_LIMIT", "-5"), ("FIRST", "abc"),
+                                         ("LAST", "1.5")])
 def test_a_bad_setting_is_refused_in_one_line(tmp_path, name, value):
-    status, out, events = smoke(tmp_path, **{name: value})
+    args = {"FIRST": (value, 20), "LAST": (1, value)}.get(name, ())
+    status, out, events = smoke(tmp_path, *args, **({} if args else {name: value}))
     assert status == 2 and events == []
     assert out.strip().count("\n") == 0 and out.startswith(f"{name} must be a whole number") and f"'{value}'" in out
+
+
+def test_it_runs_from_the_repository_root_wherever_it_is_started(tmp_path):
+    """The steps name the scripts by their paths in the repository (train.py, scripts/plot_runs.py): started from
+    another folder, it goes to the root, and a results file given relative to where it was started stays there."""
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "bin").mkdir()
+    where = '#!/usr/bin/env bash\n[ "$1" = -c ] && { echo 1; exit; }\npwd >> "$CALLS"\n'  # where each command ran
+    (tmp_path / "bin" / "python").write_text(where)
+    (tmp_path / "bin" / "python").chmod(0o755)
+    calls = tmp_path / "calls.txt"
+    done = subprocess.run(["bash", str(SMOKE), "mine/results.json", "15", "15"], cwd=tmp_path / "elsewhere",
+                          env=dict(os.environ, PATH=f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}",
+                                   CALLS=str(calls)), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert calls.read_text().splitlines() == [str(ROOT)]  # the sample step ran at the root
+    assert (tmp_path / "elsewhere" / "mine").is_dir()
