@@ -103,10 +103,14 @@ def compiler_cache_state(fresh=False):
 
 
 def inductor_graph_counts():
-    """{"compiled", "from_cache"}: the graphs Inductor has made in this process so far, and those of them its FX
-    graph cache held (a warm start compiles none; a cold one takes none from the cache)."""
+    """{"compiled", "from_cache", "kernels_from_binaries"}: the graphs Inductor has made in this process so far, those
+    of them its FX graph cache held (a warm start compiles none; a cold one takes none from the cache), and the
+    kernels those cached graphs launch from their saved binaries, without Triton (static_launch_user_kernels adds
+    the SwiGLU kernel's)."""
     from torch._dynamo.utils import counters
-    return {"compiled": counters["inductor"]["fxgraph_cache_miss"], "from_cache": counters["inductor"]["fxgraph_cache_hit"]}
+    inductor = counters["inductor"]
+    return {"compiled": inductor["fxgraph_cache_miss"], "from_cache": inductor["fxgraph_cache_hit"],
+            "kernels_from_binaries": inductor["triton_bundler_load_static_autotuner"]}
 
 
 def cpu_model():

@@ -33,7 +33,8 @@ class RunState:
     run_id: str = dataclasses.field(default_factory=env.new_run_id)
     sessions: int = 0  # how many processes have trained this run (1 + the resumes)
     first_update_seconds: float = None
-    # Inductor's graphs of the first update: how many it compiled and how many its cache held (warm or cold start)
+    # Inductor's graphs of the first update: how many it compiled, how many its cache held (warm or cold start), and
+    # the kernels the cached ones launched from their saved binaries
     first_update_graphs: dict = None
     # cold: when the children of the first-call kernels had them, and the first update's waits (first_calls.timings)
     first_calls: dict = None

@@ -14,7 +14,7 @@ import env
 import model as model_lib
 import optim
 from distributed import all_reduce_sum
-from model_kernels import first_calls
+from model_kernels import first_calls, swiglu
 from model_kernels.attention import resolve_backend
 import settings
 from data.loader import sequence_lengths
@@ -199,6 +199,8 @@ class Trainer:
         cfg = self.cfg
         # Read by the partitioner when the first call compiles; process-wide, as torch.compile's settings are.
         torch._functorch.config.activation_memory_budget = cfg.activation_memory_budget
+        if cfg.static_launch_user_kernels:
+            swiglu.launch_from_saved_binary()
         mode = self.mode
         if cfg.compile_scope == "model":
             return torch.compile(model, dynamic=False, mode=mode)

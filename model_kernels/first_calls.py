@@ -84,6 +84,9 @@ def prestart(cfg, device, cold, command=None):
     in this process while its workers are not yet up."""
     stop()
     if cold and cfg.compile and device.type == "cuda":
+        if cfg.static_launch_user_kernels:  # before the workers start: they read it from their environment
+            from model_kernels.swiglu import launch_from_saved_binary
+            launch_from_saved_binary()
         from torch._inductor.async_compile import maybe_warm_pool
         maybe_warm_pool()  # what torch.compile's Inductor backend calls at the first compile, called sooner
     for kernel in kernels_for(cfg, device, None, cold):

@@ -1,4 +1,6 @@
 """SwiGLU and the down projection after it, as one op: Triton kernels in compiled code on CUDA, torch elsewhere."""
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -74,6 +76,20 @@ def _swiglu_launch(x, grad_out=None):
     torch.library.wrap_triton(_swiglu_kernel())[grid](x, grad_out if backward else out, grad_x, out, hidden,
                                                       BLOCK=block, BACKWARD=backward, num_warps=4)
     return (grad_x, out) if backward else (out,)
+
+
+# Inductor launches the kernels it writes from the binaries its cache keeps beside their code, so a warm run (or a
+# loaded compile_cache) compiles none of them. This kernel, a user-defined one, it compiles again through Triton
+# unless static_launch_user_defined_triton_kernels is set (torch._inductor.runtime.triton_heuristics,
+# check_can_launch); its compile workers take that setting from their environment when they start.
+STATIC_LAUNCH_ENV = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
+
+
+def launch_from_saved_binary():
+    """Have Inductor launch this kernel from the binary its cache saved (static_launch_user_kernels): the same
+    binary, another launcher. Process-wide, as torch.compile's settings are; before Inductor's workers start."""
+    os.environ[STATIC_LAUNCH_ENV] = "1"
+    torch._inductor.config.static_launch_user_defined_triton_kernels = True
 
 
 # triton_op, not custom_op: torch.compile traces into it and launches the kernels from its own generated code.

@@ -5,18 +5,18 @@
 # Parts, in the document's order, with their time on one H200 (warm compiler caches; cold adds about 20 s per
 # compiled shape): ceilings (1 min), current (8 min), accumulation (2 min), loss (2 min), matched (5 min, then
 # compare.py with no GPU), tune (15 min), levers (9 min), quack (6 min), push (10 min), cold (10 min; a fresh
-# machine for its first profile), speedrun (about 46 min: docs/TIME_TO_QUALITY.md's screens of the kept levers, the
-# speed candidate's seeds, verdict, contexts in one shape and its verdict with them, the quality candidate's seeds
-# beside the recipe before it, four passes at 32,768 tokens an update and their verdict at 1024 throughout), all
-# (about 116 min).
+# machine for its first profile), static (5 min), speedrun (about 46 min: docs/TIME_TO_QUALITY.md's screens of the
+# kept levers, the speed candidate's seeds, verdict, contexts in one shape and its verdict with them, the quality
+# candidate's seeds beside the recipe before it, four passes at 32,768 tokens an update and their verdict at 1024
+# throughout), all (about 121 min).
 # Merge the results file into results/h200.json with scripts/merge_results.py (parts quack's and push's into
-# results/h200-levers.json, cold's into results/h200-cold-start.json). Needs data/cache/gutenberg;
+# results/h200-levers.json, cold's and static's into results/h200-cold-start.json). Needs data/cache/gutenberg;
 # requirements-gpu.txt for the fa4 and quack rows, which are skipped without it. The rows of choices no longer in the
 # code (docs/PERFORMANCE.md, "Levers tried and not kept") are measured by this script in the tree that had them,
 # git 8e61ae0.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-PARTS="ceilings current accumulation loss matched tune levers quack push cold speedrun all"
+PARTS="ceilings current accumulation loss matched tune levers quack push cold static speedrun all"
 usage() { echo "usage: bash scripts/reproduce_h200.sh PART... [-- RESULTS_FILE]; parts: $PARTS" >&2; exit 2; }
 parts=()
 R=out/h200/results.json
@@ -169,6 +169,25 @@ cold() {  # docs/COLD_START.md: the first update by phase, cold and warm; each c
   TORCHINDUCTOR_CACHE_DIR=$fresh/i TRITON_CACHE_DIR=$fresh/t FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=$fresh/f \
     timeout 300 $train --name=warm-train-20m-muon-wsd-blocks  # the caches the loaded run filled
 }
+static() {  # docs/COLD_START.md, static_launch_user_kernels off and on: each from empty caches saving a compile cache,
+  # warm twice on those caches, then loaded into other empty caches (each entry's first_update_graphs counts the
+  # kernels its cached graphs launched from their binaries; the Triton cache's entries after each run are printed)
+  local on name saved run
+  for on in False True; do
+    name=20m-static-launch-$([ $on = True ] && echo on || echo off)
+    saved=$(mktemp -d)
+    for run in cold warm1 warm2 load; do
+      (
+        caches=$saved file=
+        [ $run = load ] && caches=$(mktemp -d)
+        case $run in cold | load) file=--compile_cache=$saved/20m.compile ;; esac  # written, then read
+        export TORCHINDUCTOR_CACHE_DIR=$caches/i TRITON_CACHE_DIR=$caches/t FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=$caches/f
+        bench $REF --static_launch_user_kernels=$on $file --name=$run-bench-$name
+        echo "$run-bench-$name: $(ls "$TRITON_CACHE_DIR" | wc -l) entries in Triton's cache"
+      )
+    done
+  done
+}
 speedrun() {  # TIME_TO_QUALITY.md's "The speedrun's levers, screened": each kept lever on the shipped recipe, then its
   # cost; the levers not kept left the code, and their rows ran this part at commit 94da7b6
   local recipe=config/20m_muon_wsd.py name args
@@ -232,7 +251,7 @@ LEVERS
 
 for part in "${parts[@]}"; do
   case $part in
-    all) ceilings; current; accumulation; loss; matched; tune; levers; quack; push; cold; speedrun ;;
+    all) ceilings; current; accumulation; loss; matched; tune; levers; quack; push; cold; static; speedrun ;;
     *) echo "=== $part"; $part ;;
   esac
 done

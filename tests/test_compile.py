@@ -59,6 +59,32 @@ def test_blocks_compiles_the_blocks_code_once_for_every_block(text_cache, tmp_pa
     assert counters["frames"]["ok"] == 2
 
 
+@pytest.fixture
+def static_launch_unset(monkeypatch):
+    """torch's static launch of user-defined kernels off, and its variable unset, as a test found them (torch's own
+    patch: the setting is not a plain module attribute)."""
+    import torch._inductor.config as inductor_config
+    from model_kernels import swiglu
+    monkeypatch.delenv(swiglu.STATIC_LAUNCH_ENV, raising=False)
+    with inductor_config.patch(static_launch_user_defined_triton_kernels=False):
+        yield inductor_config
+
+
+@pytest.mark.parametrize("compiled,static", [(False, False), (True, False), (True, True)])
+def test_static_launch_of_the_swiglu_kernel_is_set_by_a_compiled_run_that_asks(text_cache, tmp_path,
+                                                                                static_launch_unset, compiled, static):
+    """static_launch_user_kernels: the compiled trainer sets torch's setting in this process and its variable for
+    Inductor's compile workers; a run that does not ask (or an eager one) touches neither."""
+    from model_kernels import swiglu
+    from tests.test_train import make_trainer, small_config
+    inductor_config = static_launch_unset
+    for scope in settings.COMPILE_SCOPES:
+        make_trainer(small_config(text_cache, tmp_path, compile=compiled, compile_scope=scope,
+                                  static_launch_user_kernels=static))
+        assert inductor_config.static_launch_user_defined_triton_kernels is static
+        assert os.environ.get(swiglu.STATIC_LAUNCH_ENV) == ("1" if static else None)
+
+
 # ---------------------------------------------------------------- the update captured whole (trainer.CapturedUpdate)
 
 def rerun_capture(captures):
@@ -252,7 +278,8 @@ def test_a_compile_cache_path_of_a_users_file_or_without_compile_is_one_line_bef
 def first_calls_cfg(**changes):
     import settings
     return settings.Config(dict(compile=True, loss_impl="fused", lm_head_fp8=False, micro_batch_size=8, seq_len=512,
-                                warm_kernels=True, attention_backend="auto"), **changes)
+                                warm_kernels=True, attention_backend="auto", static_launch_user_kernels=False),
+                           **changes)
 
 
 def test_the_child_compiles_each_sequence_length_and_nothing_when_no_kernel_would_compile():
@@ -343,6 +370,19 @@ def test_prestarted_children_get_their_job_later_and_those_the_run_does_not_need
         assert first_calls.timings()["loss"]["ready_seconds"] == 1.5
     finally:
         first_calls.stop()
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_static_launch_is_in_the_environment_before_inductors_workers_start(monkeypatch, static_launch_unset, static):
+    """Cold, prestart starts Inductor's compile workers early; with static_launch_user_kernels their environment
+    already holds the setting (they read it once, when they start), and without it it does not."""
+    from torch._inductor import async_compile
+    from model_kernels import first_calls, swiglu
+    seen = []
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: seen.append(os.environ.get(swiglu.STATIC_LAUNCH_ENV)))
+    cfg = first_calls_cfg(warm_kernels=False, static_launch_user_kernels=static)  # the workers alone, no child
+    first_calls.prestart(cfg, torch.device("cuda", 0), True)
+    assert seen == ["1" if static else None]
 
 
 def test_train_and_bench_start_the_helpers_at_the_plan_before_the_trainer_and_a_checked_plan_starts_none(
