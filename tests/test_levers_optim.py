@@ -175,8 +175,10 @@ def test_all_levers_under_ddp_equal_one_process_and_every_rank_holds_the_same_av
     """Two gloo ranks (forked: no second interpreter to start) against one process of the same micro-batches,
     over a full update and the padded last one: each rank's weights and average the same bits; against one
     process the same moves (of the weights and of their average) to Muon's bf16 tolerance. Two ranks sum the
-    gradients in another order, and Muon's bf16 orthogonalization carries a last-bit difference far (measured:
-    1.0% of a move at most; plain Muon is as sensitive, 5% over 3 updates between micro-batches of 2 and 8)."""
+    gradients in another order, and Muon's bf16 orthogonalization carries a last-bit difference far (measured: 1.0%
+    of a move at most on one CPU, 3.1% on an AMD EPYC, whose bf16 matmuls round otherwise; plain Muon is as
+    sensitive, 5% over 3 updates between micro-batches of 2 and 8). A rank's gradient left out of the sum, or a
+    lever skipped under DDP, moves a matrix by tens of percent."""
     cfg = small_config(text_cache, tmp_path, micro_batch_size=2, **LEVERS)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -194,7 +196,7 @@ def test_all_levers_under_ddp_equal_one_process_and_every_rank_holds_the_same_av
     assert all(torch.equal(a, b) for a, b in zip(first["moves"] + first["accumulator"],
                                                  second["moves"] + second["accumulator"]))
     _, moves, _ = trained(cfg, (0, 2))
-    assert_moves_close(first["moves"], moves, 0.03)
+    assert_moves_close(first["moves"], moves, 0.06)
 
 
 def test_all_levers_compile_the_step_once_and_update_as_eager(text_cache, tmp_path, monkeypatch):
