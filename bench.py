@@ -81,6 +81,7 @@ def timed_windows(cfg, trainer, batches, entry, world_size):
     sync()
     entry["first_update_seconds"] = time.perf_counter() - start
     entry["first_update_graphs"] = env.inductor_graph_counts() if cfg.compile else None
+    entry["first_update_compile_seconds"] = env.compile_seconds() if cfg.compile else None
     entry["first_calls"] = first_calls.timings() or None  # when the children had each kernel, and the waits
     say(cfg, f"first update {entry['first_update_seconds']:.1f} s; {cfg.warmup - 1} more warmup updates")
     for _ in range(cfg.warmup - 1):

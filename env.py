@@ -113,6 +113,24 @@ def inductor_graph_counts():
             "kernels_from_binaries": inductor["triton_bundler_load_static_autotuner"]}
 
 
+def compile_seconds():
+    """torch.compile's seconds in this process so far, by phase (torch._dynamo's own timers): Dynamo's tracing,
+    AOTAutograd (and, warm, the caches' loads), Inductor's code generation, the wait for Triton's compiles (or
+    loads), and their total.
+    Taken at a run's first update, what of it went to compiling, cold or warm; the rest is the kernels' first calls,
+    the graphs' capture and the update itself."""
+    from torch._dynamo.utils import calculate_time_spent
+    spent = calculate_time_spent()
+    frame, backend = spent.get("entire_frame_compile", 0.0), spent.get("backend_compile", 0.0)
+    inductor, wait = spent.get("inductor_compile", 0.0), spent.get("async_compile.wait", 0.0)
+    backward = spent.get("entire_backward_compile", 0.0)
+    # Inductor's timer covers the forward's and (compiled at the first backward) the backward's graphs, and the wait
+    # within them; on a cache hit it does not run, and the wait (for the loaded kernels) is AOTAutograd's
+    inductor_or_wait = max(inductor, wait)
+    return {"dynamo_tracing": frame - backend, "aot_autograd": backend + backward - inductor_or_wait,
+            "inductor_codegen": inductor_or_wait - wait, "triton_compile_wait": wait, "compile_total": frame + backward}
+
+
 def cpu_model():
     """The processor's name from /proc/cpuinfo (Linux), else platform.processor(); None when unknown."""
     try:

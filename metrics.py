@@ -36,6 +36,8 @@ class RunState:
     # Inductor's graphs of the first update: how many it compiled, how many its cache held (warm or cold start), and
     # the kernels the cached ones launched from their saved binaries
     first_update_graphs: dict = None
+    # the first update's seconds that torch.compile spent, by phase (env.compile_seconds)
+    first_update_compile_seconds: dict = None
     # cold: when the children of the first-call kernels had them, and the first update's waits (first_calls.timings)
     first_calls: dict = None
     final_validation: dict = None
@@ -48,7 +50,7 @@ class RunState:
 # validation exists only once the run is complete).
 RESUME_FIELDS = [f.name for f in dataclasses.fields(RunState)
                  if f.name not in ("final_validation", "training_curve", "target_reached", "first_update_graphs",
-                                "first_calls")]
+                                "first_update_compile_seconds", "first_calls")]
 
 
 def format_seconds(seconds):
@@ -136,6 +138,7 @@ class Metrics:
         if state.first_update_seconds is None:
             state.first_update_seconds = time.time() - self.segment_start
             state.first_update_graphs = env.inductor_graph_counts() if self.cfg.compile else None
+            state.first_update_compile_seconds = env.compile_seconds() if self.cfg.compile else None
             state.first_calls = first_calls.timings() or None
             if self.main:
                 print(f"first update: {state.first_update_seconds:.1f} s"
@@ -230,7 +233,7 @@ class Metrics:
             "elapsed_tokens_per_second": s.tokens / elapsed if elapsed else None,
             "median_training_tokens_per_second": rates[len(rates) // 2] if rates else None,
             "first_update_seconds": s.first_update_seconds, "first_update_graphs": s.first_update_graphs,
-            "first_calls": s.first_calls,
+            "first_update_compile_seconds": s.first_update_compile_seconds, "first_calls": s.first_calls,
             "mfu": env.mfu(facts["flops"], tokens_per_second / self.world_size if seconds else None, facts["gpu_name"]),
             "flops_per_token": facts["flops"], "peak_memory_bytes": peak_memory_bytes(facts["device"]),
             "world_size": self.world_size, "sessions": s.sessions, "attention": self.trainer.attention,

@@ -44,17 +44,6 @@ def timed(fn, device):
     return time.perf_counter() - begin
 
 
-def compile_phases():
-    """The first update's compile split into torch.compile's phases (torch._dynamo's own timers, in seconds)."""
-    spent = torch._dynamo.utils.calculate_time_spent()
-    frame, backend = spent.get("entire_frame_compile", 0.0), spent.get("backend_compile", 0.0)
-    inductor, wait = spent.get("inductor_compile", 0.0), spent.get("async_compile.wait", 0.0)
-    backward = spent.get("entire_backward_compile", 0.0)
-    # Inductor's timer covers the forward's and (compiled at the first backward) the backward's graphs
-    return {"dynamo_tracing": frame - backend, "aot_autograd": backend + backward - inductor,
-            "inductor_codegen": inductor - wait, "triton_compile_wait": wait, "compile_total": frame + backward}
-
-
 def cache_counters():
     """What torch.compile's on-disk caches gave the run: Inductor's and AOTAutograd's cache counters (hits, misses,
     bypasses, saves), so that of two warm starts the slower one shows which cache it missed."""
@@ -96,7 +85,7 @@ def main(argv):
     phases["attention_first_call"], phases["loss_kernel_first_call"] = first_kernels(cfg, trainer, device)
     for name in ("first_update", "second_update", "third_update"):
         phases[name] = timed(lambda: trainer.update(*next(batches)), device)
-    phases.update(compile_phases())
+    phases.update(env.compile_seconds())
     counters = cache_counters()
     record(cfg.results_file, [cfg.name], {"run_id": env.new_run_id(), "config": dict(cfg), "attention": plan.attention,
                                           "compiler_cache": folders, "cache_was_cold": was_cold, "seconds": phases,

@@ -77,16 +77,21 @@ def test_the_eta_leaves_out_pauses_and_starts_afresh_in_a_resumed_process(monkey
     assert etas(capsys.readouterr().out) == [160, 150]
 
 
-def test_the_first_update_records_the_first_call_childrens_timings_and_a_resume_does_not_carry_them(monkeypatch):
+def test_the_first_update_records_the_first_call_childrens_timings_and_compiles_seconds_not_carried_by_a_resume(
+        monkeypatch):
     """A cold run's entry says when the children had their kernels and how long its first update waited for them
-    (model_kernels/first_calls.py), as bench.py's does; they belong to the process that compiled, not to a resume."""
+    (model_kernels/first_calls.py), and a compiled run's what torch.compile spent of its first update, by phase, as
+    bench.py's do; they belong to the process that compiled, not to a resume."""
     from model_kernels import first_calls
     timings = {"attention": {"ready_seconds": 11.4, "waited_seconds": 0.2}}
+    phases = {"dynamo_tracing": 0.6, "compile_total": 1.8}
     monkeypatch.setattr(first_calls, "timings", lambda: timings)
+    monkeypatch.setattr(metrics.env, "compile_seconds", lambda: phases)
     m, trainer, clock = run_metrics(monkeypatch)
     train(m, trainer, clock, 1.0, 2)
-    assert m.state.first_calls == timings
+    assert m.state.first_calls == timings and m.state.first_update_compile_seconds == phases
     monkeypatch.setattr(first_calls, "timings", lambda: {})  # a later update finds none: the first's stay
+    monkeypatch.setattr(metrics.env, "compile_seconds", lambda: {"compile_total": 9.0})
     train(m, trainer, clock, 1.0, 1)
-    assert m.state.first_calls == timings
-    assert "first_calls" not in metrics.RESUME_FIELDS
+    assert m.state.first_calls == timings and m.state.first_update_compile_seconds == phases
+    assert not {"first_calls", "first_update_compile_seconds"} & set(metrics.RESUME_FIELDS)
