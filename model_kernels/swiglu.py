@@ -88,8 +88,9 @@ STATIC_LAUNCH_ENV = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
 def launch_from_saved_binary():
     """Have Inductor launch this kernel from the binary its cache saved (static_launch_user_kernels): the same
     binary, another launcher. Process-wide, as torch.compile's settings are; before Inductor's workers start."""
+    import torch._inductor.config as inductor_config
     os.environ[STATIC_LAUNCH_ENV] = "1"
-    torch._inductor.config.static_launch_user_defined_triton_kernels = True
+    inductor_config.static_launch_user_defined_triton_kernels = True
 
 
 # triton_op, not custom_op: torch.compile traces into it and launches the kernels from its own generated code.

@@ -11,14 +11,15 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SMOKE = ROOT / "scripts" / "gpu_smoke.sh"
 
-# The stand-in: one GPU; --stop_after_updates exits 3 as train.py does; a command matching $FAIL exits 1 at once.
-# Each command's start and end are appended to $CALLS (a line each, short enough to be written whole).
+# The stand-in: one GPU; --stop_after_updates exits 3 as train.py does; a command matching $FAIL exits 1 at once, one
+# matching $LONG runs 30 s (until it is stopped). Each command's start and end are appended to $CALLS (a line each,
+# short enough to be written whole).
 STAND_IN = r"""#!/usr/bin/env bash
 if [ "$1" = "-c" ]; then echo 1; exit 0; fi
 echo "start $$ $*" >> "$CALLS"
 echo "the output of $*"
 if [ -n "${FAIL:-}" ] && [[ "$*" == *"$FAIL"* ]]; then echo "the last words of a failing step"; exit 1; fi
-sleep "${PAUSE:-0.2}"
+if [ -n "${LONG:-}" ] && [[ "$*" == *"$LONG"* ]]; then sleep 30; else sleep "${PAUSE:-0.2}"; fi
 echo "end $$ $*" >> "$CALLS"
 case "$*" in *--stop_after_updates*) exit 3 ;; esac
 exit 0
@@ -90,7 +91,8 @@ def test_every_step_runs_and_a_step_that_needs_an_earlier_run_waits_for_it(tmp_p
 
 
 def test_a_failing_step_is_named_with_its_last_lines_and_nothing_after_it_starts(tmp_path):
-    status, out, events = smoke(tmp_path, JOBS=3, FAIL="--presets", PAUSE=1)  # the others still run when it fails
+    # the two benches before it are still running when it fails, however slowly this machine reports their ends
+    status, out, events = smoke(tmp_path, JOBS=3, FAIL="--presets", LONG="--name=smoke-bench")
     assert status == 1
     assert "=== FAILED: step 11, bench, presets (exit 1): python bench.py" in out
     assert "the last words of a failing step" in out and "gpu smoke passed" not in out
