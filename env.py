@@ -113,22 +113,31 @@ def inductor_graph_counts():
             "kernels_from_binaries": inductor["triton_bundler_load_static_autotuner"]}
 
 
-def compile_seconds():
-    """torch.compile's seconds in this process so far, by phase (torch._dynamo's own timers): Dynamo's tracing,
-    AOTAutograd (and, warm, the caches' loads), Inductor's code generation, the wait for Triton's compiles (or
-    loads), and their total.
-    Taken at a run's first update, what of it went to compiling, cold or warm; the rest is the kernels' first calls,
-    the graphs' capture and the update itself."""
+def compile_totals():
+    """What torch.compile has done in this process so far (Inductor's graph counts, Dynamo's timers): a mark for
+    compiled_since, since neither is reset between the runs of one process (bench.py's presets)."""
     from torch._dynamo.utils import calculate_time_spent
-    spent = calculate_time_spent()
-    frame, backend = spent.get("entire_frame_compile", 0.0), spent.get("backend_compile", 0.0)
-    inductor, wait = spent.get("inductor_compile", 0.0), spent.get("async_compile.wait", 0.0)
-    backward = spent.get("entire_backward_compile", 0.0)
+    return inductor_graph_counts(), calculate_time_spent()
+
+
+def compiled_since(mark=None):
+    """(graphs, seconds) that torch.compile made and spent since mark (compile_totals(); None: since the process
+    began). graphs as inductor_graph_counts'; seconds by phase from Dynamo's timers: Dynamo's tracing, AOTAutograd
+    (and, warm, the caches' loads), Inductor's code generation, the wait for Triton's compiles (or loads), and their
+    total. Around a run's first update, what of it went to compiling, cold or warm; the rest is the kernels' first
+    calls, the graphs' capture and the update itself."""
+    graphs_before, spent_before = mark or ({}, {})
+    graphs, spent = compile_totals()
+    took = lambda name: spent.get(name, 0.0) - spent_before.get(name, 0.0)
+    frame, backend, backward = took("entire_frame_compile"), took("backend_compile"), took("entire_backward_compile")
+    inductor, wait = took("inductor_compile"), took("async_compile.wait")
     # Inductor's timer covers the forward's and (compiled at the first backward) the backward's graphs, and the wait
     # within them; on a cache hit it does not run, and the wait (for the loaded kernels) is AOTAutograd's
     inductor_or_wait = max(inductor, wait)
-    return {"dynamo_tracing": frame - backend, "aot_autograd": backend + backward - inductor_or_wait,
-            "inductor_codegen": inductor_or_wait - wait, "triton_compile_wait": wait, "compile_total": frame + backward}
+    seconds = {"dynamo_tracing": frame - backend, "aot_autograd": backend + backward - inductor_or_wait,
+               "inductor_codegen": inductor_or_wait - wait, "triton_compile_wait": wait,
+               "compile_total": frame + backward}
+    return {k: n - graphs_before.get(k, 0) for k, n in graphs.items()}, seconds
 
 
 def cpu_model():

@@ -36,7 +36,7 @@ class RunState:
     # Inductor's graphs of the first update: how many it compiled, how many its cache held (warm or cold start), and
     # the kernels the cached ones launched from their saved binaries
     first_update_graphs: dict = None
-    # the first update's seconds that torch.compile spent, by phase (env.compile_seconds)
+    # the first update's seconds that torch.compile spent, by phase (env.compiled_since)
     first_update_compile_seconds: dict = None
     # cold: when the children of the first-call kernels had them, and the first update's waits (first_calls.timings)
     first_calls: dict = None
@@ -74,6 +74,7 @@ class Metrics:
         self.segment_start = self.interval_start = time.time()
         # (tokens, training seconds) after this process's first update, which compiles: the ETA's mean rate since
         self.rate_start = None
+        self.compile_mark = None  # what torch.compile had done when the clock started (env.compile_totals)
 
     def restore(self, saved):
         """The state a checkpoint saved (a dict with at least RESUME_FIELDS)."""
@@ -98,6 +99,7 @@ class Metrics:
     def start_clock(self):
         """Training time starts now (the GPU synchronized first, so no earlier work is counted)."""
         self.synchronize()
+        self.compile_mark = env.compile_totals()  # the first update's compile is what comes after this
         self.segment_start = self.interval_start = time.time()
         self.interval_tokens, self.loss_total = 0, None
 
@@ -137,8 +139,8 @@ class Metrics:
             self.synchronize()
         if state.first_update_seconds is None:
             state.first_update_seconds = time.time() - self.segment_start
-            state.first_update_graphs = env.inductor_graph_counts() if self.cfg.compile else None
-            state.first_update_compile_seconds = env.compile_seconds() if self.cfg.compile else None
+            if self.cfg.compile:
+                state.first_update_graphs, state.first_update_compile_seconds = env.compiled_since(self.compile_mark)
             state.first_calls = first_calls.timings() or None
             if self.main:
                 print(f"first update: {state.first_update_seconds:.1f} s"

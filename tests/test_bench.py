@@ -266,3 +266,30 @@ def test_a_quiet_profile_passes_the_profiled_works_own_stderr_on(capfd):
     err = capfd.readouterr().err
     assert "the work's own line" in err and "profiler_start" not in err, err
 
+
+
+class CompiledLinear:
+    """A stand-in trainer whose update runs a compiled linear layer of its own width (a preset's model)."""
+    device = torch.device("cpu")
+
+    def __init__(self, width):
+        self.layer, self.x = torch.compile(torch.nn.Linear(width, width)), torch.randn(2, width)
+
+    def update(self):
+        with torch.no_grad():
+            out = self.layer(self.x).sum()
+        return out, out
+
+
+def test_each_runs_first_update_records_its_own_compile_not_an_earlier_runs():
+    """bench.py's presets run in one process, whose compile counters and timers torch never resets (not even
+    torch._dynamo.reset): each entry's first_update_graphs and compile seconds are its own first update's."""
+    cfg = settings.Config(name="presets", compile=True, warmup=1, windows=1, steps=1, tokens_per_update=4)
+    torch._dynamo.reset()
+    entries = [{}, {}]
+    for width, entry in zip((8, 16), entries):
+        bench.timed_windows(cfg, CompiledLinear(width), iter(tuple, None), entry, 1)
+    for entry in entries:
+        graphs = entry["first_update_graphs"]
+        assert graphs["compiled"] + graphs["from_cache"] == 1, graphs  # its one graph, not the two made so far
+        assert 0 < entry["first_update_compile_seconds"]["compile_total"] < entry["first_update_seconds"]

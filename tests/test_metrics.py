@@ -84,14 +84,15 @@ def test_the_first_update_records_the_first_call_childrens_timings_and_compiles_
     bench.py's do; they belong to the process that compiled, not to a resume."""
     from model_kernels import first_calls
     timings = {"attention": {"ready_seconds": 11.4, "waited_seconds": 0.2}}
-    phases = {"dynamo_tracing": 0.6, "compile_total": 1.8}
+    graphs, phases = {"compiled": 0, "from_cache": 4}, {"dynamo_tracing": 0.6, "compile_total": 1.8}
     monkeypatch.setattr(first_calls, "timings", lambda: timings)
-    monkeypatch.setattr(metrics.env, "compile_seconds", lambda: phases)
+    monkeypatch.setattr(metrics.env, "compiled_since", lambda mark: (graphs, phases))
     m, trainer, clock = run_metrics(monkeypatch)
     train(m, trainer, clock, 1.0, 2)
     assert m.state.first_calls == timings and m.state.first_update_compile_seconds == phases
+    assert m.state.first_update_graphs == graphs
     monkeypatch.setattr(first_calls, "timings", lambda: {})  # a later update finds none: the first's stay
-    monkeypatch.setattr(metrics.env, "compile_seconds", lambda: {"compile_total": 9.0})
+    monkeypatch.setattr(metrics.env, "compiled_since", lambda mark: ({}, {"compile_total": 9.0}))
     train(m, trainer, clock, 1.0, 1)
     assert m.state.first_calls == timings and m.state.first_update_compile_seconds == phases
     assert not {"first_calls", "first_update_compile_seconds"} & set(metrics.RESUME_FIELDS)
