@@ -4,7 +4,7 @@
 
 Sections of named entries (benchmarks, profiles, evaluations, time-to-target verdicts: results.NAMED_SECTIONS) merge
 entry by entry, training runs by name, all through record_many, so nothing already in INTO is lost (a replaced entry
-moves to its "history").
+moves to its "history"); what FROM itself replaced (an entry run twice there) joins INTO's history as it was.
 
 FROM may have started as a copy of INTO (runs made elsewhere on top of it), so it can hold entries that INTO has
 replaced since: an entry whose value INTO keeps in its history is skipped, not merged over the newer one.
@@ -36,7 +36,10 @@ def merge(source, target):
             items.append(([key], value))
     replaced_here = {canonical(h.get("path"), h.get("value")) for h in lookup(target, ["history"], [])}
     fresh = [(keys, value) for keys, value in items if canonical(keys, value) not in replaced_here]
-    record_many(target, fresh)  # one lock and one write for the whole merge
+    # what source replaced (an entry run twice there) joins target's history, once
+    replaced = [h for h in read_results(source).get("history", [])
+                if canonical(h.get("path"), h.get("value")) not in replaced_here]
+    record_many(target, fresh, replaced)  # one lock and one write for the whole merge
     return len(fresh), len(items) - len(fresh)
 
 

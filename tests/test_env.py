@@ -462,6 +462,7 @@ def test_merging_a_returned_results_file_keeps_everything(tmp_path):
     record(local, ["run-1"], {"run_id": "r1", "status": "complete"})
     record(local, ["benchmarks", "changed"], {"run_id": "b", "tokens_per_second": 2.0})
     record(returned, ["benchmarks", "new"], {"run_id": "c", "tokens_per_second": 3.0})
+    record(returned, ["benchmarks", "changed"], {"run_id": "e", "tokens_per_second": 3.5})  # run twice there
     record(returned, ["benchmarks", "changed"], {"run_id": "d", "tokens_per_second": 4.0})
     record(returned, ["profiles", "new"], {"run_id": "c", "kernel_count": 7})
     record(returned, ["run-2"], {"run_id": "r2", "status": "complete"})
@@ -473,7 +474,10 @@ def test_merging_a_returned_results_file_keeps_everything(tmp_path):
     assert merged["benchmarks"]["changed"]["run_id"] == "d" and merged["profiles"]["new"]["kernel_count"] == 7
     assert merged["run-1"]["run_id"] == "r1" and merged["run-2"]["run_id"] == "r2"
     assert set(merged["time-to-target"]) == {"speed", "quality"}  # a verdict section joins, never replaces
-    assert [h["path"] for h in merged["history"]] == [["benchmarks", "changed"]]  # the replaced entry is kept
+    # the entry replaced here is kept, and so is the one the returned file replaced, once, however often merged
+    assert [h["value"]["run_id"] for h in merged["history"]] == ["e", "b"]
+    assert merge_results.merge(returned, local) == (5, 0)
+    assert [h["value"]["run_id"] for h in read_results(local)["history"]] == ["e", "b"]
     # another JSON object (a cache's meta.json, say) is refused in one line, and nothing of it merged
     other = tmp_path / "meta.json"
     other.write_text('{"format": 2, "vocab_size": 300}')
