@@ -203,10 +203,10 @@ class Execution:
     compile_cache: str = setting("", "compiled only: a file of the run's compiled code (compile_cache.py), loaded at "
                                      "start when the same code, torch and GPU made it, and written when the run has "
                                      "compiled what it lacks, so another machine starts warm")
-    static_launch_user_kernels: bool = setting(False, "compiled, on a GPU: Inductor launches the SwiGLU Triton "
-                                                      "kernel from the binary its cache saved, as it launches its "
-                                                      "own, so that a warm run or a loaded compile_cache does not "
-                                                      "compile it again (docs/COLD_START.md)")
+    static_launch_user_kernels: bool = setting(True, "compiled, on a GPU: Inductor launches the SwiGLU Triton "
+                                                     "kernel from the binary its cache saved, as it launches its "
+                                                     "own, so that a warm run or a loaded compile_cache does not "
+                                                     "compile it again (docs/COLD_START.md)")
     attention_backend: str = setting("auto", registry.ATTENTION.help, choices=registry.ATTENTION)
     loss_impl: str = setting("full", registry.LOSS.help, choices=registry.LOSS)
     loss_chunk_tokens: int = setting(8192, "tokens per slice of the fused and quack_chunked losses", bounds="> 0")
@@ -477,13 +477,6 @@ def _compile_cache(cfg):
     if cfg.compile_cache and not cfg.compile:
         return ("compile_cache holds compiled code and this run compiles nothing; set compile=True (or drop "
                 "compile_cache)")
-
-
-@combination("static_launch_user_kernels", "compile")
-def _static_launch(cfg):
-    if cfg.static_launch_user_kernels and not cfg.compile:
-        return ("static_launch_user_kernels sets how compiled code launches the SwiGLU kernel and this run compiles "
-                "nothing; set compile=True (or drop static_launch_user_kernels)")
 
 
 @combination("stop_at_target", "target_loss")

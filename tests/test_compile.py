@@ -73,19 +73,20 @@ def static_launch_unset(monkeypatch):
         yield inductor_config
 
 
-@pytest.mark.parametrize("compiled,static", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("compiled,static", [(False, True), (True, False), (True, True)])
 def test_static_launch_of_the_swiglu_kernel_is_set_by_a_compiled_run_that_asks(text_cache, tmp_path,
                                                                                 static_launch_unset, compiled, static):
-    """static_launch_user_kernels: the compiled trainer sets torch's setting in this process and its variable for
-    Inductor's compile workers; a run that does not ask (or an eager one) touches neither."""
+    """static_launch_user_kernels (on by default): the compiled trainer sets torch's setting in this process and its
+    variable for Inductor's compile workers; a run that turns it off, or an eager one, touches neither."""
     from model_kernels import swiglu
     from tests.test_train import make_trainer, small_config
     inductor_config = static_launch_unset
     for scope in settings.COMPILE_SCOPES:
         make_trainer(small_config(text_cache, tmp_path, compile=compiled, compile_scope=scope,
                                   static_launch_user_kernels=static))
-        assert inductor_config.static_launch_user_defined_triton_kernels is static
-        assert os.environ.get(swiglu.STATIC_LAUNCH_ENV) == ("1" if static else None)
+        asked = compiled and static
+        assert inductor_config.static_launch_user_defined_triton_kernels is asked
+        assert os.environ.get(swiglu.STATIC_LAUNCH_ENV) == ("1" if asked else None)
 
 
 # ---------------------------------------------------------------- the update captured whole (trainer.CapturedUpdate)

@@ -73,7 +73,6 @@ COMBINATION_CASES = [
     (dict(stop_at_target=True), "stop_at_target needs a target"),
     (dict(cooldown_fraction=0.5), "cooldown_fraction 0.5 is wsd's and lr_schedule is 'cosine'"),
     (dict(update_graph=True), "update_graph compiles the clip and the optimizer step"),
-    (dict(static_launch_user_kernels=True), "this run compiles nothing; set compile=True"),
     (dict(lm_head_fp8=True, loss_impl="full"), "lm_head_fp8 runs inside the fused loss"),
     (dict(lm_head_fp8=True, loss_impl="fused", loss_chunk_tokens=1000), "loss_chunk_tokens to be a multiple of 16"),
     (dict(val_subset_tokens=1), "val_subset_tokens 1 holds no target"),
