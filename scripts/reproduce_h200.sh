@@ -171,8 +171,11 @@ cold() {  # docs/COLD_START.md: the first update by phase, cold and warm; each c
 }
 static() {  # docs/COLD_START.md, static_launch_user_kernels off and on: each from empty caches saving a compile cache,
   # warm twice on those caches, then loaded into other empty caches (each entry's first_update_graphs counts the
-  # kernels its cached graphs launched from their binaries; the Triton cache's entries after each run are printed)
+  # kernels its cached graphs launched from their binaries; the Triton cache's entries after each run are printed,
+  # with the binaries they hold: kernels' .cubin, launchers' .so). A process importing what a run imports goes first,
+  # so that the first run timed is not also the first to read the packages from disk.
   local on name saved run
+  python -c "import bench" || return 1
   for on in False True; do
     name=20m-static-launch-$([ $on = True ] && echo on || echo off)
     saved=$(mktemp -d)
@@ -183,7 +186,8 @@ static() {  # docs/COLD_START.md, static_launch_user_kernels off and on: each fr
         case $run in cold | load) file=--compile_cache=$saved/20m.compile ;; esac  # written, then read
         export TORCHINDUCTOR_CACHE_DIR=$caches/i TRITON_CACHE_DIR=$caches/t FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=$caches/f
         bench $REF --static_launch_user_kernels=$on $file --name=$run-bench-$name
-        echo "$run-bench-$name: $(ls "$TRITON_CACHE_DIR" | wc -l) entries in Triton's cache"
+        echo "$run-bench-$name: $(ls "$TRITON_CACHE_DIR" | wc -l) entries in Triton's cache:" \
+          "$(cd "$TRITON_CACHE_DIR" && ls ./*/ | grep -E '[.](cubin|so)$' | sort | uniq -c | awk '{printf "%s:%s ", $2, $1}')"
       )
     done
   done
