@@ -23,8 +23,8 @@ def canonical(path, value):
 
 def merge(source, target):
     """Merges source's entries into target; returns how many were merged and how many skipped as stale."""
-    items = []
-    for key, value in read_results(source).items():
+    items, data = [], read_results(source)
+    for key, value in data.items():
         if key == "history":
             continue
         if not isinstance(value, (dict, list)):  # every entry is an object (a few sections lists): not a results file
@@ -37,7 +37,7 @@ def merge(source, target):
     replaced_here = {canonical(h.get("path"), h.get("value")) for h in lookup(target, ["history"], [])}
     fresh = [(keys, value) for keys, value in items if canonical(keys, value) not in replaced_here]
     # what source replaced (an entry run twice there) joins target's history, once
-    replaced = [h for h in read_results(source).get("history", [])
+    replaced = [h for h in data.get("history", [])
                 if canonical(h.get("path"), h.get("value")) not in replaced_here]
     record_many(target, fresh, replaced)  # one lock and one write for the whole merge
     return len(fresh), len(items) - len(fresh)
