@@ -7,7 +7,9 @@ torch.compiler.save_cache_artifacts() gathers what this process compiled (Induct
 entries, the Triton kernels and their autotuning picks) and load_cache_artifacts() puts them into the local
 caches, so the next compile of the same graphs finds them instead of generating code. Each of those entries is
 keyed by torch on its graph and options, so a cache of other settings is only missed, never used. flash-attn-4
-keeps its compiled CuTe kernels in a folder of its own, outside torch's caches: the file carries that folder too.
+keeps its compiled CuTe kernels in a folder of its own, outside torch's caches, and Triton compiles our kernels that
+run inside custom ops (the fused loss's rows), outside torch.compile's code, into its own cache, with the C helpers it
+builds to launch any kernel: the file carries that folder and those entries of Triton's cache too.
 The file adds a key of its own around them, the things torch's keys do not promise to cover: the torch, Triton
 and CUDA versions, the GPU, the kernel packages and this repository's code. A file whose key differs is ignored
 with a line saying what differs, and rewritten when this run has compiled; a file that is not a compile cache is
@@ -24,10 +26,11 @@ from pathlib import Path
 import torch
 
 import env
-from results import atomic_write
+import model_kernels
+from results import atomic_write, atomic_write_text
 
 MAGIC = b"tiny-llm compile cache\n"
-FORMAT = 1
+FORMAT = 2  # 2: the files after torch's bytes are one tar of flash-attn-4's folder and Triton's entries
 
 
 class CompileCacheError(ValueError):
@@ -43,7 +46,8 @@ def key(device):
     else:
         name = f"cpu {platform.machine()}"
     versions = env.package_versions(("torch", "triton", "flash-attn-4", "nvidia-cutlass-dsl", "quack-kernels"))
-    return {"format": FORMAT, "device": name, "cuda": torch.version.cuda, **versions, "code": env.source_hash()}
+    return {"format": FORMAT, "device": name, "cuda": torch.version.cuda, "python": platform.python_version(),
+            **versions, "code": env.source_hash()}
 
 
 def check_path(path):
@@ -85,25 +89,72 @@ def kernel_folder():
     return Path(tempfile.gettempdir()) / getpass.getuser() / "flash_attention_cute_dsl_cache"
 
 
+def triton_folder():
+    """Triton's cache folder (triton.knobs.cache.dir's rule, without importing Triton)."""
+    folder = os.environ.get("TRITON_CACHE_DIR")
+    if folder:
+        return Path(folder)
+    return Path(os.environ.get("TRITON_HOME") or Path.home()) / ".triton" / "cache"
+
+
+def triton_entries():
+    """The entries of Triton's cache that torch's artefacts do not hold: those of our kernels launched from custom ops
+    (model_kernels.OPAQUE_TRITON_KERNELS) and the compiled C helpers (Triton's driver utilities and kernel launchers,
+    .so files named for the Python that built them). Each entry is a folder named by Triton's key of its contents."""
+    folder = triton_folder()
+    if not folder.is_dir():
+        return []
+    ours = set(model_kernels.OPAQUE_TRITON_KERNELS)
+    return sorted(entry for entry in folder.iterdir() if entry.is_dir() and any(
+        f.suffix == ".so" or f.name.split(".")[0] in ours for f in entry.iterdir()))
+
+
 def kernel_files():
-    """The kernel folder as an uncompressed tar (b"" when there is none)."""
-    folder = kernel_folder()
-    if folder is None or not folder.is_dir():
+    """flash-attn-4's kernel folder and triton_entries() as one uncompressed tar (b"" when there is neither)."""
+    folder, entries = kernel_folder(), triton_entries()
+    if (folder is None or not folder.is_dir()) and not entries:
         return b""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as tar:
-        tar.add(folder, arcname=".")
+        if folder is not None and folder.is_dir():
+            tar.add(folder, arcname="flash-attn-4")
+        for entry in entries:
+            tar.add(entry, arcname=f"triton/{entry.name}")
     return buffer.getvalue()
 
 
 def unpack_kernel_files(data):
-    """Put a saved kernel folder's files where flash-attn-4 looks (files already there are kept)."""
-    folder = kernel_folder()
-    if not data or folder is None:
+    """Put saved kernel files where flash-attn-4 and Triton look (files already there are kept). Triton's group files
+    name their members by absolute path, so those of the entries unpacked are pointed at this machine's folder."""
+    if not data:
         return
-    folder.mkdir(parents=True, exist_ok=True)
+    folders = {"flash-attn-4": kernel_folder(), "triton": triton_folder()}
+    unpacked = {}
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        tar.extractall(folder, filter="data")
+        for top, folder in folders.items():
+            members = [m for m in tar.getmembers() if m.name.split("/")[0] == top and m.name != top]
+            if folder is None or not members:
+                continue
+            folder.mkdir(parents=True, exist_ok=True)
+            for member in members:
+                member.name = member.name[len(top) + 1:]
+            members = [m for m in members if m.isdir() or not (folder / m.name).exists()]
+            tar.extractall(folder, members=members, filter="data")
+            unpacked[top] = {m.name.split("/")[0] for m in members if not m.isdir()}
+    for entry in unpacked.get("triton", ()):
+        for group in (folders["triton"] / entry).glob("__grp__*.json"):
+            _point_group_here(group)
+
+
+def _point_group_here(group):
+    """Rewrite a Triton group file's member paths to its own folder (atomically; one already right is left alone)."""
+    data = json.loads(group.read_text())
+    paths = data.get("child_paths")
+    if not isinstance(paths, dict):
+        return
+    here = {name: str(group.parent / Path(path).name) for name, path in paths.items()}
+    if here != paths:
+        atomic_write_text(group, json.dumps(dict(data, child_paths=here)))
 
 
 def differences(stored, expected):

@@ -23,3 +23,9 @@ def in_autocast_dtype(x):
     """x as F.linear would see it: in the autocast dtype when autocast is on."""
     device_type = x.device.type
     return x.to(torch.get_autocast_dtype(device_type)) if torch.is_autocast_enabled(device_type) else x
+
+
+# Our @triton.jit kernels launched from inside custom ops (opaque to torch.compile), by their function names: Triton
+# compiles them itself, into its own cache, where torch's saved compile artefacts do not reach (compile_cache.py
+# carries their entries).
+OPAQUE_TRITON_KERNELS = ("cross_entropy_rows_kernel", "transpose_kernel")

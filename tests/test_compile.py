@@ -225,6 +225,39 @@ def test_a_saved_cache_makes_a_fresh_process_start_warm_and_another_key_is_ignor
     assert not loaded and "ignored" in line and f"torch: 0.0.0 (here {torch.__version__})" in line
 
 
+def test_tritons_own_entries_of_our_kernels_travel_and_triton_finds_them_in_another_folder(tmp_path, monkeypatch):
+    """The fused loss's rows kernel runs inside a custom op, so Triton, not Inductor, compiles and caches it: the file
+    carries its entry and Triton's compiled C helpers (not Inductor's kernels, which torch's artefacts hold), and on a
+    machine whose Triton cache is elsewhere, Triton's own lookup finds them (its group files name absolute paths)."""
+    from triton.runtime.cache import FileCacheManager
+
+    def compiled(key, files):
+        """An entry as Triton's compile leaves one: its files, then the group file naming them."""
+        cache = FileCacheManager(key)
+        paths = {name: cache.put(data, name) for name, data in files.items()}
+        cache.put_group(next(iter(files)), paths)
+        return cache
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "there"))
+    monkeypatch.delenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", raising=False)
+    launcher = "__triton_launcher.cpython-312-x86_64-linux-gnu.so"
+    compiled("a1", {"cross_entropy_rows_kernel.json": "{}", "cross_entropy_rows_kernel.cubin": b"rows"})
+    compiled("b2", {launcher: b"launcher"})
+    compiled("c3", {"triton_poi_fused_add_0.json": "{}", "triton_poi_fused_add_0.cubin": b"inductor's"})
+    data = compile_cache.kernel_files()
+
+    here = tmp_path / "here"
+    (here / "a1").mkdir(parents=True)
+    (here / "a1" / "cross_entropy_rows_kernel.cubin").write_bytes(b"already here")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(here))
+    compile_cache.unpack_kernel_files(data)
+    assert sorted(p.name for p in here.iterdir()) == ["a1", "b2"]  # not Inductor's kernel
+    group = FileCacheManager("a1").get_group("cross_entropy_rows_kernel.json")
+    assert group == {name: str(here / "a1" / name) for name in group} and len(group) == 2
+    assert (here / "a1" / "cross_entropy_rows_kernel.cubin").read_bytes() == b"already here"  # kept
+    assert FileCacheManager("b2").get_file(launcher) == str(here / "b2" / launcher)
+
+
 def test_the_key_follows_the_code(tmp_path, monkeypatch):
     before = compile_cache.key("cpu")
     monkeypatch.setattr(compile_cache.env, "source_hash", lambda: "edited")
