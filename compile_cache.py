@@ -11,9 +11,9 @@ keeps its compiled CuTe kernels in a folder of its own, outside torch's caches, 
 run inside custom ops (the fused loss's rows), outside torch.compile's code, into its own cache, with the C helpers it
 builds to launch any kernel: the file carries that folder and those entries of Triton's cache too.
 The file adds a key of its own around them, the things torch's keys do not promise to cover: the torch, Triton
-and CUDA versions, the GPU, the kernel packages and this repository's code. A file whose key differs is ignored
-with a line saying what differs, and rewritten when this run has compiled; a file that is not a compile cache is
-never written over.
+and CUDA versions, Python's (Triton's .so helpers are built for it), the GPU, the kernel packages and this
+repository's code. A file whose key differs is ignored with a line saying what differs, and rewritten when this run
+has compiled; a file that is not a compile cache is never written over.
 """
 import io
 import json

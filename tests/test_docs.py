@@ -1,6 +1,6 @@
 """The docs cite their figures by results entry: each cited entry must exist in the results file the document
 names (results/h200.json, or for quack-kernels, update_graph and the cold start results/h200-levers.json and
-results/h200-cold-start.json), so that a figure in a document can always be traced to the measurement behind it;
+results/h200-cold-start.json, or for an H100's runs results/h100.json), so that a figure in a document can always be traced to the measurement behind it;
 and the GPU smoke runs every GPU command the README gives."""
 import json
 import re
@@ -48,23 +48,23 @@ def test_a_pending_measurement_is_not_taken_for_a_cited_one():
 def test_every_entry_the_time_to_quality_doc_cites_is_in_a_results_file():
     """TIME_TO_QUALITY.md cites runs by name (``20m-reference-curve``, ``muon-wsd-...``) and benchmarks as
     ``benchmarks.NAME``; each is in results/h200-time-to-quality.json or, where it says so, results/h200.json or
-    results/h200-shuffled-gutenberg.json."""
+    results/h200-shuffled-gutenberg.json or results/h100.json."""
     text = (ROOT / "docs" / "TIME_TO_QUALITY.md").read_text()
     recorded = set()
-    for name in ("h200-time-to-quality.json", "h200-shuffled-gutenberg.json", "h200.json"):
+    for name in ("h200-time-to-quality.json", "h200-shuffled-gutenberg.json", "h200.json", "h100.json"):
         results = json.loads((ROOT / "results" / name).read_text())
         recorded |= recorded_entries(results) | {f"{s}.{n}" for s in NESTED for n in results.get(s, {})}
-    cited = set(re.findall(r"`((?:benchmarks\.)?(?:20m|muon)-[A-Za-z0-9.-]+)`", text))
+    cited = set(re.findall(r"`((?:benchmarks\.)?(?:20m|muon|quality|reference)-[A-Za-z0-9.-]+)`", text))
     assert len(cited) >= 4 and sorted(cited - recorded) == []
 
 
 def test_every_entry_the_cold_start_doc_cites_is_in_a_results_file():
     """COLD_START.md cites its runs by name; each is in results/h200-cold-start.json or, where it says so,
-    results/h200-levers.json."""
+    results/h200-levers.json or results/h100.json."""
     text = (ROOT / "docs" / "COLD_START.md").read_text()
-    cited = set(re.findall(r"`((?:cold|warm|empty-cache|short-train|cache-load)-[A-Za-z0-9.-]+)`", text))
+    cited = set(re.findall(r"`((?:cold|warm|empty-cache|short-train|cache-load|load)-[A-Za-z0-9.-]+)`", text))
     recorded = set()
-    for name in ("h200-cold-start.json", "h200-levers.json"):
+    for name in ("h200-cold-start.json", "h200-levers.json", "h100.json"):
         recorded |= recorded_entries(json.loads((ROOT / "results" / name).read_text()))
     assert len(cited) >= 15 and sorted(cited - recorded) == []
 
