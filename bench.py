@@ -11,6 +11,12 @@ import statistics
 import sys
 import time
 
+from configurator import ConfigError, argv_value
+from model_kernels import first_calls
+
+if __name__ == "__main__":  # before torch's import: a cold run's helpers import beside this process (start_early)
+    first_calls.start_early(sys.argv[1:], fresh=argv_value(sys.argv[1:], "cold", bool, False))
+
 import numpy as np
 import torch
 
@@ -18,10 +24,8 @@ import env
 import model as model_lib
 import plan as plan_lib
 import settings
-from configurator import ConfigError
 from data.loader import batch_stream, synthetic_batches
 from distributed import all_reduce_sum
-from model_kernels import first_calls
 from plan import USER_ERRORS
 from plots import fmt
 from profiling import kernel_breakdown, profiled_kernels

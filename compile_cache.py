@@ -90,11 +90,8 @@ def kernel_folder():
 
 
 def triton_folder():
-    """Triton's cache folder (triton.knobs.cache.dir's rule, without importing Triton)."""
-    folder = os.environ.get("TRITON_CACHE_DIR")
-    if folder:
-        return Path(folder)
-    return Path(os.environ.get("TRITON_HOME") or Path.home()) / ".triton" / "cache"
+    """Triton's cache folder (env.compiler_cache's, by Triton's rule)."""
+    return Path(env.compiler_cache()["TRITON_CACHE_DIR"])
 
 
 def triton_entries():

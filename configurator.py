@@ -172,6 +172,21 @@ def _override(arg, args, defaults, kinds, also):
     return key, _parse_value(key, text, defaults[key], kinds[key])
 
 
+def argv_value(argv, key, kind, default):
+    """The value argv's overrides give key (the last of them), else default, read as load_config reads them, without
+    the settings (whose module imports torch): for what a script does before it imports anything. A value that does
+    not parse gives default; the script's own load_config reports it."""
+    value, args = default, list(argv)
+    while args:
+        arg = args.pop(0)
+        if arg.startswith("--") and arg[2:].partition("=")[0].replace("-", "_") == key:
+            try:
+                value = _override(arg, args, {key: default}, {key: kind}, {})[1]
+            except ConfigError:
+                return default
+    return value
+
+
 def _config_file(arg, config, defaults, kinds, also, also_kinds):
     """The settings a config file assigns, checked, run over the settings so far (config)."""
     path = Path(arg)

@@ -1,8 +1,8 @@
 """The environment a result comes from: the fingerprint of machine and software, the identities that name a
 config and the code, the GPU's peak for MFU, and SLURM's accounting. One place for each: scripts import these.
 """
-import contextlib
 import datetime
+import getpass
 import hashlib
 import json
 import os
@@ -74,32 +74,56 @@ def package_versions(names=("torch", "triton", "numpy", "datasets", "transformer
 COMPILER_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE_", "TRITON_")
 
 
+CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR")
+_before_early_fresh = {}  # the variables as they were when fresh_compiler_caches(early=True) replaced them
+
+
 def compiler_cache():
-    """The inductor and Triton cache folders in effect (env var, else the library's default)."""
-    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if inductor is None:
-        with contextlib.suppress(Exception):
-            from torch._inductor.runtime.cache_dir_utils import cache_dir
-            inductor = cache_dir()
-    triton = os.environ.get("TRITON_CACHE_DIR") or str(Path.home() / ".triton" / "cache")
-    return {"TORCHINDUCTOR_CACHE_DIR": inductor, "TRITON_CACHE_DIR": triton,
+    """The Inductor, Triton and flash-attn-4 cache folders in effect: each library's environment variable, else its
+    default by the library's rule (flash-attn-4's None), without importing them."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    user = re.sub(r'[\\/:*?"<>|]', "_", user)  # torch._inductor.runtime.cache_dir_utils's default folder
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+    triton_home = os.environ.get("TRITON_HOME") or str(Path.home())  # triton.knobs.cache.dir's default
+    return {"TORCHINDUCTOR_CACHE_DIR": os.path.abspath(inductor),
+            "TRITON_CACHE_DIR": os.environ.get("TRITON_CACHE_DIR") or os.path.join(triton_home, ".triton", "cache"),
             "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR")}
+
+
+def fresh_compiler_caches(early=False):
+    """Point the compiler caches at new, empty folders (a cold compile), before anything imports flash-attn-4 (which
+    reads its folder at import). early: at the process's start, before its settings are read (model_kernels/
+    first_calls.start_early), so that the helpers started then inherit them; compiler_cache_state() then takes them as
+    the run's, or puts the variables back when the run turns out not to be cold."""
+    if early:
+        _before_early_fresh.update({variable: os.environ.get(variable) for variable in CACHE_VARIABLES})
+    root = tempfile.mkdtemp(prefix="tiny-llm-cold-")
+    for variable, folder in zip(CACHE_VARIABLES, ("inductor", "triton", "flash_attention_cute_dsl")):
+        os.environ[variable] = os.path.join(root, folder)
 
 
 def compiler_cache_state(fresh=False):
     """(the compiler caches' folders, whether Inductor's is empty); fresh points them at new, empty folders first
-    (a cold compile)."""
-    if fresh:
-        root = tempfile.mkdtemp(prefix="tiny-llm-cold-")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
-        os.environ["TRITON_CACHE_DIR"] = os.path.join(root, "triton")
-        # flash-attn-4's own cache of its CuTe kernels (when FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1), read when
-        # flash_attn.cute is imported: this runs before anything imports it
-        os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] = os.path.join(root, "flash_attention_cute_dsl")
-    folders = compiler_cache()
-    inductor = folders["TORCHINDUCTOR_CACHE_DIR"]
-    was_cold = not (inductor and Path(inductor).is_dir() and any(Path(inductor).iterdir()))
-    return folders, was_cold
+    (a cold compile), or keeps those made at the process's start for it."""
+    if _before_early_fresh and not fresh:
+        for variable, value in _before_early_fresh.items():
+            if value is None:
+                os.environ.pop(variable, None)
+            else:
+                os.environ[variable] = value
+    elif fresh and not _before_early_fresh:
+        fresh_compiler_caches()
+    _before_early_fresh.clear()
+    return compiler_cache(), inductor_cache_empty()
+
+
+def inductor_cache_empty():
+    """Whether Inductor's cache folder in effect holds nothing (a cold compile)."""
+    inductor = Path(compiler_cache()["TORCHINDUCTOR_CACHE_DIR"])
+    return not (inductor.is_dir() and any(inductor.iterdir()))
 
 
 def inductor_graph_counts():

@@ -9,6 +9,11 @@ import signal
 import sys
 import time
 
+from model_kernels import first_calls
+
+if __name__ == "__main__":  # before torch's import: a cold run's helpers import beside this process (start_early)
+    first_calls.start_early(sys.argv[1:])
+
 import torch
 
 import checkpoint

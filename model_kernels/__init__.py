@@ -5,11 +5,10 @@ without Triton. registry.py declares the execution choices among them, once each
 
 Named model_kernels, not kernels: that is the import name of Hugging Face's `kernels` package, which
 transformers (5.25 and later) installs and imports, and a folder of that name beside train.py would be found
-first (tests/test_imports.py).
+first (tests/test_imports.py). This file imports no torch, so that a script can import first_calls and start its
+helpers before it imports torch (first_calls.start_early).
 """
 import importlib.util
-
-import torch
 
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None  # without importing it (the CPU build has none)
 
@@ -21,6 +20,7 @@ def uses_triton(device):
 
 def in_autocast_dtype(x):
     """x as F.linear would see it: in the autocast dtype when autocast is on."""
+    import torch
     device_type = x.device.type
     return x.to(torch.get_autocast_dtype(device_type)) if torch.is_autocast_enabled(device_type) else x
 

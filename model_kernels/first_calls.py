@@ -9,12 +9,15 @@ model_kernels/attention.py turns on, and Triton's cache), and the children inher
 per kernel (in parallel: neither waits for the other's compile) imports torch and the kernel's code, about 14 s for
 flash-attn-4, then reads its job (the run's shapes) on its input, calls the kernel once at them and prints its name
 and its seconds since it was started, with when it had imported torch and the kernel's code and had its job.
-prestart() starts the children as soon as the run knows its settings and its caches' warmth, so that their imports
-overlap the run's own checks, data and model; start() then gives each child its job (starting any that prestart did
-not) and ends the ones the run turned out not to need. The run's own first call of a kernel waits for the child's
-line (wait) and then loads the kernel from disk instead of compiling it again. A child that fails or exits early
-costs the run nothing but that wait: the first call compiles the kernel itself, as it would have without a child.
-timings() says when each was ready and how long the run waited for it (bench.py records them).
+start_early() starts them at the process's start, before it imports torch and the project (5 to 10 s on a fresh
+machine), on a machine with an NVIDIA GPU whose Inductor cache is empty, so that their imports overlap the process's
+own; prestart(), once the run knows its settings and its caches' warmth, keeps those it needs (under the same cache
+folders) and starts any missing, so that their imports overlap at least the run's checks, data and model; start()
+then gives each child its job (starting any that prestart did not) and ends the ones the run turned out not to
+need. The run's own first call of a kernel waits for the child's line (wait) and then loads the kernel from disk
+instead of compiling it again. A child that fails or exits early costs the run nothing but that wait: the first call
+compiles the kernel itself, as it would have without a child. timings() says when each was ready and how long the
+run waited for it (bench.py records them).
 
 Inductor starts its compile workers at the first compile, and compiles a kernel in this process, one after another,
 while they are not yet ready (torch._inductor.async_compile); each imports torch first. Cold, prestart starts
@@ -25,6 +28,7 @@ them too.
 """
 import atexit
 import json
+import os
 import re
 import subprocess
 import sys
@@ -32,9 +36,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import env
+
 KERNELS = ("loss", "attention")
 NUMBER = r"\d+(?:\.\d+)?"
-_children = {}  # kernel -> {"process", "log"} while its child runs
+_children = {}  # kernel -> {"process", "log", "folders"} while its child runs
 _timings = {}  # kernel -> {"ready_seconds", "torch_seconds", "code_seconds", "job_seconds": the child's, since it was
 #                            started; "waited_seconds": the run's first call's}
 
@@ -76,21 +82,45 @@ def kernels_of(job):
     return [k for k in KERNELS if (job["vocab_size"] if k == "loss" else job["attention"] or job.get("windows"))]
 
 
+def start_early(argv, fresh=False, command=None, gpu=None):
+    """At a train.py or bench.py process's start, before it imports torch (argv: its arguments): when the machine has
+    an NVIDIA GPU (gpu, by default its device node) and Inductor's cache is empty, a child per kernel, each importing
+    until prestart keeps or ends it. fresh (bench.py's cold=True among argv's overrides): new, empty cache folders
+    first, which the children inherit and the run then takes as its own (env.fresh_compiler_caches). command as
+    start()'s."""
+    if "-h" in argv or "--help" in argv or not (_has_nvidia_gpu() if gpu is None else gpu):
+        return
+    if fresh:
+        env.fresh_compiler_caches(early=True)
+    if env.inductor_cache_empty():
+        for kernel in KERNELS:
+            _spawn(kernel, command)
+
+
+def _has_nvidia_gpu():
+    return Path("/dev/nvidiactl").exists() and os.environ.get("CUDA_VISIBLE_DEVICES") != ""
+
+
 def prestart(cfg, device, cold, command=None):
     """Before the run's checks, data and model, when cold (Inductor's cache is empty): Inductor's compile workers when
     cfg compiles on a GPU, and a child per kernel that the run may compile at a first call (kernels_for before the
-    backend is resolved), each importing what it needs until start() gives it its job or ends it. device: the
-    torch.device the run will use; command as start()'s. Warm, nothing: Inductor loads its kernels from its cache,
-    in this process while its workers are not yet up."""
-    stop()
+    backend is resolved), each importing what it needs until start() gives it its job or ends it; start_early's
+    children are kept where they are such a kernel's, under the run's cache folders. device: the torch.device the
+    run will use; command as start()'s. Warm, nothing: Inductor loads its kernels from its cache, in this process
+    while its workers are not yet up."""
+    wanted, folders = kernels_for(cfg, device, None, cold), env.compiler_cache()
+    for kernel, child in list(_children.items()):
+        if kernel not in wanted or child["folders"] != folders or child["process"].stdin.closed:
+            _end(_children.pop(kernel))
     if cold and cfg.compile and device.type == "cuda":
         if cfg.static_launch_user_kernels:  # before the workers start: they read it from their environment
             from model_kernels.swiglu import launch_from_saved_binary
             launch_from_saved_binary()
         from torch._inductor.async_compile import maybe_warm_pool
         maybe_warm_pool()  # what torch.compile's Inductor backend calls at the first compile, called sooner
-    for kernel in kernels_for(cfg, device, None, cold):
-        _spawn(kernel, command)
+    for kernel in wanted:
+        if kernel not in _children:
+            _spawn(kernel, command)
 
 
 def start(job, command=None):
@@ -117,7 +147,8 @@ def _spawn(kernel, command):
     log = tempfile.TemporaryFile()  # its errors, for the line a failure prints; a pipe could fill and block it
     _children[kernel] = {"process": subprocess.Popen(line, cwd=Path(__file__).resolve().parent.parent,
                                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                                                     text=True), "log": log}
+                                                     text=True), "log": log,
+                         "folders": env.compiler_cache()}  # the cache folders it inherited
     return _children[kernel]
 
 

@@ -409,6 +409,80 @@ def test_prestarted_children_get_their_job_later_and_those_the_run_does_not_need
         first_calls.stop()
 
 
+def test_the_helpers_can_start_before_the_script_imports_torch():
+    """train.py and bench.py import first_calls and read bench's cold from their arguments before torch."""
+    code = ("import sys\nfrom model_kernels import first_calls\nfrom configurator import argv_value\n"
+            "print(sorted(m for m in ('torch', 'settings', 'model') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv, cold", [(["config/x.py", "--cold=True"], True), (["--cold"], True),
+                                        (["--cold", "False"], False), (["--cold=True", "--cold=False"], False),
+                                        (["--cold=maybe"], False), (["--cold_start=True"], False), ([], False)])
+def test_the_early_reading_of_an_override_is_load_configs(argv, cold):
+    from configurator import argv_value
+    assert argv_value(argv, "cold", bool, False) is cold
+
+
+def test_early_children_start_on_a_cold_gpu_machine_only_and_the_plan_keeps_those_it_needs(tmp_path, monkeypatch):
+    """start_early, at the process's start: a child per kernel when the machine has a GPU and Inductor's cache is
+    empty; prestart keeps those the run compiles (the same processes) and ends the others."""
+    from model_kernels import first_calls
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    stand_in = stand_in_children({})
+    try:
+        first_calls.start_early(["config/x.py"], command=stand_in, gpu=False)
+        assert first_calls._children == {}
+        first_calls.start_early(["--help"], command=stand_in, gpu=True)
+        assert first_calls._children == {}
+        first_calls.start_early(["config/x.py"], command=stand_in, gpu=True)
+        early = {k: c["process"] for k, c in first_calls._children.items()}
+        assert set(early) == {"loss", "attention"}
+        first_calls.prestart(first_calls_cfg(attention_backend="sdpa"), torch.device("cuda", 0), True, stand_in)
+        assert set(first_calls._children) == {"loss"} and first_calls._children["loss"]["process"] is early["loss"]
+        assert early["attention"].returncode is not None  # ended
+        first_calls.stop()
+        (tmp_path / "inductor").mkdir()
+        (tmp_path / "inductor" / "fxgraph").mkdir()  # warm: Inductor loads its kernels, no child is worth it
+        first_calls.start_early(["config/x.py"], command=stand_in, gpu=True)
+        assert first_calls._children == {}
+    finally:
+        first_calls.stop()
+
+
+@pytest.mark.parametrize("cold_run", [True, False])
+def test_bench_cold_folders_made_at_the_start_are_the_runs_and_put_back_when_it_is_not_cold(tmp_path, monkeypatch,
+                                                                                         cold_run):
+    """bench.py's cold=True among its arguments: the new folders are made before the children start, which inherit
+    them, and the run's own fresh folders are those; a run that is not cold after all (its config file said
+    otherwise) gets the folders it had, and the plan replaces the children started under the others."""
+    from model_kernels import first_calls
+    for variable in env.CACHE_VARIABLES:
+        monkeypatch.setenv(variable, str(tmp_path / variable))
+    before = env.compiler_cache()
+    stand_in = stand_in_children({})
+    try:
+        first_calls.start_early(["--cold=True"], fresh=True, command=stand_in, gpu=True)
+        early = env.compiler_cache()
+        assert early != before and set(first_calls._children) == {"loss", "attention"}
+        assert all(c["folders"] == early for c in first_calls._children.values())
+        folders, cold = env.compiler_cache_state(fresh=cold_run)
+        assert cold and folders == (early if cold_run else before)
+        assert env.compiler_cache_state(fresh=cold_run)[0] != early  # a later run (another preset): new folders
+        children = {k: c["process"] for k, c in first_calls._children.items()}
+        env.compiler_cache_state(fresh=False)
+        monkeypatch.setattr(env, "compiler_cache", lambda: early)  # the run's folders as at the start
+        first_calls.prestart(first_calls_cfg(), torch.device("cuda", 0), True, stand_in)
+        kept = {k: c["process"] is children[k] for k, c in first_calls._children.items()}
+        assert kept == {"loss": True, "attention": True}
+        monkeypatch.setattr(env, "compiler_cache", lambda: before)  # other folders: new children under them
+        first_calls.prestart(first_calls_cfg(), torch.device("cuda", 0), True, stand_in)
+        assert all(c["process"] is not children[k] for k, c in first_calls._children.items())
+    finally:
+        first_calls.stop()
+
+
 @pytest.mark.parametrize("static", [False, True])
 def test_static_launch_is_in_the_environment_before_inductors_workers_start(monkeypatch, static_launch_unset, static):
     """Cold, prestart starts Inductor's compile workers early; with static_launch_user_kernels their environment
