@@ -5,18 +5,18 @@
 # Parts, in the document's order, with their time on one H200 (warm compiler caches; cold adds about 20 s per
 # compiled shape): ceilings (1 min), current (8 min), accumulation (2 min), loss (2 min), matched (5 min, then
 # compare.py with no GPU), tune (15 min), levers (9 min), quack (6 min), push (10 min), cold (10 min; a fresh
-# machine for its first profile), static (5 min), speedrun (about 46 min: docs/TIME_TO_QUALITY.md's screens of the
-# kept levers, the speed candidate's seeds, verdict, contexts in one shape and its verdict with them, the quality
-# candidate's seeds beside the recipe before it, four passes at 32,768 tokens an update and their verdict at 1024
-# throughout), all (about 121 min).
+# machine for its first profile), static (5 min), early (6 min), speedrun (about 46 min: docs/TIME_TO_QUALITY.md's
+# screens of the kept levers, the speed candidate's seeds, verdict, contexts in one shape and its verdict with them,
+# the quality candidate's seeds beside the recipe before it, four passes at 32,768 tokens an update and their
+# verdict at 1024 throughout), all (about 127 min).
 # Merge the results file into results/h200.json with scripts/merge_results.py (parts quack's and push's into
-# results/h200-levers.json, cold's and static's into results/h200-cold-start.json). Needs data/cache/gutenberg;
+# results/h200-levers.json, cold's, static's and early's into results/h200-cold-start.json). Needs data/cache/gutenberg;
 # requirements-gpu.txt for the fa4 and quack rows, which are skipped without it. The rows of choices no longer in the
 # code (docs/PERFORMANCE.md, "Levers tried and not kept") are measured by this script in the tree that had them,
 # git 8e61ae0.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-PARTS="ceilings current accumulation loss matched tune levers quack push cold static speedrun all"
+PARTS="ceilings current accumulation loss matched tune levers quack push cold static early speedrun all"
 usage() { echo "usage: bash scripts/reproduce_h200.sh PART... [-- RESULTS_FILE]; parts: $PARTS" >&2; exit 2; }
 parts=()
 R=out/h200/results.json
@@ -192,6 +192,30 @@ static() {  # docs/COLD_START.md, static_launch_user_kernels off and on: each fr
     done
   done
 }
+early() {  # docs/COLD_START.md, the helper children started at the process's start against at the plan, alternating,
+  # twice each: a script run as itself starts them before it imports torch (first_calls.start_early); called through
+  # its main(), as here with python -c, at the plan. Each run in new, empty cache folders.
+  local config how i fresh
+  local main='import sys, importlib; sys.exit(importlib.import_module(sys.argv[1]).main(sys.argv[2:]))'
+  for config in 20m_gh200 90m; do
+    for i in 1 2; do
+      bench config/$config.py --cold=True --name=cold-bench-${config%_gh200}-helpers-early-$i
+      timeout 300 python -c "$main" bench config/$config.py --cold=True --results_file="$R" \
+        --name=cold-bench-${config%_gh200}-helpers-at-plan-$i
+    done
+  done
+  for i in 1 2; do
+    for how in early at-plan; do
+      fresh=$(mktemp -d)
+      export TORCHINDUCTOR_CACHE_DIR=$fresh/i TRITON_CACHE_DIR=$fresh/t FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=$fresh/f
+      local run=(train.py)
+      [ $how = early ] || run=(-c "$main" train)
+      timeout 300 python "${run[@]}" config/20m_muon_wsd.py --train_subset_tokens=1310721 --val_subset_tokens=65536 \
+        --epochs=1 --overwrite=True --results_file="$R" --name=cold-train-20m-muon-wsd-helpers-$how-$i
+    done
+  done
+  unset TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR FLASH_ATTENTION_CUTE_DSL_CACHE_DIR
+}
 speedrun() {  # TIME_TO_QUALITY.md's "The speedrun's levers, screened": each kept lever on the shipped recipe, then its
   # cost; the levers not kept left the code, and their rows ran this part at commit 94da7b6
   local recipe=config/20m_muon_wsd.py name args
@@ -255,7 +279,7 @@ LEVERS
 
 for part in "${parts[@]}"; do
   case $part in
-    all) ceilings; current; accumulation; loss; matched; tune; levers; quack; push; cold; static; speedrun ;;
+    all) ceilings; current; accumulation; loss; matched; tune; levers; quack; push; cold; static; early; speedrun ;;
     *) echo "=== $part"; $part ;;
   esac
 done
