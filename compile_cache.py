@@ -145,8 +145,11 @@ def unpack_kernel_files(data):
 
 def _point_group_here(group):
     """Rewrite a Triton group file's member paths to its own folder (atomically; one already right is left alone)."""
-    data = json.loads(group.read_text())
-    paths = data.get("child_paths")
+    try:
+        data = json.loads(group.read_text())
+    except ValueError:  # a damaged group file: Triton ignores it and compiles again, as it would have
+        return
+    paths = data.get("child_paths") if isinstance(data, dict) else None
     if not isinstance(paths, dict):
         return
     here = {name: str(group.parent / Path(path).name) for name, path in paths.items()}

@@ -18,13 +18,6 @@ def uses_triton(device):
     return device.type == "cuda" and TRITON_INSTALLED
 
 
-def in_autocast_dtype(x):
-    """x as F.linear would see it: in the autocast dtype when autocast is on."""
-    import torch
-    device_type = x.device.type
-    return x.to(torch.get_autocast_dtype(device_type)) if torch.is_autocast_enabled(device_type) else x
-
-
 # Our @triton.jit kernels launched from inside custom ops (opaque to torch.compile), by their function names: Triton
 # compiles them itself, into its own cache, where torch's saved compile artefacts do not reach (compile_cache.py
 # carries their entries).

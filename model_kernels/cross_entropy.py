@@ -3,7 +3,14 @@ choices)."""
 import torch
 import torch.nn.functional as F
 
-from model_kernels import first_calls, in_autocast_dtype, uses_triton
+from model_kernels import first_calls, uses_triton
+
+
+def in_autocast_dtype(x):
+    """x as F.linear would see it: in the autocast dtype when autocast is on."""
+    device_type = x.device.type
+    return x.to(torch.get_autocast_dtype(device_type)) if torch.is_autocast_enabled(device_type) else x
+
 
 def full_cross_entropy(h, weight, targets, chunk_tokens=None):
     """Sum of cross-entropy of (h @ weight.T) against targets (-100 ignored) from all logits at once, float32 inside:

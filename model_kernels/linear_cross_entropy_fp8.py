@@ -24,9 +24,9 @@ transposed copies cost a pass of their own (20m-fast-track-profile).
 """
 import torch
 
-from model_kernels import in_autocast_dtype, uses_triton
+from model_kernels import uses_triton
 from model_kernels.cross_entropy import (_cross_entropy_rows, _linear_cross_entropy_backward,
-                                         _linear_cross_entropy_fake, _linear_cross_entropy_setup)
+                                         _linear_cross_entropy_fake, _linear_cross_entropy_setup, in_autocast_dtype)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 E4M3_MAX = torch.finfo(E4M3).max  # 448

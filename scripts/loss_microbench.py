@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import env  # noqa: E402
 from results import record  # noqa: E402
 import common  # noqa: E402
-from model_kernels import in_autocast_dtype  # noqa: E402
+from model_kernels.cross_entropy import in_autocast_dtype  # noqa: E402
 from model_kernels import quack_ops  # noqa: E402
 from model_kernels.cross_entropy import linear_cross_entropy  # noqa: E402
 from model_kernels.linear_cross_entropy_fp8 import linear_cross_entropy_fp8  # noqa: E402

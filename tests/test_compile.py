@@ -244,6 +244,9 @@ def test_tritons_own_entries_of_our_kernels_travel_and_triton_finds_them_in_anot
     compiled("a1", {"cross_entropy_rows_kernel.json": "{}", "cross_entropy_rows_kernel.cubin": b"rows"})
     compiled("b2", {launcher: b"launcher"})
     compiled("c3", {"triton_poi_fused_add_0.json": "{}", "triton_poi_fused_add_0.cubin": b"inductor's"})
+    damaged = FileCacheManager("d4")  # a group file cut short: Triton ignores it, and so does the unpacking
+    damaged.put(b"rows", "cross_entropy_rows_kernel.cubin")
+    damaged.put('{"child_paths": {', "__grp__cross_entropy_rows_kernel.json", binary=False)
     data = compile_cache.kernel_files()
 
     here = tmp_path / "here"
@@ -251,7 +254,7 @@ def test_tritons_own_entries_of_our_kernels_travel_and_triton_finds_them_in_anot
     (here / "a1" / "cross_entropy_rows_kernel.cubin").write_bytes(b"already here")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(here))
     compile_cache.unpack_kernel_files(data)
-    assert sorted(p.name for p in here.iterdir()) == ["a1", "b2"]  # not Inductor's kernel
+    assert sorted(p.name for p in here.iterdir()) == ["a1", "b2", "d4"]  # not Inductor's kernel
     group = FileCacheManager("a1").get_group("cross_entropy_rows_kernel.json")
     assert group == {name: str(here / "a1" / name) for name in group} and len(group) == 2
     assert (here / "a1" / "cross_entropy_rows_kernel.cubin").read_bytes() == b"already here"  # kept
@@ -415,6 +418,26 @@ def test_the_helpers_can_start_before_the_script_imports_torch():
             "print(sorted(m for m in ('torch', 'settings', 'model') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("script, argv, fresh", [("train.py", ["config/x.py"], False),
+                                                 ("bench.py", ["config/x.py", "--cold=True"], True),
+                                                 ("bench.py", ["config/x.py"], False)])
+def test_train_and_bench_start_the_helpers_first_when_run_as_scripts(script, argv, fresh):
+    """Run as a script (not imported: compare.py and the tests call main()), each calls start_early with its
+    arguments before it imports torch; bench.py passes its --cold."""
+    code = (f"import runpy, sys\nfrom model_kernels import first_calls\n"
+            f"def early(argv, fresh=False):\n"
+            f"    print('start_early', argv, fresh, 'torch' in sys.modules, flush=True)\n"
+            f"    raise SystemExit(0)\n"
+            f"first_calls.start_early = early\nsys.argv = [{script!r}] + {argv!r}\n"
+            f"runpy.run_path({script!r}, run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == f"start_early {argv} {fresh} False", out.stderr[-2000:]
+    imported = subprocess.run([sys.executable, "-c", f"import {script[:-3]}\nfrom model_kernels import first_calls\n"
+                               f"print(first_calls._children)"], cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
+    assert imported.returncode == 0 and imported.stdout.strip() == "{}"  # imported: no early start
 
 
 @pytest.mark.parametrize("argv, cold", [(["config/x.py", "--cold=True"], True), (["--cold"], True),
