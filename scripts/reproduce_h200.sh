@@ -249,32 +249,43 @@ LEVERS
   # its 5-seed verdict with the contexts in one shape (its settings now), beside the reference's 3 seeds again
   timeout 900 python compare.py config/20m_speed.py --mode=time-to-target --seeds=5 --target_loss=4.2462 \
     --target_baseline=config/20m_gh200.py --target_baseline_seeds=3 --name=20m-speed-context-windows --results_file="$R"
-  # "The quality candidate": the recipe before it (its keys then) over 3 and 4 passes and at seeds 1338 and 1339, then
-  # the candidate's seeds, each alone (the docs' rows ran four at once, and four of them were stopped at update 4175)
-  local before="--weight_decay=0.1 --cooldown_fraction=0.5 --ema=0.995" e
+  # "The quality candidate": the candidates before it, at the width 320 with the contexts (narrow: their keys, which
+  # config/20m_quality.py has since changed), and the recipe before those (before: its regularisation then) over 3
+  # and 4 passes and at seeds 1338 and 1339, then their seeds, each alone (the docs' rows ran four at once)
+  local narrow="--dim=320 --n_heads=5 --hidden_dim=896 --seq_len_schedule=256:0.3,512:0.6 --tokens_per_update=16384
+    --micro_batch_size=16 --muon_lr=0.003" before="--weight_decay=0.1 --cooldown_fraction=0.5 --ema=0.995" e
   for e in 3 4; do
-    timeout 600 python train.py config/20m_quality.py $split $before --epochs=$e --overwrite=True \
+    timeout 600 python train.py config/20m_quality.py $split $narrow $before --epochs=$e --overwrite=True \
       --name=screen-quality-q$e-ema-winners --results_file="$R"
   done
   for s in 1338 1339; do
-    timeout 600 python train.py config/20m_quality.py $split $before --seed=$s --overwrite=True \
+    timeout 600 python train.py config/20m_quality.py $split $narrow $before --seed=$s --overwrite=True \
       --name=screen-quality-q3-ema-winners-seed$s --results_file="$R"
   done
   for s in 1337 1338 1339 1340; do
-    timeout 600 python train.py config/20m_quality.py $split --seed=$s --overwrite=True --name=20m-quality-seed$s \
-      --results_file="$R"
+    timeout 600 python train.py config/20m_quality.py $split $narrow --seed=$s --overwrite=True \
+      --name=20m-quality-seed$s --results_file="$R"
   done
   # four passes at 32,768 tokens an update, each seed alone (the docs' rows ran six and three at once but seed 1338)
   for s in 1337 1338 1339 1340 1341; do
-    timeout 600 python train.py config/20m_quality.py $split --epochs=4 --tokens_per_update=32768 \
+    timeout 600 python train.py config/20m_quality.py $split $narrow --epochs=4 --tokens_per_update=32768 \
       --micro_batch_size=32 --muon_lr=0.004 --seed=$s --overwrite=True --name=20m-quality-q4-32k-seed$s \
       --results_file="$R"
   done
   # the same four passes at 1024 throughout: their 5-seed verdict beside the reference's two seeds
-  timeout 900 python compare.py config/20m_quality.py --epochs=4 --tokens_per_update=32768 --micro_batch_size=32 \
-    --muon_lr=0.004 --seq_len_schedule= --mode=time-to-target --seeds=5 --target_loss=3.80 \
+  timeout 900 python compare.py config/20m_quality.py $narrow --epochs=4 --tokens_per_update=32768 \
+    --micro_batch_size=32 --muon_lr=0.004 --seq_len_schedule= --mode=time-to-target --seeds=5 --target_loss=3.80 \
     --target_baseline=config/20m_gh200.py --target_baseline_seeds=2 --name=20m-quality-q4-32k-ctx-none \
     --results_file="$R"
+  # the candidate (width 384, 24,576 an update, three passes): the reference alone after a short bench that compiles
+  # its graphs, then the candidate's seeds, each alone (the docs' rows ran four at once but the first seed's)
+  bench config/20m_gh200.py --warmup=3 --steps=5 --windows=1 --name=warm-reference-graphs
+  timeout 300 python train.py config/20m_gh200.py --seed=1337 --overwrite=True --name=20m-reference-seed1337-solo \
+    --results_file="$R"
+  for s in 1337 1338 1339 1340 1341; do
+    timeout 300 python train.py config/20m_quality.py --eval_interval=0 --seed=$s --overwrite=True \
+      --name=20m-quality-seed$s-solo --results_file="$R"
+  done
 }
 
 for part in "${parts[@]}"; do

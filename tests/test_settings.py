@@ -144,7 +144,7 @@ def test_every_shipped_config_passes_every_check_of_a_setting(config_file):
     assert cfg.name and cfg.preset in model_lib.PRESETS
 
 
-def test_the_quality_candidate_is_the_speed_candidate_over_three_passes_regularised(tmp_path, monkeypatch):
+def test_the_quality_candidate_is_the_speed_candidate_wider_over_three_passes_regularised(tmp_path, monkeypatch):
     """config/20m_quality.py reads config/20m_speed.py beside it (a config file sees its own __file__): its recipe
     is the speed candidate's but for the keys it names, wherever the script runs from (here a relative path from
     another folder, so that a path read from the working directory would not find the speed config)."""
@@ -153,5 +153,6 @@ def test_the_quality_candidate_is_the_speed_candidate_over_three_passes_regulari
     monkeypatch.chdir(tmp_path)
     quality = settings.resolve(TrainSettings, [os.path.relpath(root / "config" / "20m_quality.py")])
     assert {k: quality[k] for k in quality if quality[k] != speed[k]} == \
-        {"name": "20m-quality", "train_subset_tokens": 0, "epochs": 3, "weight_decay": 0.3, "cooldown_fraction": 0.7,
-         "ema": 0.998}
+        {"name": "20m-quality", "dim": 384, "n_heads": 6, "hidden_dim": 1024, "train_subset_tokens": 0, "epochs": 3,
+         "seq_len_schedule": "", "tokens_per_update": 24576, "micro_batch_size": 24, "muon_lr": 0.0035,
+         "weight_decay": 0.3, "cooldown_fraction": 0.7, "ema": 0.998}
