@@ -3,6 +3,7 @@ settings are resolved, and every refusal comes before the model is built or a fo
 import dataclasses
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,23 @@ def test_the_quality_candidate_is_the_speed_candidate_wider_over_three_passes_re
         {"name": "20m-quality", "dim": 384, "n_heads": 6, "hidden_dim": 1024, "train_subset_tokens": 0, "epochs": 3,
          "seq_len_schedule": "", "tokens_per_update": 24576, "micro_batch_size": 24, "muon_lr": 0.0035,
          "weight_decay": 0.3, "cooldown_fraction": 0.7, "ema": 0.998}
+
+
+def test_the_narrow_keys_of_the_docs_and_the_reproduce_script_restore_the_width_320_candidate():
+    """docs/TIME_TO_QUALITY.md's NARROW and scripts/reproduce_h200.sh's $narrow, on config/20m_quality.py, must give
+    the candidate that ran before the width grew (the speed candidate over three passes, regularised), or the rows
+    they claim to reproduce would run another recipe."""
+    root = Path(__file__).resolve().parent.parent
+    docs = re.search(r"`NARROW` = `([^`]+)`", (root / "docs" / "TIME_TO_QUALITY.md").read_text())
+    script = re.search(r'local narrow="([^"]+)"', (root / "scripts" / "reproduce_h200.sh").read_text())
+    assert docs and script, "NARROW's definition is gone from the docs or the reproduce script"
+    keys = docs.group(1).split()
+    assert keys == script.group(1).split()
+    speed = settings.resolve(TrainSettings, [str(root / "config" / "20m_speed.py")])
+    narrow = settings.resolve(TrainSettings, [str(root / "config" / "20m_quality.py"), *keys])
+    preset = model_lib.PRESETS[speed["preset"]]  # the speed candidate's 0s keep the preset's shape, NARROW names it
+    shape = {"dim": preset.dim, "n_heads": preset.n_heads, "hidden_dim": preset.hidden_dim}
+    assert {k: speed[k] for k in shape} == {k: 0 for k in shape}
+    assert {k: narrow[k] for k in narrow if narrow[k] != speed[k]} == \
+        {"name": "20m-quality", **shape, "train_subset_tokens": 0, "epochs": 3, "weight_decay": 0.3,
+         "cooldown_fraction": 0.7, "ema": 0.998}
