@@ -5,10 +5,11 @@
 # Parts, in the document's order, with their time on one H200 (warm compiler caches; cold adds about 20 s per
 # compiled shape): ceilings (1 min), current (8 min), accumulation (2 min), loss (2 min), matched (5 min, then
 # compare.py with no GPU), tune (15 min), levers (9 min), quack (6 min), push (10 min), cold (10 min; a fresh
-# machine for its first profile), static (5 min), early (6 min), speedrun (about 46 min: docs/TIME_TO_QUALITY.md's
+# machine for its first profile), static (5 min), early (6 min), speedrun (about 54 min: docs/TIME_TO_QUALITY.md's
 # screens of the kept levers, the speed candidate's seeds, verdict, contexts in one shape and its verdict with them,
-# the quality candidate's seeds beside the recipe before it, four passes at 32,768 tokens an update and their
-# verdict at 1024 throughout), all (about 127 min).
+# the width 320 quality candidate's seeds beside the recipe before it, four passes at 32,768 tokens an update and
+# their verdict at 1024 throughout, the width 384 candidate's seeds after the reference, each alone), all (about
+# 135 min).
 # Merge the results file into results/h200.json with scripts/merge_results.py (parts quack's and push's into
 # results/h200-levers.json, cold's, static's and early's into results/h200-cold-start.json). Needs data/cache/gutenberg;
 # requirements-gpu.txt for the fa4 and quack rows, which are skipped without it. The rows of choices no longer in the
