@@ -218,8 +218,9 @@ def _config_file(arg, config, defaults, kinds, also, also_kinds):
     return assigned
 
 
-def write_config_file(path, config, defaults, header=""):
-    """Write the keys of `config` that differ from `defaults` as a config file that reproduces it."""
+def write_config_file(path, config, defaults, header="", keep=()):
+    """Write the keys of `config` that differ from `defaults`, and those named in `keep` whatever their value, as a
+    config file that reproduces it (keep: keys that must hold when the file is layered over another config)."""
     lines = [f"# {line}" for line in header.splitlines()]
-    lines += [f"{k} = {v!r}" for k, v in config.items() if k in defaults and v != defaults[k]]
+    lines += [f"{k} = {v!r}" for k, v in config.items() if k in defaults and (v != defaults[k] or k in keep)]
     atomic_write_text(path, "\n".join(lines) + "\n")

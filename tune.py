@@ -65,7 +65,11 @@ def check_lists(cfg):
         listed(cfg, key)
 
 
-TuneSettings = settings.compose("TuneSettings", Tuning, *BENCH_GROUPS, name=setting(
+# The protocol's keys that a candidate's bench.py run takes; bench.py's others (profile, cold, presets, ...) are its
+# own modes, not a screen's, so tune.py does not offer them.
+PROTOCOL = settings.pick(settings.Protocol, "warmup", "steps", "windows", "data_mode")
+TuneSettings = settings.compose("TuneSettings", Tuning, PROTOCOL,
+                                *(g for g in BENCH_GROUPS if g is not settings.Protocol), name=setting(
     "tune", "prefix of the candidates' entries under benchmarks.", settings.RUN, rule=settings.run_name_problem))
 TuneSettings.rules = staticmethod(check_lists)
 DEFAULTS = settings.defaults(TuneSettings)
@@ -249,8 +253,10 @@ class BenchRunner:
         identity = self.identity(candidate, protocol)
         keys = {k: v for k, v in dict(cfg, **candidate, name=name).items() if k in TRAIN_DEFAULTS
                 and k not in WHERE_KEYS}
+        # The candidate's levers are written even at train.py's defaults: compare.py --tuned layers this file over
+        # the given config, whose own value of a lever would otherwise stand in for the candidate's.
         write_config_file(path, keys, TRAIN_DEFAULTS, header=f"tune.py candidate {name}\nreproduce: python train.py "
-                                                             f"{path}")
+                                                             f"{path}", keep=LEVER_KEYS)
         if identity in self.previous:
             return dict(self.previous[identity], reused=True, config_path=str(path))
         bench_name = f"{cfg.name}-{name}-{stage}"

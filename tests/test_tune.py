@@ -120,6 +120,27 @@ def test_only_successes_are_reused(tmp_path, text_cache, monkeypatch):
     assert tune.BenchRunner(cfg).previous == {}
 
 
+def test_a_candidate_config_states_its_levers_even_at_train_defaults(tmp_path, text_cache, monkeypatch):
+    """compare.py --tuned layers the selected file over the given config: a lever left out because it equals
+    train.py's default (micro-batch 8, eager) would silently keep the config's own value instead."""
+    monkeypatch.setattr(env, "source_hash", lambda root=env.REPO: "the same code")
+    results = tmp_path / "results.json"
+    cfg = settings.Config(tune.DEFAULTS, data_dir=str(text_cache), results_file=str(results), micro_batch_size=16,
+                          compile=True, tuned_dir=str(tmp_path / "tuned"))
+    runner = tune.BenchRunner(cfg)
+    candidate = dict({k: cfg[k] for k in tune.LEVER_KEYS}, micro_batch_size=8, compile=False)
+    protocol = dict(sweep_lib.PROTOCOLS["screen"], data_mode="real")
+    assert (candidate["micro_batch_size"], candidate["compile"]) == (train.DEFAULTS["micro_batch_size"],
+                                                                     train.DEFAULTS["compile"])
+    done = {"status": "ok", "source_hash": runner.source, "tokens_per_second": 1.0, "wall_seconds": 9.0,
+            "measurements": [{"seconds": 2.0, "updates": 20}], "candidate_identity": runner.identity(candidate, protocol)}
+    record(results, ["tuning"], {"candidates": [{"screen": done, "confirm": None}]})
+    path = tune.BenchRunner(cfg)(candidate, "screen", protocol, timeout=60)["config_path"]  # reused: writes the file
+    given = {k: cfg.get(k, default) for k, default in train.DEFAULTS.items()}  # the config compare.py was given
+    layered = configurator.load_config(given, [path])
+    assert (layered["micro_batch_size"], layered["compile"]) == (8, False)
+
+
 def test_the_tuning_record_states_the_machine_once_and_each_run_keeps_its_own_fields():
     run = lambda power: {"tokens_per_second": 1.0, "environment": {"gpu": "H200", "torch": "2.11", "power": power}}
     records = [{"name": "a", "screen": run(300), "confirm": run(600)}, {"name": "b", "screen": run(300), "confirm": None}]
@@ -155,6 +176,15 @@ def test_unknown_backend_is_a_user_error(tmp_path, text_cache, capsys):
     assert tune.main(argv) == 2
     err = capsys.readouterr().err
     assert "'fast'" in err and "cudnn" in err and not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("key", ["--cold=True", "--profile=True", "--partial_probe=True", "--presets=20m"])
+def test_bench_modes_a_screen_does_not_run_are_not_offered(tmp_path, text_cache, capsys, key):
+    """A candidate's bench.py run takes the protocol's warmup, steps, windows and data mode; bench.py's other modes
+    would be accepted and dropped, so they are unknown keys here."""
+    argv = TINY + [f"--data_dir={text_cache}", f"--results_file={tmp_path / 'r.json'}", key]
+    assert tune.main(argv) == 2
+    assert f"unknown config key '{key[2:].split('=')[0]}'" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(flash_attn_4_installed(), reason="flash-attn-4 is installed here")
