@@ -5,6 +5,7 @@ summary. train.py's loop calls it; nothing here changes what is trained."""
 import contextlib
 import dataclasses
 import math
+import statistics
 import time
 
 import torch
@@ -223,7 +224,6 @@ class Metrics:
         """The run's results entry: the reference's fields, then this project's."""
         s, cfg, facts = self.state, self.cfg, self.facts
         seconds, elapsed = s.training_seconds, s.training_elapsed_seconds
-        rates = sorted(s.interval_tokens_per_second)
         tokens_per_second = s.tokens / seconds if seconds else None
         return {
             "status": status, "run_id": s.run_id, "parameters": facts["parameters"], "tokens": s.tokens,
@@ -233,7 +233,8 @@ class Metrics:
             "training_seconds": seconds, "training_elapsed_seconds": elapsed,
             "training_tokens_per_second": tokens_per_second,
             "elapsed_tokens_per_second": s.tokens / elapsed if elapsed else None,
-            "median_training_tokens_per_second": rates[len(rates) // 2] if rates else None,
+            "median_training_tokens_per_second": statistics.median(s.interval_tokens_per_second)
+            if s.interval_tokens_per_second else None,
             "first_update_seconds": s.first_update_seconds, "first_update_graphs": s.first_update_graphs,
             "first_update_compile_seconds": s.first_update_compile_seconds, "first_calls": s.first_calls,
             "mfu": env.mfu(facts["flops"], tokens_per_second / self.world_size if seconds else None, facts["gpu_name"]),

@@ -2,6 +2,7 @@
 broken math caught), signals passed to the training child, and the read-only mode."""
 import os
 import signal
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -437,7 +438,7 @@ BASE_EXECUTION = dict({k: train.DEFAULTS[k] for k in settings.execution_keys()},
 def timed(loss, rates, attention="sdpa", seed=7, **execution):
     """A hand-made finished run with its config (the baseline's execution, changed by execution), the attention
     that ran and its interval rates; its median rate as train.py takes it."""
-    entry = finished(loss, speed=sorted(rates)[len(rates) // 2])
+    entry = finished(loss, speed=statistics.median(rates))
     return dict(entry, config=dict(BASE_EXECUTION, seed=seed, **execution), attention=attention, world_size=1,
                 interval_tokens_per_second=list(rates))
 

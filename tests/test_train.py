@@ -6,6 +6,7 @@ import random
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -588,6 +589,9 @@ def test_results_entry(text_cache, tmp_path):
     for point in entry["validation_curve"]:
         assert point["loss"] > 0 and point["seconds"] >= 0
     assert entry["flops_per_token"] == model_lib.flops_per_token(plan.model_config(cfg, 256), SEQ_LEN)
+    # compare.py's speed ratio reads the median, bench.py's the median window: one definition, the middle or the
+    # mean of the two middle intervals
+    assert entry["median_training_tokens_per_second"] == statistics.median(entry["interval_tokens_per_second"])
     assert entry["environment"]["cache_identity"] == TokenCache(text_cache).identity
     assert (tmp_path / "out" / "ckpt.pt").exists()
 
