@@ -184,6 +184,13 @@ class Metrics:
                   f"ETA {format_seconds(eta)}", flush=True)
         self.interval_start, self.interval_tokens, self.loss_total = now, 0, None
 
+    def weights_finite(self, model):
+        """Whether every weight is finite (one host sync: at checkpoints only); else the run diverged here."""
+        finite = torch.stack([p.detach().isfinite().all() for p in model.parameters()]).all().item()
+        if not finite:
+            self.diverged = self.diverged or f"a weight that is not finite at update {self.trainer.step}"
+        return finite
+
     # -- validation points and the target
 
     def add_validation(self, result, seconds, epoch_end):

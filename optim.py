@@ -20,6 +20,7 @@ MUON_ADJUST = ("original", "match_rms_adamw")
 # torch.optim.Muon's defaults (Keller Jordan's quintic Newton-Schulz coefficients and its epsilon)
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
+MAX_NS_STEPS = 100  # Newton-Schulz iterations below this, as torch.optim.Muon requires
 
 # NorMuon (Li et al. 2025, "NorMuon: Making Muon more efficient and scalable", arXiv:2510.05491): its reference
 # code's beta2 for the per-neuron second moment, and the epsilon beside its root and the norm it restores
@@ -178,8 +179,8 @@ class Muon(torch.optim.Optimizer):
                              f"{weight_decay}")
         if adjust_lr_fn is not None and adjust_lr_fn not in MUON_ADJUST:
             raise ValueError(f"Muon: unknown adjust_lr_fn {adjust_lr_fn!r}; valid: {', '.join(MUON_ADJUST)}")
-        if not 1 <= ns_steps < 100 or len(ns_coefficients) != 3:
-            raise ValueError(f"Muon: ns_steps must be in [1, 100) and ns_coefficients three numbers, got "
+        if not 1 <= ns_steps < MAX_NS_STEPS or len(ns_coefficients) != 3:
+            raise ValueError(f"Muon: ns_steps must be in [1, {MAX_NS_STEPS}) and ns_coefficients three numbers, got "
                              f"{ns_steps} and {ns_coefficients!r}")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,

@@ -20,7 +20,6 @@ from results import lookup
 
 TRAIN_DEFAULTS = settings.defaults(settings.TrainSettings)
 
-LAUNCH_KEYS = ("resume", "overwrite")  # how a run was launched, not what it trains: ignored when reusing it
 
 
 class CompareError(ValueError):
@@ -123,7 +122,7 @@ def stream(side, cmd, signals):
 
 
 def launch_free(config):
-    return env.hash_json({k: v for k, v in config.items() if k not in LAUNCH_KEYS})
+    return env.hash_json({k: v for k, v in config.items() if k not in settings.LAUNCH_KEYS})
 
 
 def recorded_run(c, args, recipe_identity):

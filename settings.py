@@ -22,7 +22,7 @@ import os
 import model as model_lib
 from configurator import ConfigError
 from model_kernels import registry
-from optim import MUON_ADJUST, OPTIMIZERS, SCHEDULES
+from optim import MAX_NS_STEPS, MUON_ADJUST, OPTIMIZERS, SCHEDULES
 from results import SECTIONS
 
 RECIPE, MODEL, WEIGHTS, EXECUTION, RUN = "recipe", "model", "weights", "execution", "run"
@@ -133,7 +133,7 @@ class Recipe:
     val_subset_tokens: int = setting(262_144, "the validation-subset loss uses the first N val tokens (0: all)",
                                      RECIPE, bounds=">= 0", rule=one_val_token)
     full_validation: bool = setting(True, "a full validation pass at the end", RECIPE)
-    seed: int = setting(1337, "initial weights and data order", RECIPE, bounds=">= 0")
+    seed: int = setting(1337, "initial weights and data order", RECIPE, bounds=f"[0, {2 ** 64})")  # torch's range
     epochs: int = setting(10, "passes over the training subset (0 only with init_from: evaluate those weights)",
                           RECIPE, bounds=">= 0")
     tokens_per_update: int = setting(32_768, "tokens of one optimizer update (a multiple of seq_len)", RECIPE,
@@ -157,7 +157,8 @@ class Recipe:
     muon_lr: float = setting(0.02, "Muon's peak learning rate (scaled by the schedule as learning_rate is)", RECIPE,
                              bounds="> 0")
     muon_momentum: float = setting(0.95, "Muon's momentum (Nesterov)", RECIPE, bounds="[0, 1)")
-    muon_ns_steps: int = setting(5, "Newton-Schulz iterations of Muon's orthogonalization", RECIPE, bounds=">= 1")
+    muon_ns_steps: int = setting(5, "Newton-Schulz iterations of Muon's orthogonalization", RECIPE,
+                                 bounds=f"[1, {MAX_NS_STEPS})")
     muon_adjust_lr: str = setting("original", "torch.optim.Muon's adjust_lr_fn: original (sqrt(max(1, rows/cols))) "
                                               "or match_rms_adamw (0.2 sqrt(max(rows, cols)))", RECIPE,
                                   choices=MUON_ADJUST)
@@ -225,6 +226,11 @@ class Execution:
     ddp_bucket_mb: int = setting(100, "DistributedDataParallel gradient bucket, MB (docs/PERFORMANCE.md, levers)",
                                  bounds="> 0")
     eval_batch_size: int = setting(32, "sequences per validation batch", bounds="> 0")
+
+
+# How a process runs a run, not the run itself: a resume may change them, and a recorded run is the same run
+# whatever they were (train.py's resume, compare.py's reuse).
+LAUNCH_KEYS = ("resume", "overwrite", "stop_after_updates")
 
 
 @dataclasses.dataclass

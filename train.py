@@ -68,7 +68,8 @@ class StopRequest:
 def prepare_out_dir(cfg, main_process=True):
     """The run's checkpoint path, its folder made now and locked for this process (a second train.py of the same
     run is refused). A checkpoint already there is a run of this name: continued with resume, replaced with
-    overwrite, else refused. Returns (checkpoint path, the held lock or None)."""
+    overwrite (removed now: a run that fails before its own first checkpoint must not leave the old one for a
+    resume to continue), else refused. Returns (checkpoint path, the held lock or None)."""
     from filelock import FileLock, Timeout
     out = run_dir(cfg)
     ckpt = out / "ckpt.pt"
@@ -87,6 +88,8 @@ def prepare_out_dir(cfg, main_process=True):
     except Timeout:
         raise ConfigError(f"another train.py is running {cfg.name!r} in {out} now; wait for it, or choose another "
                           f"--name") from None
+    if cfg.overwrite:
+        ckpt.unlink(missing_ok=True)
     return ckpt, lock
 
 
@@ -225,15 +228,16 @@ class Run:
                 or bool(minutes) and time.time() - self.last_checkpoint_time > 60 * minutes)
 
     def stop_reason(self):
-        """Why the loop ends now, or None: a signal (on any rank) or stop_after_updates, every rank at the same
-        update; a loss that is not finite; the target reached (with stop_at_target); the last epoch done."""
+        """Why the loop ends now, or None: a loss that is not finite (first: its weights must not be checkpointed as
+        a stop's would be); a signal (on any rank) or stop_after_updates, every rank at the same update; the target
+        reached (with stop_at_target); the last epoch done."""
+        if self.metrics.diverged:
+            return "diverged"
         if self.signalled():
             return "signal"
         limit = self.cfg.stop_after_updates
         if limit and self.session_updates >= limit:
             return "stop_after_updates"
-        if self.metrics.diverged:
-            return "diverged"
         if self.cfg.stop_at_target and self.state.target_reached:
             return "target"
         return "end" if self.state.epoch >= self.cfg.epochs else None
@@ -277,15 +281,17 @@ class Run:
 
     def checkpoint(self, reason):
         """The checkpoint and the entry (interrupted at a stop that leaves the run to resume, else running); none
-        of a diverged run, whose last finite weights stay the checkpoint."""
-        if reason == "diverged":
-            return
+        of a diverged run, whose last finite weights stay the checkpoint. The loss is seen at log lines only, so the
+        weights are checked here: where one is not finite the run diverged since. Returns the stop reason."""
+        if reason == "diverged" or not self.metrics.weights_finite(self.trainer.raw_model):
+            return "diverged"
         with self.metrics.paused():
             if reason in INTERRUPTING:
                 self.say_stopped(reason)
             self.save_checkpoint()
             self.last_checkpoint_time = time.time()
             self.metrics.record("interrupted" if reason in INTERRUPTING else "running")
+        return reason
 
     def say_stopped(self, reason):
         if self.main_process:
@@ -311,8 +317,9 @@ class Run:
             return "interrupted"
         if reason == "diverged":
             if self.main_process:
-                print(f"diverged: {self.metrics.diverged}; the checkpoint holds the last finite weights",
-                      file=sys.stderr, flush=True)
+                kept = ("the checkpoint holds the last finite weights" if self.ckpt_path.exists()
+                        else "no checkpoint was written")
+                print(f"diverged: {self.metrics.diverged}; {kept}", file=sys.stderr, flush=True)
             return "diverged"
         if self.cfg.full_validation:
             start = time.time()
@@ -373,12 +380,11 @@ def loop(run):
             run.validate(epoch_end)
         reason = run.stop_reason()
         if run.checkpoint_due(epoch_end, reason):
-            run.checkpoint(reason)
+            reason = run.checkpoint(reason)
     return reason
 
 
 EXIT_STATUS = {"interrupted": EXIT_INTERRUPTED, "diverged": EXIT_DIVERGED}
-LAUNCH_KEYS = ("resume", "overwrite", "stop_after_updates")  # how this process runs the run, not the run's own
 
 
 def resumed_settings(cfg, argv):
@@ -391,10 +397,10 @@ def resumed_settings(cfg, argv):
     stored = checkpoint.peek(path, "config")  # mapped: resume_or_start reads the whole file once
     if not isinstance(stored, dict):
         return cfg  # not a checkpoint train.py wrote: resume_or_start says so
-    base = {k: stored.get(k, v) if k not in LAUNCH_KEYS else v for k, v in DEFAULTS.items()}
+    base = {k: stored.get(k, v) if k not in settings.LAUNCH_KEYS else v for k, v in DEFAULTS.items()}
     given = settings.Config(load_config(base, argv))
     changed = [f"{k} {stored[k]!r} (the checkpoint's) against {given[k]!r}" for k in sorted(stored)
-               if k in given and k not in LAUNCH_KEYS and stored[k] != given[k]
+               if k in given and k not in settings.LAUNCH_KEYS and stored[k] != given[k]
                and settings.field_of(TrainSettings, k).metadata["role"] in (settings.RECIPE, settings.MODEL,
                                                                              settings.WEIGHTS)]
     if changed:

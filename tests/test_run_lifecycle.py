@@ -154,6 +154,37 @@ def test_a_run_whose_loss_is_not_finite_ends_diverged_with_a_nonzero_exit(text_c
     assert "diverged:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("stop", ["stop_after_updates", "checkpoint_minutes"])
+def test_weights_that_went_nan_between_log_lines_are_never_checkpointed(text_cache, tmp_path, capsys, stop):
+    """The loss is read at log lines only; a stop or a timed checkpoint between them saved NaN weights, and the run
+    ended interrupted (its resume went on from NaN) or said its checkpoint held the last finite weights."""
+    when = dict(stop_after_updates=2) if stop == "stop_after_updates" else dict(checkpoint_minutes=1e-9)
+    cfg = small_config(text_cache, tmp_path, epochs=2, learning_rate=1e20, min_lr=0.0, warmup_updates=0,
+                       log_interval=50, **when)
+    assert train.main(cli_args(cfg)) == train.EXIT_DIVERGED
+    entry = lookup(cfg.results_file, [cfg.name])
+    assert entry["status"] == "diverged" and "not finite" in entry["error"]
+    if os.path.exists(os.path.join(cfg.out_dir, "ckpt.pt")):  # one saved before the weights went NaN
+        assert all(w.isfinite().all() for w in checkpoint_parameters(cfg.out_dir).values())
+    assert "diverged:" in capsys.readouterr().err
+
+
+def test_overwrite_removes_the_old_checkpoint_before_the_new_run_trains(text_cache, tmp_path, capsys, monkeypatch):
+    """An overwriting run that failed before its first checkpoint left the old run's; --resume=True then continued
+    the run the user had asked to discard, and its entry replaced the failed run's."""
+    cfg = small_config(text_cache, tmp_path, epochs=1)
+    assert train.main(cli_args(cfg)) == 0
+    monkeypatch.setattr(train.Run, "update", lambda *a: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    with pytest.raises(RuntimeError):
+        train.main(cli_args(settings.Config(cfg, overwrite=True)))
+    assert lookup(cfg.results_file, [cfg.name, "status"]) == "failed"
+    assert not os.path.exists(os.path.join(cfg.out_dir, "ckpt.pt"))
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert train.main(cli_args(settings.Config(cfg, resume=True))) == 0
+    assert "starting from scratch" in capsys.readouterr().out
+
+
 def test_resume_and_overwrite_together_are_refused(text_cache, tmp_path, capsys):
     cfg = small_config(text_cache, tmp_path, resume=True, overwrite=True)
     assert train.main(cli_args(cfg)) == 2

@@ -634,7 +634,8 @@ def test_bad_micro_batch_size_lists_the_valid_ones(text_cache, tmp_path, capsys)
                                           (dict(adam_eps=0.0), "adam_eps must be positive"),
                                           (dict(weight_decay=-0.1), "weight_decay must be 0 or more"),
                                           (dict(grad_clip=-1.0), "grad_clip must be 0 or more"),
-                                          (dict(seed=-1), "seed must be 0 or more"),
+                                          (dict(seed=-1), "seed must lie in"),
+                                          (dict(seed=2 ** 64), "seed must lie in"),  # torch.manual_seed's overflow
                                           (dict(min_lr=0.01), "min_lr 0.01 is above learning_rate"),
                                           (dict(val_subset_tokens=1), "val_subset_tokens 1 holds no target")])
 def test_bad_execution_keys_are_refused_before_any_work(text_cache, tmp_path, capsys, change, word):
