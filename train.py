@@ -217,9 +217,11 @@ class Run:
     # -- what is due
 
     def validation_due(self, epoch_end):
-        """At an epoch's end, and every eval_interval updates (torchtitan's should_validate)."""
-        interval = self.cfg.eval_interval
-        return epoch_end or bool(interval and self.session_updates and self.trainer.step % interval == 0)
+        """At an epoch's end, and every eval_interval updates (torchtitan's should_validate), once: a validation that
+        a stop cut short is due again when the run resumes."""
+        interval, step, curve = self.cfg.eval_interval, self.trainer.step, self.state.validation_curve
+        done = bool(curve) and curve[-1]["update"] == step
+        return epoch_end or bool(interval and step and step % interval == 0 and not done)
 
     def checkpoint_due(self, epoch_end, reason):
         """At an epoch's end, at a stop, and every checkpoint_minutes."""
@@ -373,7 +375,7 @@ def loop(run):
     updates = run.updates()
     reason = run.stop_reason()         # a resumed run may have nothing left to train
     while reason is None:
-        if not run.epoch_done():       # else resumed after an epoch's updates, before its validation ended
+        if not run.validation_due(run.epoch_done()):  # else resumed where a stop cut its validation short
             run.update(*next(updates))
         epoch_end = run.epoch_done()
         if run.validation_due(epoch_end):

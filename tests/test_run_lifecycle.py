@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -183,6 +184,26 @@ def test_overwrite_removes_the_old_checkpoint_before_the_new_run_trains(text_cac
     capsys.readouterr()
     assert train.main(cli_args(settings.Config(cfg, resume=True))) == 0
     assert "starting from scratch" in capsys.readouterr().out
+
+
+def test_a_validation_a_signal_cut_short_is_done_when_the_run_resumes(text_cache, tmp_path, monkeypatch):
+    """An eval_interval validation stopped by a signal was skipped by the resumed run, so a target reached there
+    was recorded an interval late."""
+    cfg = small_config(text_cache, tmp_path, epochs=2, eval_interval=2)
+    straight = train.train(settings.Config(cfg, name="straight", out_dir=str(tmp_path / "straight")))
+    evaluate = train.Run.evaluate
+
+    def signal_during_the_validation_at_update_2(run, max_tokens):
+        if run.trainer.step == 2:
+            run.stop.signal, run.stop.signalled_at = signal.SIGTERM, time.monotonic()
+        return evaluate(run, max_tokens)
+    monkeypatch.setattr(train.Run, "evaluate", signal_during_the_validation_at_update_2)
+    assert train.main(cli_args(cfg)) == train.EXIT_INTERRUPTED
+    assert lookup(cfg.results_file, [cfg.name, "validation_curve"]) == []
+    monkeypatch.undo()
+    assert train.main(cli_args(settings.Config(cfg, resume=True))) == 0
+    updates = lambda entry: [p["update"] for p in entry["validation_curve"]]
+    assert updates(lookup(cfg.results_file, [cfg.name])) == updates(straight) == [2, 3, 4, 6]
 
 
 def test_resume_and_overwrite_together_are_refused(text_cache, tmp_path, capsys):
