@@ -6,10 +6,10 @@
 # compiled shape): ceilings (1 min), current (8 min), accumulation (2 min), loss (2 min), matched (5 min, then
 # compare.py with no GPU), tune (15 min), levers (9 min), quack (6 min), push (10 min), cold (10 min; a fresh
 # machine for its first profile), static (5 min), early (6 min), speedrun (about 54 min: docs/TIME_TO_QUALITY.md's
-# screens of the kept levers, the speed candidate's seeds, verdict, contexts in one shape and its verdict with them,
-# the width 320 quality candidate's seeds beside the recipe before it, four passes at 32,768 tokens an update and
-# their verdict at 1024 throughout, the width 384 candidate's seeds after the reference, each alone), all (about
-# 135 min).
+# runs, in parts that also run alone: screens, the kept levers' screens; speed, the speed candidate's seeds and
+# verdict; contexts, the contexts in one shape and the verdict with them; quality320, the width 320 quality candidate's
+# seeds beside the recipe before it; quality4, four passes at 32,768 tokens an update and their verdict at 1024
+# throughout; quality, the width 384 candidate's seeds after the reference, each alone), all (about 135 min).
 # Merge the results file into results/h200.json with scripts/merge_results.py (parts quack's and push's into
 # results/h200-levers.json, cold's, static's and early's into results/h200-cold-start.json). Needs data/cache/gutenberg;
 # requirements-gpu.txt for the fa4 and quack rows, which are skipped without it. The rows of choices no longer in the
@@ -18,6 +18,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 PARTS="ceilings current accumulation loss matched tune levers quack push cold static early speedrun all"
+PARTS+=" screens speed contexts quality320 quality4 quality"  # speedrun's parts, each alone
 usage() { echo "usage: bash scripts/reproduce_h200.sh PART... [-- RESULTS_FILE]; parts: $PARTS" >&2; exit 2; }
 parts=()
 R=out/h200/results.json
@@ -217,8 +218,14 @@ early() {  # docs/COLD_START.md, the helper children started at the process's st
   done
   unset TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR FLASH_ATTENTION_CUTE_DSL_CACHE_DIR
 }
-speedrun() {  # TIME_TO_QUALITY.md's "The speedrun's levers, screened": each kept lever on the shipped recipe, then its
-  # cost; the levers not kept left the code, and their rows ran this part at commit 94da7b6
+# TIME_TO_QUALITY.md's runs. SPLIT: the context schedule's contexts split as they ran before context_windows (the
+# rows below but the verdict with the contexts in one shape). NARROW: the width 320 candidate's keys on today's
+# config/20m_quality.py (the docs' NARROW; tests/test_settings.py holds the two to one list).
+SPLIT=--context_windows=False
+NARROW="--dim=320 --n_heads=5 --hidden_dim=896 --seq_len_schedule=256:0.3,512:0.6 --tokens_per_update=16384
+  --micro_batch_size=16 --muon_lr=0.003"
+screens() {  # "The speedrun's levers, screened": each kept lever on the shipped recipe, then its cost; the levers not
+  # kept left the code, and their rows ran this part at commit 94da7b6
   local recipe=config/20m_muon_wsd.py name args
   while read -r name args; do
     timeout 300 python train.py $recipe $args --name=screen-$name --results_file="$R" --overwrite=True
@@ -231,55 +238,61 @@ normuon --normuon=True
 ema-0.98 --ema=0.98
 context-ramp --seq_len_schedule=256:0.3,512:0.6
 LEVERS
-  # "The speed candidate": its three seeds, each alone (the first fills the caches of its three contexts), and its
-  # 5-seed verdict beside the reference's 3 seeds, with the contexts split as they ran (split), as the rows below too
-  local s split=--context_windows=False
+}
+speed() {  # "The speed candidate": its three seeds, each alone (the first fills the caches of its three contexts), and
+  # its 5-seed verdict beside the reference's 3 seeds
+  local s
   for s in 1337 1338 1339; do
-    timeout 300 python train.py config/20m_speed.py $split --seed=$s --target_loss=4.2462 --overwrite=True \
+    timeout 300 python train.py config/20m_speed.py $SPLIT --seed=$s --target_loss=4.2462 --overwrite=True \
       --name=20m-speed-winners-14m-seed$s --results_file="$R"
   done
-  timeout 600 python compare.py config/20m_speed.py $split --mode=time-to-target --seeds=5 --target_loss=4.2462 \
+  timeout 600 python compare.py config/20m_speed.py $SPLIT --mode=time-to-target --seeds=5 --target_loss=4.2462 \
     --target_baseline=config/20m_gh200.py --target_baseline_seeds=3 --name=20m-speed-winners --results_file="$R"
-  # "The contexts in one shape": seed 1339 split (once to fill its caches, then warm), then in whole rows
+}
+contexts() {  # "The contexts in one shape": seed 1339 split (once to fill its caches, then warm), then in whole rows;
+  # then the 5-seed verdict with the contexts in one shape (the candidate's settings now), beside the reference's 3
   local name
   for name in split-cold split windows; do
-    timeout 300 python train.py config/20m_speed.py $([ $name = windows ] || echo $split) --seed=1339 \
+    timeout 300 python train.py config/20m_speed.py $([ $name = windows ] || echo $SPLIT) --seed=1339 \
       --target_loss=4.2462 --overwrite=True --name=20m-speed-seed1339-$name --results_file="$R"
   done
   python compare.py --baseline=20m-speed-seed1339-split --optimized=20m-speed-seed1339-windows --results_file="$R"
-  # its 5-seed verdict with the contexts in one shape (its settings now), beside the reference's 3 seeds again
   timeout 900 python compare.py config/20m_speed.py --mode=time-to-target --seeds=5 --target_loss=4.2462 \
     --target_baseline=config/20m_gh200.py --target_baseline_seeds=3 --name=20m-speed-context-windows --results_file="$R"
-  # "The quality candidate": the candidates before it, at the width 320 with the contexts (narrow: their keys, which
-  # config/20m_quality.py has since changed), and the recipe before those (before: its regularisation then) over 3
-  # and 4 passes and at seeds 1338 and 1339, then their seeds, each alone (the docs' rows ran four at once)
-  local narrow="--dim=320 --n_heads=5 --hidden_dim=896 --seq_len_schedule=256:0.3,512:0.6 --tokens_per_update=16384
-    --micro_batch_size=16 --muon_lr=0.003" before="--weight_decay=0.1 --cooldown_fraction=0.5 --ema=0.995" e
+}
+quality320() {  # "The quality candidate": the width 320 candidate and the recipe before it (before: its
+  # regularisation then) over 3 and 4 passes and at seeds 1338 and 1339, then its seeds, each alone (the docs' rows
+  # ran four at once)
+  local before="--weight_decay=0.1 --cooldown_fraction=0.5 --ema=0.995" e s
   for e in 3 4; do
-    timeout 600 python train.py config/20m_quality.py $split $narrow $before --epochs=$e --overwrite=True \
+    timeout 600 python train.py config/20m_quality.py $SPLIT $NARROW $before --epochs=$e --overwrite=True \
       --name=screen-quality-q$e-ema-winners --results_file="$R"
   done
   for s in 1338 1339; do
-    timeout 600 python train.py config/20m_quality.py $split $narrow $before --seed=$s --overwrite=True \
+    timeout 600 python train.py config/20m_quality.py $SPLIT $NARROW $before --seed=$s --overwrite=True \
       --name=screen-quality-q3-ema-winners-seed$s --results_file="$R"
   done
   for s in 1337 1338 1339 1340; do
-    timeout 600 python train.py config/20m_quality.py $split $narrow --seed=$s --overwrite=True \
+    timeout 600 python train.py config/20m_quality.py $SPLIT $NARROW --seed=$s --overwrite=True \
       --name=20m-quality-seed$s --results_file="$R"
   done
-  # four passes at 32,768 tokens an update, each seed alone (the docs' rows ran six and three at once but seed 1338)
+}
+quality4() {  # four passes of the width 320 at 32,768 tokens an update, each seed alone (the docs' rows ran six and
+  # three at once but seed 1338); then the same at 1024 throughout: their 5-seed verdict beside the reference's two
+  local s
   for s in 1337 1338 1339 1340 1341; do
-    timeout 600 python train.py config/20m_quality.py $split $narrow --epochs=4 --tokens_per_update=32768 \
+    timeout 600 python train.py config/20m_quality.py $SPLIT $NARROW --epochs=4 --tokens_per_update=32768 \
       --micro_batch_size=32 --muon_lr=0.004 --seed=$s --overwrite=True --name=20m-quality-q4-32k-seed$s \
       --results_file="$R"
   done
-  # the same four passes at 1024 throughout: their 5-seed verdict beside the reference's two seeds
-  timeout 900 python compare.py config/20m_quality.py $narrow --epochs=4 --tokens_per_update=32768 \
+  timeout 900 python compare.py config/20m_quality.py $NARROW --epochs=4 --tokens_per_update=32768 \
     --micro_batch_size=32 --muon_lr=0.004 --seq_len_schedule= --mode=time-to-target --seeds=5 --target_loss=3.80 \
     --target_baseline=config/20m_gh200.py --target_baseline_seeds=2 --name=20m-quality-q4-32k-ctx-none \
     --results_file="$R"
-  # the candidate (width 384, 24,576 an update, three passes): the reference alone after a short bench that compiles
-  # its graphs, then the candidate's seeds, each alone (the docs' rows ran four at once but the first seed's)
+}
+quality() {  # the candidate (width 384, 24,576 an update, three passes): the reference alone after a short bench that
+  # compiles its graphs, then the candidate's seeds, each alone (the docs' rows ran four at once but the first seed's)
+  local s
   bench config/20m_gh200.py --warmup=3 --steps=5 --windows=1 --name=warm-reference-graphs
   timeout 300 python train.py config/20m_gh200.py --seed=1337 --overwrite=True --name=20m-reference-seed1337-solo \
     --results_file="$R"
@@ -288,6 +301,7 @@ LEVERS
       --name=20m-quality-seed$s-solo --results_file="$R"
   done
 }
+speedrun() { screens; speed; contexts; quality320; quality4; quality; }
 
 for part in "${parts[@]}"; do
   case $part in

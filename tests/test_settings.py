@@ -160,12 +160,12 @@ def test_the_quality_candidate_is_the_speed_candidate_wider_over_three_passes_re
 
 
 def test_the_narrow_keys_of_the_docs_and_the_reproduce_script_restore_the_width_320_candidate():
-    """docs/TIME_TO_QUALITY.md's NARROW and scripts/reproduce_h200.sh's $narrow, on config/20m_quality.py, must give
+    """docs/TIME_TO_QUALITY.md's NARROW and scripts/reproduce_h200.sh's $NARROW, on config/20m_quality.py, must give
     the candidate that ran before the width grew (the speed candidate over three passes, regularised), or the rows
     they claim to reproduce would run another recipe."""
     root = Path(__file__).resolve().parent.parent
     docs = re.search(r"`NARROW` = `([^`]+)`", (root / "docs" / "TIME_TO_QUALITY.md").read_text())
-    script = re.search(r'local narrow="([^"]+)"', (root / "scripts" / "reproduce_h200.sh").read_text())
+    script = re.search(r'^NARROW="([^"]+)"', (root / "scripts" / "reproduce_h200.sh").read_text(), re.M)
     assert docs and script, "NARROW's definition is gone from the docs or the reproduce script"
     keys = docs.group(1).split()
     assert keys == script.group(1).split()
