@@ -29,7 +29,7 @@ from data.loader import CacheError, TokenCache
 from model_kernels import attention
 from plan import USER_ERRORS
 from plots import finite_number, fmt
-from settings import BENCH_GROUPS, BenchSettings, TrainSettings, setting
+from settings import BENCH_GROUPS, TrainSettings, setting
 from sweep import STAGES, Sweep, describe, rate, said
 from trainer import uses_cudagraphs
 
@@ -165,7 +165,7 @@ def why_not(cfg, candidate, device):
     if uses_cudagraphs(c) and device.type != "cuda":
         return "CUDA graphs need a GPU"
     try:
-        settings.check(BenchSettings, c)
+        settings.check(TuneSettings, c)
         settings.sequences_per_update(c)
         plan_lib.check_device(c, device)
     except ConfigError as exc:
