@@ -27,7 +27,7 @@ import settings
 from data.loader import batch_stream, synthetic_batches
 from distributed import all_reduce_sum
 from plan import USER_ERRORS
-from plots import fmt
+from plots import finite_number, fmt
 from profiling import kernel_breakdown, profiled_kernels
 from results import check_writable, lookup, record
 from settings import BenchSettings
@@ -218,11 +218,24 @@ def record_entry(cfg, entry):
                                                           "probes": entry["partial_probe"]})
 
 
+def check_scaling_reference(cfg):
+    """Refuse a scaling_reference without a rate to divide by before any work, not as a null efficiency after the
+    whole multi-GPU run."""
+    if not cfg.scaling_reference:
+        return
+    rate = lookup(cfg.results_file, ["benchmarks", cfg.scaling_reference, "tokens_per_second"])
+    if not (finite_number(rate) and rate > 0):
+        raise ConfigError(f"scaling_reference={cfg.scaling_reference} is no entry under benchmarks in "
+                          f"{cfg.results_file} with a tokens_per_second above 0; give the name of a one-GPU "
+                          f"bench.py entry there")
+
+
 def run(cfg):
     """Run the protocol (once, or per preset) and record it; returns the entries."""
     rank = int(os.environ.get("RANK", "0"))
     settings.check(BenchSettings, cfg)  # on the settings as given: each preset's run below has the preset's shape
     check_writable(cfg.results_file, sections=["benchmarks", "profiles"])  # before any measurement, not after it
+    check_scaling_reference(cfg)
     runs = [(cfg.name, cfg)]
     if cfg.presets:  # each preset in its own shape (the settings refused shape keys beside them)
         runs = [(f"{cfg.name}-{preset}", settings.Config(cfg, preset=preset, name=f"{cfg.name}-{preset}"))

@@ -41,19 +41,34 @@ class Matched:
 BASELINE_EXECUTION = {"compile": False, "attention_backend": "sdpa", "loss_impl": "full"}
 # Bulky fields of a run's entry that the comparison leaves out (the run's own entry keeps them).
 BULKY = ("environment", "config", "recipe")
-NOISE_SIGMAS = 3  # standard deviations of a difference of two runs that the training-noise tolerance allows
-FIRM_NOISE_RUNS = 3  # noise runs under which a failed verdict suggests more: P(|t_3| > 3) = 0.06 at worst
-TOLERANCE_RULE = ("|optimized - baseline| final validation loss <= the larger of the validation noise, 3 * "
-                  "sqrt(se_baseline^2 + se_optimized^2) with se = loss_std / sqrt(tokens) of each run's full "
-                  "validation (neighbouring tokens' losses are correlated, so this is a lower bound)")
-NOISE_RULE = ("; and the training noise, 3 * sqrt(2) * s with s the sample standard deviation of the final "
-              "validation losses of the baseline and its noise runs (its recipe at other seeds, or repeats): "
-              "3 * |d| for one noise run, d the difference of the two baseline runs. A single difference is a "
-              "one-degree-of-freedom estimate (a same-math run whose execution noise is as large as a seed's "
-              "exceeds it with probability 0.20; 0.06 with three noise runs), and the validation noise is the "
-              "floor under one that happens to be small")
-NO_NOISE_RULE = ("; no noise run was given (noise_seed_runs=0 and no --noise_runs), so training noise is not "
-                 "counted, and two executions of one recipe can differ by more than this")
+NOISE_SIGMAS = 3  # standard deviations of a difference of two runs' losses that the tolerance allows (either noise)
+FIRM_NOISE_RUNS = 3  # noise runs under which a failed verdict suggests more (NOISE_RULE says how often one fails)
+
+
+def t_tail(x, df):
+    """P(|T| > x) for Student's t with a whole number df of degrees of freedom, in closed form (Abramowitz and
+    Stegun 26.7.3 and 26.7.4), so that the rule states its odds without importing scipy."""
+    theta = math.atan(x / math.sqrt(df))
+    sin, cos, odd = math.sin(theta), math.cos(theta), df % 2
+    term, series = 1.0, 0.0  # 1 + a_1 cos^2 + a_2 cos^4 + ..., (df - odd) // 2 terms
+    for k in range(1, (df - odd) // 2 + 1):
+        series += term
+        term *= (2 * k - 1 + odd) / (2 * k + odd) * cos ** 2
+    return 1 - (2 / math.pi * (theta + sin * cos * series) if odd else sin * series)
+
+
+TOLERANCE_RULE = ("|optimized - baseline| final validation loss <= the larger of the validation noise, "
+                  f"{NOISE_SIGMAS} * sqrt(se_baseline^2 + se_optimized^2) with se = loss_std / sqrt(tokens) of each "
+                  "run's full validation (neighbouring tokens' losses are correlated, so this is a lower bound)")
+NOISE_RULE = (f"; and the training noise, {NOISE_SIGMAS} * sqrt(2) * s with s the sample standard deviation of the "
+              "final validation losses of the baseline and its noise runs (its recipe at other seeds, or repeats): "
+              f"{NOISE_SIGMAS} * |d| for one noise run, d the difference of the two baseline runs. A single difference "
+              "is a one-degree-of-freedom estimate (a same-math run whose execution noise is as large as a seed's "
+              f"exceeds it with probability {t_tail(NOISE_SIGMAS, 1):.2f}; "
+              f"{t_tail(NOISE_SIGMAS, FIRM_NOISE_RUNS):.2f} with {FIRM_NOISE_RUNS} noise runs), and the "
+              "validation noise is the floor under one that happens to be small")
+NO_NOISE_RULE = ("; no noise run was given ({why}), so training noise is not counted, and two executions of one "
+                 "recipe can differ by more than this")
 SPEED_SIGMAS = 3  # as for the loss: standard deviations of a difference of two runs' (log) median rates
 MIN_INTERVALS = 4  # log intervals a run needs for the quartiles of its interval rates to be a spread
 # The execution keys that leave the training rate alone: validation's batch (validation is not training time).
@@ -61,10 +76,10 @@ UNTIMED_KEYS = ("eval_batch_size",)
 SPEED_RULE = ("a speed-up (slow-down) is called when the whole noise band of optimized / baseline median training "
               "tok/s lies above (below) 1, and never when the two sides run the same execution (the execution keys "
               "and process count, with auto attention and device as each run resolved them); the band is the wider "
-              "of ratio * exp(+-3 * sqrt(2) * s), s the sample standard deviation of the log median tok/s of the "
-              "baseline and its noise runs of the baseline's execution, and [optimized q1 / baseline q3, optimized "
-              "q3 / baseline q1] of the two runs' interval rates (each with at least 4 log intervals); with neither, "
-              "the speed's noise is not measured and nothing is called")
+              f"of ratio * exp(+-{SPEED_SIGMAS} * sqrt(2) * s), s the sample standard deviation of the log median "
+              "tok/s of the baseline and its noise runs of the baseline's execution, and [optimized q1 / baseline q3, "
+              "optimized q3 / baseline q1] of the two runs' interval rates (each with at least "
+              f"{MIN_INTERVALS} log intervals); with neither, the speed's noise is not measured and nothing is called")
 
 
 # ---------------------------------------------------------------- the runs' configs
@@ -176,14 +191,14 @@ def standard_error(final_validation):
 
 
 def tolerance(fv_a, fv_b):
-    """Three standard errors of the difference of two mean per-token validation losses.
+    """NOISE_SIGMAS standard errors of the difference of two mean per-token validation losses.
 
     Neighbouring tokens' losses are correlated (same document, same context), so loss_std / sqrt(tokens)
     underestimates each run's standard error: this SE is a lower bound and the test is strict. (Both runs are
     scored on the same tokens, which correlates their errors and would make the true SE of the difference
     smaller again; the rule models neither effect.)
     """
-    return 3 * math.sqrt(standard_error(fv_a) ** 2 + standard_error(fv_b) ** 2)
+    return NOISE_SIGMAS * math.sqrt(standard_error(fv_a) ** 2 + standard_error(fv_b) ** 2)
 
 
 def training_noise(results, names, results_file, baseline_name, optimized_name):
@@ -215,11 +230,20 @@ def shape_free(recipe):
     return {k: v for k, v in recipe.items() if k not in settings.keys_of_role(settings.MODEL)} if "model" in recipe else recipe
 
 
-def verdict_tolerance(results, results_file, baseline_name, optimized_name, noise_names):
+def no_noise_reason(noise_seed_runs, baseline_name):
+    """Why no training noise is counted, in words: no seed run asked for, or none of them found complete."""
+    if not noise_seed_runs:
+        return "noise_seed_runs=0 and no --noise_runs"
+    return (f"noise_seed_runs={noise_seed_runs}, but no complete {seed_run_name(baseline_name, '<N>')} run was found, "
+            f"and no --noise_runs")
+
+
+def verdict_tolerance(results, results_file, baseline_name, optimized_name, noise_names, noise_seed_runs):
     """The tolerance, its two parts and the rule that made it, as the comparison records them."""
     validation = tolerance(results[baseline_name]["final_validation"], results[optimized_name]["final_validation"])
-    fields = {"tolerance": validation, "validation_tolerance": validation,
-              "tolerance_rule": TOLERANCE_RULE + NO_NOISE_RULE}
+    why = no_noise_reason(noise_seed_runs, baseline_name)
+    fields = {"tolerance": validation, "validation_tolerance": validation, "noise_seed_runs": noise_seed_runs,
+              "tolerance_rule": TOLERANCE_RULE + NO_NOISE_RULE.format(why=why)}
     if noise_names:
         losses, std = training_noise(results, noise_names, results_file, baseline_name, optimized_name)
         noise = NOISE_SIGMAS * math.sqrt(2) * std
@@ -347,7 +371,7 @@ def compare_runs(results_file, baseline_name, optimized_name, allow_recipe_chang
     if seed_runs is None:
         seed_runs = recorded_seed_runs(results, baseline_name, noise_seed_runs)
     names = list(dict.fromkeys([*seed_runs, *(n.strip() for n in noise_runs.split(",") if n.strip())]))
-    tol = verdict_tolerance(results, results_file, baseline_name, optimized_name, names)
+    tol = verdict_tolerance(results, results_file, baseline_name, optimized_name, names, noise_seed_runs)
     difference = o["final_validation"]["loss"] - b["final_validation"]["loss"]
     agree = abs(difference) <= tol["tolerance"]
     comparison = {
@@ -431,7 +455,8 @@ def tolerance_sources(comparison):
     and the runs behind it."""
     text = f"validation noise ±{comparison['validation_tolerance']:.5f}"
     if "noise_runs" not in comparison:
-        return text + "; training noise not measured (noise_seed_runs=0, no --noise_runs)"
+        why = no_noise_reason(comparison["noise_seed_runs"], comparison["baseline"])
+        return text + f"; training noise not measured ({why})"
     runs = comparison["noise_runs"]
     noise, std = comparison["training_noise_tolerance"], comparison["training_noise_std"]
     return (text + f", training noise ±{noise:.5f} (s {std:.5f} over the baseline and {len(runs)} noise "
@@ -497,6 +522,20 @@ def plot_file(cfg):
     return cfg.plot or f"out/{cfg.name}-comparison.png"
 
 
+# The matched mode's keys that only shape the runs to train, and train.py's keys that comparing two finished runs
+# reads (the default plot's name, the results file).
+TRAINING_MATCHED_KEYS = ("tuned", "optimized_overrides", "baseline_micro_batch_size")
+READ_ONLY_TRAIN_KEYS = ("name", "results_file")
+
+
+def training_keys_given(cfg):
+    """The keys off their defaults that only shape runs to train: compare.py's --rerun (off by default), the
+    matched mode's, and train.py's but those the read-only comparison reads."""
+    matched = {f.name: f.default for f in dataclasses.fields(Matched) if f.name in TRAINING_MATCHED_KEYS}
+    train = {k: v for k, v in TRAIN_DEFAULTS.items() if k not in READ_ONLY_TRAIN_KEYS}
+    return (["--rerun"] if cfg.rerun else []) + [f"--{k}" for k, v in {**matched, **train}.items() if cfg[k] != v]
+
+
 def matched_mode(cfg):
     """Train (or reuse) the baseline, the optimized run and the noise runs, or take two finished runs; record the
     comparison, print the table and draw the plot; returns the comparison."""
@@ -505,9 +544,9 @@ def matched_mode(cfg):
         if not (cfg.baseline and cfg.optimized):
             raise CompareError("give both --baseline=NAME and --optimized=NAME to compare finished runs, or neither "
                                "to train them")
-        if cfg.tuned or cfg.optimized_overrides:
-            raise CompareError("--tuned and --optimized_overrides shape runs to train; with --baseline and "
-                               "--optimized nothing is trained, so drop them")
+        if given := training_keys_given(cfg):
+            raise CompareError(f"with --baseline and --optimized nothing is trained, so drop what only shapes a "
+                               f"training run: {', '.join(given)} (on the command line or in a config file)")
         check_plot_path(plot)
         return compare_runs(cfg.results_file, cfg.baseline, cfg.optimized, cfg.allow_recipe_change, plot,
                             cfg.noise_runs, noise_seed_runs=cfg.noise_seed_runs)
@@ -518,4 +557,4 @@ def matched_mode(cfg):
     identities += [env.hash_json(run_recipe("noise", c)) for c in noise]
     train_all(cfg, zip(["baseline", "optimized"] + ["noise"] * len(noise), sides + noise, identities))
     return compare_runs(cfg.results_file, sides[0].name, sides[1].name, cfg.allow_recipe_change, plot,
-                        cfg.noise_runs, seed_runs=[c.name for c in noise])
+                        cfg.noise_runs, seed_runs=[c.name for c in noise], noise_seed_runs=cfg.noise_seed_runs)

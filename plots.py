@@ -33,6 +33,8 @@ def check_path(path, option="--out"):
     path = Path(path)
     if path.suffix.lower() not in PLOT_SUFFIXES:
         raise PlotError(f"{option} {path} must end in {', '.join(PLOT_SUFFIXES)}")
+    if path.exists() and not path.is_file():  # a folder named runs.png: the rename over it fails after the work
+        raise PlotError(f"{option} {path} exists and is not a file (a folder, say); give a file's path")
     folder = next((p for p in [path.parent, *path.parent.parents] if p.exists()), Path("."))
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         raise PlotError(f"{option} {path}: cannot create or write into {folder}")

@@ -3,9 +3,14 @@ time: which run starts next within the budget, from what it is estimated, and wh
 import math
 import time
 
+import settings
+
 STAGES = ("screen", "confirm")
-# A Sweep's protocols unless given (tune() gives the config's: a screen's keys, and bench.py's for confirmations)
-PROTOCOLS = {"screen": {"warmup": 3, "steps": 20, "windows": 1}, "confirm": {"warmup": 20, "steps": 100, "windows": 3}}
+PROTOCOL_KEYS = ("warmup", "steps", "windows")
+# A Sweep's protocols unless given (tune() gives the config's: a screen's keys, and bench.py's for confirmations).
+# The screen's are tune.py's defaults on a GPU, written out: tune.py declares them and imports this module.
+PROTOCOLS = {"screen": {"warmup": 3, "steps": 20, "windows": 1},
+             "confirm": {k: settings.defaults(settings.Protocol)[k] for k in PROTOCOL_KEYS}}
 INCUMBENT_SHARE = 0.5  # of the time left after the incumbent's screen: its measurement's, which sets the protocol
 
 
@@ -14,7 +19,7 @@ def ladder(full, floor):
     together (neither below the floor's nor above the full's), then the floor's own single window (a screen's)."""
     halved = lambda k: {key: min(full[key], max(floor[key], full[key] >> k)) for key in ("warmup", "steps")}
     rungs = [dict(halved(k), windows=full["windows"]) for k in range(max(full["warmup"], full["steps"]).bit_length())]
-    rungs.append({key: min(full[key], floor[key]) for key in ("warmup", "steps", "windows")})
+    rungs.append({key: min(full[key], floor[key]) for key in PROTOCOL_KEYS})
     return [rung for i, rung in enumerate(rungs) if rung not in rungs[:i]]
 
 

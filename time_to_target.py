@@ -134,26 +134,37 @@ def median_seconds(outcomes):
     return statistics.median(times) if times else None
 
 
-def speedup(baseline_times, candidate_times, baseline_trained=None):
-    """The baseline's time to the target over the candidate's training time, from {name: seconds} of each (a
-    baseline's None: it never reached the target). The speed-up divides the medians; its spread divides the
-    baseline's median by each candidate seed's time, and each baseline seed's time by the candidate's median.
+def unfinished_baseline_runs(baseline_status):
+    """Each baseline run that did not complete, in words: failed (its train.py exited with an error), or its
+    status."""
+    return [f"the baseline run {name} " + ("failed" if s == "failed" else f"did not complete (status {s})")
+            for name, s in baseline_status.items() if s != "complete"]
 
-    When a baseline run never reached the target there is no speed-up, but where every such run trained its whole
-    recipe (baseline_trained: {name: training seconds of a completed run}) its training time is a lower bound on
-    its time to the target, so the median of those bounds over the candidate's median is a lower bound on the
+
+def speedup(baseline_times, candidate_times, baseline_trained=None, baseline_status=None):
+    """The baseline's time to the target over the candidate's training time, from {name: seconds} of each (a
+    baseline's None: it never reached the target, or it did not complete, as baseline_status {name: status} says).
+    The speed-up divides the medians; its spread divides the baseline's median by each candidate seed's time, and
+    each baseline seed's time by the candidate's median.
+
+    When a complete baseline run never reached the target there is no speed-up, but where every such run trained its
+    whole recipe (baseline_trained: {name: training seconds of a completed run}) its training time is a lower bound
+    on its time to the target, so the median of those bounds over the candidate's median is a lower bound on the
     speed-up: `at_least`."""
-    never = [name for name, t in baseline_times.items() if not plots.finite_number(t)]
+    status = baseline_status or {}
+    unfinished = unfinished_baseline_runs(status)
+    never = [name for name, t in baseline_times.items() if not plots.finite_number(t)
+             and status.get(name, "complete") == "complete"]
     bad = [name for name, t in candidate_times.items() if not (plots.finite_number(t) and t > 0)]
+    missed = unfinished + ([f"the baseline never reached the target in {', '.join(never)}"] if never else [])
     reason = ("no baseline run" if not baseline_times else "no completed candidate run" if not candidate_times
-              else f"the baseline never reached the target in {', '.join(never)}" if never
-              else f"no training time from {', '.join(bad)}" if bad else None)
+              else "; ".join(missed) if missed else f"no training time from {', '.join(bad)}" if bad else None)
     if reason:
         bounds = [t if plots.finite_number(t) else (baseline_trained or {}).get(name)
                   for name, t in baseline_times.items()]
         at_least = (statistics.median(bounds) / statistics.median(candidate_times.values())
-                    if never and candidate_times and not bad and all(plots.finite_number(t) for t in bounds)
-                    else None)
+                    if never and not unfinished and candidate_times and not bad
+                    and all(plots.finite_number(t) for t in bounds) else None)
         return {"speedup": None, "baseline_seconds_to_target": None, "candidate_median_seconds": None,
                 "over_candidate_seeds": None, "over_baseline_seeds": None, "reason": reason, "at_least": at_least}
     base, cand = list(baseline_times.values()), list(candidate_times.values())
@@ -309,7 +320,7 @@ def target_section(cfg, results, candidates, baselines, failed, plot):
         times = {n: o["training_seconds"] for n, o in runs.items() if o["status"] == "complete"}
         to_target = {n: o["seconds_to_target"] if o["status"] == "complete" else None for n, o in base_runs.items()}
         trained = {n: o["training_seconds"] for n, o in base_runs.items() if o["status"] == "complete"}
-        section["speedup"] = speedup(to_target, times, trained)
+        section["speedup"] = speedup(to_target, times, trained, {n: o["status"] for n, o in base_runs.items()})
         recipes = [(results.get(c.name) or {}).get("recipe") for c in (candidates[0], baselines[0])]
         if all(recipes):  # what makes the candidate another recipe than the baseline (the seed aside)
             section["recipe_differences"] = [k for k in settings.recipe_differences(*recipes) if k != "seed"]

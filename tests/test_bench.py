@@ -5,7 +5,7 @@ import statistics
 import pytest
 import torch
 
-from results import read_results
+from results import read_results, record
 import trainer as trainer_lib
 import bench
 import env
@@ -158,6 +158,21 @@ def test_a_scaling_reference_with_one_process_is_refused(tmp_path, text_cache, c
     assert len(err) == 1 and "scaling_reference=one-gpu" in err[0] and "torchrun" in err[0], err
 
 
+@pytest.mark.parametrize("reference", [None, {"status": "error"}, {"tokens_per_second": 0},
+                                       {"tokens_per_second": None}])
+def test_a_scaling_reference_without_a_rate_is_refused_before_any_work(tmp_path, text_cache, capsys, monkeypatch,
+                                                                       reference):
+    """A misspelled or rateless reference gave scaling_efficiency null after the whole multi-GPU run; the refusal
+    comes before any process group or model (so this runs on the CPU, with WORLD_SIZE alone set)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    results = tmp_path / "results.json"
+    record(results, ["benchmarks", "one-gpu-typo" if reference is None else "one-gpu"], reference or {"status": "ok"})
+    code, after = run_bench(tmp_path, text_cache, "--name=s", "--scaling_reference=one-gpu")
+    assert code == 2 and "s" not in after["benchmarks"]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "scaling_reference=one-gpu is no entry under benchmarks" in err[0], err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for runs on the CPU")
 @pytest.mark.parametrize("device", ["cpu", "auto"])
 def test_profile_is_refused_on_a_cpu(tmp_path, text_cache, capsys, device):
@@ -190,6 +205,8 @@ def test_a_profile_goes_to_its_own_section(tmp_path):
     ("triton_poi_fused_add_mul_silu_2", "elementwise"),
     ("swiglu_kernel", "elementwise"),  # model.py's fused SwiGLU
     ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "other"),
+    ("aten::baddbmm", "matmul"),  # Newton-Schulz's batched matmuls in a CPU profile, not an "add"
+    ("aten::_scaled_mm", "matmul"),  # the FP8 head's
 ])
 def test_kernel_categories(name, category):
     assert profiling.categorize(name) == category

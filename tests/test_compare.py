@@ -245,6 +245,11 @@ def test_a_run_that_stops_itself_stops_the_comparison(tiny, capsys):
     assert err.startswith("stopped by train.py itself: the baseline run q-baseline is checkpointed")
     assert "--resume=True" in err and "\n" not in err
     assert lookup(results, ["q-baseline", "status"]) == "interrupted" and lookup(results, ["q-baseline", "step"]) == 3
+    # the same comparison without the limit resumes that run (stop_after_updates is how it ran, not what it is)
+    assert compare.main([config, "--name=q", f"--results_file={results}", "--baseline_micro_batch_size=1",
+                         "--micro_batch_size=4"]) == 0
+    assert "baseline: resuming the stopped run q-baseline" in capsys.readouterr().out
+    assert lookup(results, ["q-baseline", "sessions"]) == 2
 
 
 def test_mistakes_are_one_line_errors(tiny, capsys):
@@ -407,6 +412,61 @@ def test_a_rate_that_is_not_a_number_gives_no_speed_ratio(tmp_path):
     record(results, ["b"], dict(finished(4.0), median_training_tokens_per_second="fast"))
     comparison = matched.compare_runs(results, "a", "b", False, tmp_path / "v.png")
     assert comparison["speed_ratio"] is None and comparison["losses_agree"]
+
+
+def test_no_noise_run_found_says_how_many_seed_runs_were_looked_for(tmp_path, capsys):
+    """The baseline's seed run asked for (noise_seed_runs=1) but not in the results file: the rule and the table
+    said "noise_seed_runs=0", as if none had been asked for."""
+    results = tmp_path / "results.json"
+    record(results, ["base"], dict(finished(4.600), config={"seed": 7}))
+    record(results, ["opt"], finished(4.601))
+    record(results, ["base-seed8"], dict(finished(4.602), status="interrupted"))
+    for argv, words in (([], "noise_seed_runs=1, but no complete base-seed<N> run was found, and no --noise_runs"),
+                        (["--noise_seed_runs=0"], "noise_seed_runs=0 and no --noise_runs")):
+        assert compare.main([f"--results_file={results}", "--baseline=base", "--optimized=opt",
+                             f"--plot={tmp_path / 'p.png'}", *argv]) == 0
+        assert words in lookup(results, ["matched-comparison", "tolerance_rule"])
+        assert f"training noise not measured ({words})" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, key", [(["--rerun=True"], "--rerun"), (["--baseline_micro_batch_size=4"],
+                                       "--baseline_micro_batch_size"), (["--tuned=True"], "--tuned"),
+                                       (["--learning_rate=1e-3"], "--learning_rate"), (["{config}"], "--seed")])
+def test_comparing_finished_runs_refuses_what_only_shapes_training(tmp_path, monkeypatch, capsys, argv, key):
+    """Comparing two finished runs trains nothing: a key that only shapes a training run, given on the command
+    line or by a config file, was silently ignored."""
+    results = tmp_path / "results.json"
+    record(results, ["base"], finished(4.600))
+    record(results, ["opt"], finished(4.601))
+    config = tmp_path / "c.py"
+    config.write_text("seed = 5\n")
+    read = [f"--results_file={results}", "--baseline=base", "--optimized=opt", f"--plot={tmp_path / 'p.png'}"]
+    assert compare.main([a.format(config=config) for a in argv] + read) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and f"training run: {key} " in err and err.count("\n") == 1, err
+    assert not lookup(results, ["matched-comparison"])
+    # the keys the comparison reads are taken: the name of its default plot, the noise keys
+    monkeypatch.chdir(tmp_path)
+    assert compare.main([f"--results_file={results}", "--baseline=base", "--optimized=opt", "--name=n",
+                         "--noise_seed_runs=0", "--allow_recipe_change=True"]) == 0
+    assert (tmp_path / "out" / "n-comparison.png").is_file()
+
+
+def test_the_rules_say_the_numbers_the_verdict_uses(monkeypatch):
+    """The rules' texts wrote 3, 4 and the odds of a false alarm beside the constants that set them, and the
+    validation tolerance hard-coded its 3."""
+    from scipy import stats
+    for df in range(1, 8):
+        assert matched.t_tail(matched.NOISE_SIGMAS, df) == pytest.approx(2 * stats.t.sf(matched.NOISE_SIGMAS, df))
+    odds = [f"{2 * stats.t.sf(matched.NOISE_SIGMAS, df):.2f}" for df in (1, matched.FIRM_NOISE_RUNS)]
+    assert (f"probability {odds[0]}; {odds[1]} with {matched.FIRM_NOISE_RUNS} noise runs"
+            in matched.NOISE_RULE)
+    assert f"{matched.NOISE_SIGMAS} * sqrt(se_baseline^2" in matched.TOLERANCE_RULE
+    assert f"exp(+-{matched.SPEED_SIGMAS} * sqrt(2) * s)" in matched.SPEED_RULE
+    assert f"at least {matched.MIN_INTERVALS} log intervals" in matched.SPEED_RULE
+    fv = {"loss": 4.0, "loss_std": 3.0, "tokens": 900}
+    monkeypatch.setattr(matched, "NOISE_SIGMAS", 4)
+    assert matched.tolerance(fv, fv) == pytest.approx(4 * 2 ** 0.5 * 0.1)
 
 
 def test_an_out_dir_that_is_a_file_is_one_line_before_any_training(tiny, tmp_path, capsys):

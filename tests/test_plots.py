@@ -80,6 +80,7 @@ def test_named_runs_against_one_axis(results, tmp_path):
 @pytest.mark.parametrize("args, words", [
     (["{results}", "a", "nope"], ["no run named 'nope'", "runs there: a, b, old"]),
     (["{results}", "--out={tmp}/runs.txt"], ["--out", "must end in .png"]),
+    (["{results}", "--out={tmp}/folder.png"], ["--out", "folder.png exists and is not a file"]),
     (["{results}", "--x=epochs"], ["--x", "invalid choice"]),
     (["{tmp}/missing.json"], ["missing.json does not exist"]),
     (["{tmp}/broken.json"], ["not valid JSON"]),
@@ -88,6 +89,7 @@ def test_named_runs_against_one_axis(results, tmp_path):
 ])
 def test_mistakes_are_one_line_errors(results, tmp_path, monkeypatch, capsys, args, words):
     monkeypatch.chdir(tmp_path)  # where the default --out would go
+    (tmp_path / "folder.png").mkdir()
     (tmp_path / "broken.json").write_text('{"a": ')
     record(tmp_path / "empty.json", ["benchmarks", "x"], {"status": "ok"})
     record(tmp_path / "hand.json", ["x"], {"recipe_identity": "r", "training_curve": [1, 2]})

@@ -8,10 +8,12 @@ import torch
 from scipy import stats
 
 import compare
+import settings
 from results import lookup, read_results
 from tests.test_compare import PNG_MAGIC, TINY
 from time_to_target import (failed_outcome, regime_note, save_figure, median_seconds, run_outcome, speedup,
-                            speedup_line, start_regime, table, target_verdict, verdict_line, verdict_losses)
+                            speedup_line, start_regime, table, target_section, target_verdict, verdict_line,
+                            verdict_losses)
 
 TARGET = 3.28
 
@@ -114,6 +116,27 @@ def test_the_speedup_and_its_spread():
     assert "at least 2.25x" in speedup_line(bound)
     assert speedup({"b1": 80.0}, {"c1": 40.0})["at_least"] is None  # measured, no bound needed
     assert speedup({"b1": 80.0}, {})["reason"] == "no completed candidate run"
+
+
+def test_a_failed_baseline_run_is_named_as_failed_not_as_one_that_never_reached_the_target(tmp_path):
+    """A baseline run whose train.py failed was reported as one that "never reached the target"."""
+    up = speedup({"b1": 80.0, "b2": None}, {"c1": 30.0}, {"b1": 120.0}, {"b1": "complete", "b2": "failed"})
+    assert up["speedup"] is None and up["reason"] == "the baseline run b2 failed" and up["at_least"] is None
+    both = speedup({"b1": None, "b2": None}, {"c1": 30.0}, {"b1": 120.0}, {"b1": "complete", "b2": "failed"})
+    assert both["reason"] == "the baseline run b2 failed; the baseline never reached the target in b1"
+    assert both["at_least"] is None  # b2 trained no whole recipe: no bound
+    diverged = speedup({"b1": None}, {"c1": 30.0}, {}, {"b1": "diverged"})
+    assert diverged["reason"] == "the baseline run b1 did not complete (status diverged)"
+    # the mode's record passes the baseline runs' statuses: one failed, one complete that never reached the target
+    cfg = settings.Config(target_loss=TARGET, eval_interval=10, target_baseline="base.py")
+    candidates = [settings.Config(name=f"r-seed{s}", seed=s) for s in (1, 2)]
+    baselines = [settings.Config(name=f"r-target-baseline-seed{s}", seed=s) for s in (1, 2)]
+    results = {"r-seed1": entry([3.2]), "r-seed2": entry([3.1]), "r-target-baseline-seed1": entry([3.5], seconds=90.0)}
+    failed = {"r-target-baseline-seed2": "the target baseline run r-target-baseline-seed2 exited with status 1"}
+    section = target_section(cfg, results, candidates, baselines, failed, tmp_path / "p.png")
+    assert section["speedup"]["reason"] == ("the baseline run r-target-baseline-seed2 failed; the baseline never "
+                                            "reached the target in r-target-baseline-seed1")
+    assert "r-target-baseline-seed2 failed" in "\n".join(table(section))
 
 
 def test_the_run_summary_reads_the_final_loss_the_training_seconds_and_the_target():
