@@ -183,18 +183,35 @@ def _from_transformers(folder):
     # A copy of the embedding saved as lm_head.weight is loaded untied, so that it can be compared: tying would
     # silently drop it, and a head that differs is a model outside the family.
     untied = dict(tie_word_embeddings=False) if shapes and "lm_head.weight" in shapes else {}
+    from transformers.utils import logging as hf_logging
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # not its table of missing keys: the one line below names them
     try:
-        weights = hf.causal_lm_class(config).from_pretrained(folder, local_files_only=True, dtype=torch.float32,
-                                                             **untied)
+        weights, info = hf.causal_lm_class(config).from_pretrained(
+            folder, local_files_only=True, dtype=torch.float32, output_loading_info=True, **untied)
     except Exception as exc:  # missing or truncated weight files beside a good config.json
         raise ValueError(f"init_from {str(folder)!r}: its weights could not be loaded "
                          f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    _check_loaded_keys(folder, info)
     if untied:
         if not torch.equal(weights.lm_head.weight, weights.model.embed_tokens.weight):
             raise ValueError(f"init_from {str(folder)!r}: its lm_head.weight differs from model.embed_tokens.weight "
                              f"although config.json ties them; the tiny-llm family ties its embeddings")
         weights.config.tie_word_embeddings = True
     return hf.from_hf(weights)
+
+
+def _check_loaded_keys(folder, info):
+    """Refuse what from_pretrained loaded with weights missing (it initializes them at random and only prints
+    so) or left over (what our export never writes)."""
+    for kind, what in (("missing_keys", "lack"), ("unexpected_keys", "hold tensors the model has no place for")):
+        keys = sorted(info.get(kind) or ())
+        if keys:
+            listed = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+            raise ValueError(f"init_from {str(folder)!r}: the weights transformers loads from it {what}: {listed}; "
+                             f"export the folder again")
 
 
 def weights_sha256(state):

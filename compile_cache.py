@@ -15,6 +15,7 @@ and CUDA versions, Python's (Triton's .so helpers are built for it), the GPU, th
 repository's code. A file whose key differs is ignored with a line saying what differs, and rewritten when this run
 has compiled; a file that is not a compile cache is never written over.
 """
+import collections
 import io
 import json
 import os
@@ -31,6 +32,7 @@ from results import atomic_write, atomic_write_text
 
 MAGIC = b"tiny-llm compile cache\n"
 FORMAT = 2  # 2: the files after torch's bytes are one tar of flash-attn-4's folder and Triton's entries
+STAGING = ".unpack-"  # unpack_kernel_files' temporary folders, which a killed process leaves behind
 
 
 class CompileCacheError(ValueError):
@@ -114,37 +116,50 @@ def kernel_files():
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as tar:
         if folder is not None and folder.is_dir():
-            tar.add(folder, arcname="flash-attn-4")
+            tar.add(folder, arcname="flash-attn-4", filter=lambda m: None if STAGING in m.name else m)
         for entry in entries:
             tar.add(entry, arcname=f"triton/{entry.name}")
     return buffer.getvalue()
 
 
 def unpack_kernel_files(data):
-    """Put saved kernel files where flash-attn-4 and Triton look (files already there are kept). Triton's group files
-    name their members by absolute path, so those of the entries unpacked are pointed at this machine's folder."""
+    """Put saved kernel files where flash-attn-4 and Triton look. Each Triton entry (a folder) and each file of
+    flash-attn-4's goes into place whole or not at all (_unpack_whole); one already there is kept."""
     if not data:
         return
     folders = {"flash-attn-4": kernel_folder(), "triton": triton_folder()}
-    unpacked = {}
+    wholes = collections.defaultdict(list)  # {(top, its path under top's folder): its members}
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        for top, folder in folders.items():
-            members = [m for m in tar.getmembers() if m.name.split("/")[0] == top and m.name != top]
-            if folder is None or not members:
+        for member in tar.getmembers():
+            top, _, name = member.name.partition("/")
+            if folders.get(top) is None or not name or (top != "triton" and not member.isfile()):
                 continue
-            folder.mkdir(parents=True, exist_ok=True)
-            for member in members:
-                member.name = member.name[len(top) + 1:]
-            members = [m for m in members if m.isdir() or not (folder / m.name).exists()]
-            tar.extractall(folder, members=members, filter="data")
-            unpacked[top] = {m.name.split("/")[0] for m in members if not m.isdir()}
-    for entry in unpacked.get("triton", ()):
-        for group in (folders["triton"] / entry).glob("__grp__*.json"):
-            _point_group_here(group)
+            whole = name.split("/")[0] if top == "triton" else name
+            member.name = name[len(whole.rpartition("/")[0]):].lstrip("/")  # named from the folder it goes into
+            wholes[top, whole].append(member)
+        for (top, whole), members in wholes.items():
+            _unpack_whole(tar, folders[top] / whole, members)
 
 
-def _point_group_here(group):
-    """Rewrite a Triton group file's member paths to its own folder (atomically; one already right is left alone)."""
+def _unpack_whole(tar, final, members):
+    """Unpack members into a temporary folder beside final and rename the result to final, so that a killed process
+    leaves no part of it under its name. Triton's group files name their members by absolute path, so those
+    unpacked are pointed at final first."""
+    if final.exists():  # put there whole, by this or by Triton's and flash-attn-4's own writes
+        return
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=final.parent, prefix=STAGING) as staging:
+        tar.extractall(staging, members=members, filter="data")
+        for group in Path(staging, final.name).glob("__grp__*.json"):
+            _point_group_here(group, final)
+        try:
+            os.replace(Path(staging, final.name), final)
+        except OSError:  # another process put it there meanwhile
+            pass
+
+
+def _point_group_here(group, folder):
+    """Rewrite a Triton group file's member paths to folder (atomically; one already right is left alone)."""
     try:
         data = json.loads(group.read_text())
     except ValueError:  # a damaged group file: Triton ignores it and compiles again, as it would have
@@ -152,7 +167,7 @@ def _point_group_here(group):
     paths = data.get("child_paths") if isinstance(data, dict) else None
     if not isinstance(paths, dict):
         return
-    here = {name: str(group.parent / Path(path).name) for name, path in paths.items()}
+    here = {name: str(folder / Path(path).name) for name, path in paths.items()}
     if here != paths:
         atomic_write_text(group, json.dumps(dict(data, child_paths=here)))
 

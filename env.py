@@ -215,6 +215,11 @@ def fingerprint(cache_identity=None):
     }
 
 
+def _slurm_gpus(text):
+    """The GPUs of a SLURM count: "4", "h100:4", or a list of types, "h100:4,a100:2". ValueError for another text."""
+    return sum(int(part.split(":")[-1]) for part in text.split(","))
+
+
 def allocation_usage(environ=None, now=None):
     """Under SLURM, what this job's allocation has used so far (the reference's allocation-usage); else None."""
     environ = os.environ if environ is None else environ
@@ -222,9 +227,10 @@ def allocation_usage(environ=None, now=None):
     if not job:
         return None
     now = time.time() if now is None else now
-    gpus_text = environ.get("SLURM_GPUS_ON_NODE") or environ.get("SLURM_GPUS") or "0"
-    try:
-        gpus = int(gpus_text.split(":")[-1]) * int(environ.get("SLURM_NNODES", "1"))
+    per_node = environ.get("SLURM_GPUS_ON_NODE")
+    try:  # SLURM_GPUS is the job's total, not a node's
+        gpus = (_slurm_gpus(per_node) * int(environ.get("SLURM_NNODES", "1")) if per_node
+                else _slurm_gpus(environ.get("SLURM_GPUS") or "0"))
     except ValueError:
         gpus = None
     start = environ.get("SLURM_JOB_START_TIME")

@@ -40,6 +40,7 @@ import settings
 import trainer
 from configurator import ConfigError
 from data.loader import TokenCache, eval_batch_count, eval_batches
+from data.parts import encode_text
 from model_kernels.attention import resolve_backend
 from settings import MODEL, RUN, WEIGHTS, Execution, ModelShape, Paths, setting
 
@@ -161,8 +162,7 @@ def text_tokens(tokenizer, text, eot):
     end-of-text token that comes before every document of a cache but the first: all its tokens are targets."""
     if eot is None:
         raise ConfigError("the cache's tokenizer has no end-of-text token to start and end the document with")
-    ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-    return np.array([eot, *ids, eot], dtype=np.int64)
+    return np.array([eot, *encode_text(tokenizer, text), eot], dtype=np.int64)
 
 
 def decoded_bytes(tokenizer, tokens, eot):

@@ -140,22 +140,23 @@ def from_hf(hf_model):
     return model
 
 
-# A transformers folder's weights: one file, or the shards its index names (safetensors first, as transformers reads).
+# A transformers folder's weights: one file, or the shards its index names; safetensors first, and each single file
+# before its index, as transformers' from_pretrained picks them (so the shapes checked are those it loads).
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
 def weight_files(folder):
-    """The weight files of a transformers folder ([] when it holds none)."""
+    """The weight files of a transformers folder that from_pretrained loads ([] when it holds none)."""
     folder = Path(folder)
     for name in WEIGHT_FILES:
+        if (folder / name).is_file():
+            return [folder / name]
         index = folder / f"{name}.index.json"
         if index.is_file():
             try:
                 return sorted({folder / shard for shard in json.loads(index.read_text())["weight_map"].values()})
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 return []  # a broken index: from_pretrained says what is wrong with it
-        if (folder / name).is_file():
-            return [folder / name]
     return []
 
 

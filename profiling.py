@@ -19,8 +19,8 @@ import torch
 # Kernel-name patterns by category, first match wins (order matters: attention before softmax, etc.).
 CATEGORIES = [
     ("attention", ("flash", "fmha", "attention", "sdpa", "attn")),
-    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm", "aten::bmm",
-                "aten::matmul", "aten::linear", "splitkreduce", "sm90_", "sm80_")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+                "aten::_scaled_mm", "aten::matmul", "aten::linear", "splitkreduce", "sm90_", "sm80_")),
     ("cross_entropy", ("log_softmax", "nll_loss", "cross_entropy", "softmax")),
     ("optimizer", ("adam", "multi_tensor", "foreach", "lpnorm", "clip_grad", "_amp_")),
     ("norm", ("rms_norm", "rmsnorm", "rsqrt", "layer_norm")),

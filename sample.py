@@ -29,6 +29,7 @@ import settings
 from configurator import ConfigError
 from settings import Execution, Paths, Recipe, setting
 from data.loader import CacheError, TokenCache, prepare_command
+from data.parts import encode_text
 from hf import MODEL_TYPES as hf_model_types, export_problem, to_hf, weight_files as hf_weight_files
 
 # ---------------------------------------------------------------- settings (sampling's; name, out_dir, data_dir,
@@ -62,6 +63,14 @@ def new_tokens_problem(n):
     if n > MAX_NEW_TOKENS:
         return (f"max_new_tokens must be at most {MAX_NEW_TOKENS:,} (each token runs the whole context again, and "
                 f"the samples print at the end), got {n:,}")
+    return None
+
+
+def top_k_problem(top_k, vocab_size):
+    """Checked once the model is loaded: a top_k above its vocabulary would silently sample among all tokens."""
+    if top_k > vocab_size:
+        return (f"top_k must be at most the model's vocabulary size, {vocab_size:,} (0 or {vocab_size:,}: all "
+                f"tokens), got {top_k:,}")
     return None
 
 
@@ -158,8 +167,9 @@ def start_token(tokenizer, data_dir):
 
 
 def encode_prompt(tokenizer, text, model, data_dir):
-    """The prompt as (1, T) token ids on the CPU, checked against the model before any kernel sees them."""
-    ids = tokenizer.encode(text, add_special_tokens=False) if text else [start_token(tokenizer, data_dir)]
+    """The prompt as (1, T) token ids on the CPU, as the cache tokenizes its text, checked against the model before
+    any kernel sees them."""
+    ids = encode_text(tokenizer, text) if text else [start_token(tokenizer, data_dir)]
     idx = torch.tensor([ids], dtype=torch.long)
     try:
         # On the CPU the model checks the id range (it skips that on the GPU); only the context is fed.
@@ -278,6 +288,8 @@ def sample(cfg):
     if cfg.export_hf:
         export(model, tokenizer, cfg.export_hf, eot_token(tokenizer, data_dir))
         return []
+    if problem := top_k_problem(cfg.top_k, model.config.vocab_size):
+        raise SampleError(problem)
     print(f"{out_dir}/ckpt.pt: update {ckpt.get('step')}, epoch {ckpt.get('epoch')}, "
           f"{sum(p.numel() for p in model.parameters()):,} parameters, {device}; tokenizer of {data_dir}",
           file=sys.stderr)

@@ -75,11 +75,15 @@ def tasks(streams, part, read):
 WORK = {}  # the tokenizer and its settings, set before the workers fork (each inherits them)
 
 
+def encode_text(tok, text):
+    """The token ids of a text (a list of ids), or of each of a list of texts, as a cache tokenizes a document."""
+    # split_special_tokens: a literal "<|endoftext|>" inside a document is text, not a document boundary
+    return tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
 def encode_batch(batch, tok, eot):
     """{"ids": each document's tokens followed by end-of-text} for {"text": documents}: how a cache tokenizes one."""
-    # split_special_tokens: a literal "<|endoftext|>" inside a document is text, not a document boundary
-    ids = tok(batch["text"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
-    return {"ids": [x + [eot] for x in ids]}
+    return {"ids": [x + [eot] for x in encode_text(tok, batch["text"])]}
 
 
 def encode(code, texts, ordinals):

@@ -250,15 +250,59 @@ def test_tritons_own_entries_of_our_kernels_travel_and_triton_finds_them_in_anot
     data = compile_cache.kernel_files()
 
     here = tmp_path / "here"
-    (here / "a1").mkdir(parents=True)
-    (here / "a1" / "cross_entropy_rows_kernel.cubin").write_bytes(b"already here")
+    (here / "b2").mkdir(parents=True)
+    (here / "b2" / launcher).write_bytes(b"already here")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(here))
     compile_cache.unpack_kernel_files(data)
     assert sorted(p.name for p in here.iterdir()) == ["a1", "b2", "d4"]  # not Inductor's kernel
     group = FileCacheManager("a1").get_group("cross_entropy_rows_kernel.json")
     assert group == {name: str(here / "a1" / name) for name in group} and len(group) == 2
-    assert (here / "a1" / "cross_entropy_rows_kernel.cubin").read_bytes() == b"already here"  # kept
-    assert FileCacheManager("b2").get_file(launcher) == str(here / "b2" / launcher)
+    assert (here / "a1" / "cross_entropy_rows_kernel.cubin").read_bytes() == b"rows"
+    assert sorted(p.name for p in (here / "b2").iterdir()) == [launcher]  # an entry already there is kept
+    assert (here / "b2" / launcher).read_bytes() == b"already here"
+
+
+@pytest.mark.parametrize("killed_in", ["triton", "flash-attn-4"])
+def test_an_unpacking_killed_midway_leaves_no_kernel_file_under_its_name_and_the_next_load_puts_it_whole(
+        tmp_path, monkeypatch, killed_in):
+    """A kernel cut short beside its complete group file would be loaded by Triton (or flash-attn-4) as whole: each
+    Triton entry and each flash-attn-4 file appears whole or not at all, and a later load completes the cache."""
+    import tarfile
+    from triton.runtime.cache import FileCacheManager
+    big = b"rows" * (1 << 18)  # the kernel being written when the process dies
+    kernels = {"triton": b"rows", "flash-attn-4": b"fwd", killed_in: big}
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "there"))
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(tmp_path / "fa4-there"))
+    rows = FileCacheManager("a1")
+    rows.put_group("cross_entropy_rows_kernel.json", {"cross_entropy_rows_kernel.cubin": rows.put(
+        kernels["triton"], "cross_entropy_rows_kernel.cubin")})
+    (tmp_path / "fa4-there" / "print" / "fwd").mkdir(parents=True)
+    (tmp_path / "fa4-there" / "print" / "fwd" / "k.o").write_bytes(kernels["flash-attn-4"])
+    data = compile_cache.kernel_files()
+
+    here = {"triton": tmp_path / "here", "flash-attn-4": tmp_path / "fa4-here"}
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(here["triton"]))
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(here["flash-attn-4"]))
+    copy = tarfile.copyfileobj
+
+    def killed(src, dst, length=None, *args, **kwargs):
+        if length == len(big):
+            dst.write(src.read(length // 2))
+            raise KeyboardInterrupt
+        return copy(src, dst, length, *args, **kwargs)
+
+    monkeypatch.setattr(tarfile, "copyfileobj", killed)
+    with pytest.raises(KeyboardInterrupt):
+        compile_cache.unpack_kernel_files(data)
+    final = {"triton": here["triton"] / "a1", "flash-attn-4": here["flash-attn-4"] / "print" / "fwd" / "k.o"}
+    assert not final[killed_in].exists()  # in a temporary folder beside it, which nothing reads
+    monkeypatch.setattr(tarfile, "copyfileobj", copy)
+    compile_cache.unpack_kernel_files(data)  # the next run loads the same file
+    assert (here["triton"] / "a1" / "cross_entropy_rows_kernel.cubin").read_bytes() == kernels["triton"]
+    assert FileCacheManager("a1").get_group("cross_entropy_rows_kernel.json") == {
+        "cross_entropy_rows_kernel.cubin": str(here["triton"] / "a1" / "cross_entropy_rows_kernel.cubin")}
+    assert (here["flash-attn-4"] / "print" / "fwd" / "k.o").read_bytes() == kernels["flash-attn-4"]
 
 
 def test_the_key_follows_the_code(tmp_path, monkeypatch):

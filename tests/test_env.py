@@ -409,6 +409,17 @@ def test_allocation_usage_without_start_time():
     assert usage["elapsed_seconds"] is None and usage["gpu_hours"] is None
 
 
+@pytest.mark.parametrize("gpus, expected", [
+    ({"SLURM_GPUS_ON_NODE": "4"}, 8),  # a node's count, on each of the 2 nodes
+    ({"SLURM_GPUS": "8"}, 8),  # the job's total, however many nodes hold it
+    ({"SLURM_GPUS": "h100:8"}, 8),
+    ({"SLURM_GPUS": "h100:4,a100:2"}, 6),  # every type counts
+])
+def test_allocation_usage_counts_the_jobs_gpus(gpus, expected):
+    usage = env.allocation_usage({"SLURM_JOB_ID": "1", "SLURM_NNODES": "2", **gpus})
+    assert usage["gpus"] == expected
+
+
 @pytest.mark.parametrize("name, peak", [("NVIDIA H200", 989e12), ("NVIDIA GH200 120GB", 989e12),
                                         ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12),
                                         ("NVIDIA A100 80GB PCIe", 312e12), ("NVIDIA H100 PCIe", 756e12),

@@ -86,6 +86,25 @@ def test_top_k_1_and_temperature_0_are_greedy(trained):
     assert sample.sample(config(trained, f"--prompt={PROMPT}", "--temperature=0")) == [greedy]
 
 
+def test_top_k_above_the_vocabulary_is_refused_and_the_vocabulary_is_all_tokens(trained, capsys):
+    """A top_k larger than the model's vocabulary is a mistake, not "all tokens" (0 says that)."""
+    vocab = sample.load_checkpoint(trained["out"], "cpu")[0].config.vocab_size
+    assert sample.main([f"--out_dir={trained['out']}", "--device=cpu", f"--top_k={vocab + 1}"]) == 2
+    one_line(capsys, f"top_k must be at most the model's vocabulary size, {vocab:,}", f"got {vocab + 1:,}")
+    assert sample.sample(config(trained, f"--top_k={vocab}")) == sample.sample(config(trained, "--top_k=0"))
+
+
+def test_the_prompt_is_tokenized_as_the_training_documents_were(trained):
+    """A literal "<|endoftext|>" in the prompt is text, as in every document the model trained on (and in
+    evaluate.py's --text), not the document boundary."""
+    from data.parts import encode_batch
+    model, _ = sample.load_checkpoint(trained["out"], "cpu")
+    tokenizer, eot = trained["tokenizer"], TokenCache(trained["cache"], verify=False).meta["eot_token_id"]
+    text = "the end.<|endoftext|>It was"
+    ids = sample.encode_prompt(tokenizer, text, model, trained["cache"])[0].tolist()
+    assert ids + [eot] == encode_batch({"text": [text]}, tokenizer, eot)["ids"][0] and eot not in ids
+
+
 def test_long_prompt_is_cropped_to_the_context(trained):
     long_prompt = "the " * 100  # more tokens than the 64-token context
     assert len(trained["tokenizer"].encode(long_prompt)) > 64
@@ -126,6 +145,29 @@ def test_export_hf_loads_in_transformers_with_equal_logits(trained, tmp_path):
     model, _ = sample.load_checkpoint(trained["out"], "cpu")
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, model(ids), atol=1e-4, rtol=0)
+
+
+def test_init_from_checks_the_weights_transformers_loads_and_refuses_a_tensor_they_lack(trained, tmp_path,
+                                                                                        monkeypatch):
+    """An export sharded again beside a stale model.safetensors that lacks a tensor: transformers loads the single
+    file (before the index), so the shape check reads that one too; and a tensor that from_pretrained would
+    initialize at random is refused even where the shape check cannot read the files."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    folder, lacking = tmp_path / "hf", "model.layers.0.mlp.down_proj.weight"
+    assert sample.main([f"--out_dir={trained['out']}", "--device=cpu", f"--export_hf={folder}"]) == 0
+    single = folder / "model.safetensors"
+    stale = {k: v for k, v in load_file(single).items() if k != lacking}
+    AutoModelForCausalLM.from_pretrained(folder).save_pretrained(folder, max_shard_size="100KB")
+    save_file(stale, single, metadata={"format": "pt"})
+    assert (folder / "model.safetensors.index.json").is_file() and hf.weight_files(folder) == [single]
+    with pytest.raises(ValueError, match=f"init_from '{folder}': its weights do not match config.json: the weights "
+                                         f"lack {lacking}"):
+        checkpoint.initial_weights(folder)
+    monkeypatch.setattr(hf, "stored_shapes", lambda folder: None)  # headers the shape check cannot read
+    with pytest.raises(ValueError, match=f"init_from '{folder}': the weights transformers loads from it lack: "
+                                         f"{lacking}; export the folder again"):
+        checkpoint.initial_weights(folder)
 
 
 def test_a_failed_export_leaves_the_folder_as_it_was(trained, tmp_path, monkeypatch):
