@@ -213,7 +213,7 @@ def _parent(data, keys, path):
     return node
 
 
-def _update(path, change):
+def locked_update(path, change):
     """Under the file's lock: read, call change(data), write back atomically (through a symbolic link, locked
     beside its target: every writer of that file takes the one lock)."""
     from filelock import Timeout
@@ -229,7 +229,9 @@ def _update(path, change):
         raise ResultsFileError(f"results file {path} cannot be written ({why}); pass another --results_file") from None
 
 
-def _put(data, keys, value, path):
+def put(data, keys, value, path):
+    """Put value at data[keys[0]][keys[1]]...; a different value it replaces goes to the history (not another state
+    of the same run, which updates its entry in place). path names the file in errors."""
     if keys == ["history"]:
         raise ResultsFileError(f"results file {path}: 'history' holds the file's replaced values; record under "
                                f"another name")
@@ -261,8 +263,8 @@ def record_many(path, items, replaced=()):
         if replaced:
             data.setdefault("history", []).extend(replaced)
         for keys, value in items:
-            _put(data, keys, value, path)
-    _update(Path(path), change)
+            put(data, keys, value, path)
+    locked_update(Path(path), change)
 
 
 def append(path, keys, item):
@@ -274,7 +276,7 @@ def append(path, keys, item):
         if not isinstance(items, list):
             raise ResultsFileError(f"results file {path}: {'.'.join(keys)} is not a list")
         items.append(item)
-    _update(Path(path), change)
+    locked_update(Path(path), change)
 
 
 def lookup(path, keys, default=None):

@@ -6,6 +6,7 @@ to name the file and the line, row or byte offset at fault, which datasets' own 
 names a document whose long run of text would make BPE training slow.
 """
 import codecs
+import importlib
 import importlib.util
 import io
 import itertools
@@ -14,13 +15,27 @@ import os
 
 import numpy as np
 
-COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
-SUPPORTED = ".txt, .jsonl or .json, each optionally compressed as .gz, .bz2, .xz or .zst, or .parquet"
+# the compressions datasets decompresses (by the name's suffix, in any case): the module whose open() reads each
+COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma", ".zst": "zstandard"}
+SUPPORTED = (f".txt, .jsonl or .json, each optionally compressed as {', '.join(list(COMPRESSIONS)[:-1])} or "
+             f"{list(COMPRESSIONS)[-1]}, or .parquet")
 JSON_TYPES = {bool: "a boolean", int: "a number", float: "a number", list: "an array", dict: "an object"}
 
 
 class PrepareError(ValueError):
     """Bad input to prepare(): the message is one sentence naming the input and what is accepted."""
+
+
+def first_line(exc, limit=200):
+    """An exception's message for one line: its first line (at most `limit` characters), or its type's name when
+    it has none (datasets raises some with an empty message)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0][:limit] if lines else type(exc).__name__
+
+
+def compression_of(path):
+    """The compression suffix of a corpus file's name ("" for none), in lower case."""
+    return next((c for c in COMPRESSIONS if path.name.lower().endswith(c)), "")
 
 
 # ----------------------------------------------------------------------------- refusals before any work
@@ -57,7 +72,7 @@ def check_file_types(source, files, builders):
     if len(kinds) > 1:
         raise PrepareError(f"--source {source!r} mixes file types ({' and '.join(kinds)}); "
                            f"use one type (.txt, or .jsonl/.json, or .parquet) per corpus")
-    if any(f.name.endswith(".zst") for f in files):
+    if any(compression_of(f) == ".zst" for f in files):
         if importlib.util.find_spec("zstandard") is None:  # datasets needs it for .zst
             raise PrepareError(f"--source {source!r} has .zst files, which need the zstandard package "
                                f"(pip install zstandard)")
@@ -138,11 +153,14 @@ def check_file_text(builder, path):
     if builder == "text":
         bad = first_non_utf8(path)
         if bad is not None:
-            where = " of its decompressed text" if path.suffix.lower() in COMPRESSED else ""
+            where = " of its decompressed text" if compression_of(path) else ""
             raise PrepareError(f"--source file {str(path)!r} is not UTF-8: byte offset {bad[0]:,}{where} "
                                f"(0x{bad[1]:02x}) is not valid UTF-8; .txt files must be UTF-8 text "
                                f"(iconv -f LATIN1 -t UTF-8 converts Latin-1)")
         return
+    if builder == "json" and holds_no_text(path):
+        raise PrepareError(f"--source file {str(path)!r} holds no rows (it is empty or blank); give it rows with a "
+                           f"'text', or remove it from the source")
     found = first_non_string_parquet(path) if builder == "parquet" else first_non_string_json(path)
     if found is not None:
         where, what = found
@@ -155,14 +173,18 @@ def check_file_text(builder, path):
 
 def open_local(path):
     """A corpus file as a binary stream, decompressed as datasets decompresses it."""
-    import bz2
-    import gzip
-    import lzma
-    suffix = path.suffix.lower()
-    if suffix == ".zst":
-        import zstandard
-        return zstandard.open(path, "rb")
-    return {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(suffix, open)(path, "rb")
+    compression = compression_of(path)
+    opener = importlib.import_module(COMPRESSIONS[compression]).open if compression else open
+    return opener(path, "rb")
+
+
+def holds_no_text(path):
+    """Whether a corpus file is empty or blank (whitespace only) once decompressed."""
+    with open_local(path) as f:
+        while chunk := f.read(1 << 20):
+            if chunk.strip():
+                return False
+    return True
 
 
 def first_non_utf8(path):

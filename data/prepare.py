@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script too
 import env  # noqa: E402
 from data import diagnose, parts, sources  # noqa: E402
-from data.diagnose import PrepareError  # noqa: E402  (prepare's one error type; callers catch it from here)
+from data.diagnose import PrepareError, first_line  # noqa: E402  (PrepareError: prepare's one error type)
 from data.parts import encode_batch  # noqa: E402,F401  (callers and tests reach these here)
 from data.sources import find_local, parse_hf  # noqa: E402,F401
 from data.loader import CacheError, TokenCache, recorded_identity  # noqa: E402
@@ -45,6 +45,9 @@ from results import atomic_write_text  # noqa: E402
 FORMAT = 2  # shards; 1: one train.bin and one val.bin (the loader reads both)
 EOT = "<|endoftext|>"
 VOCAB_SIZE = 32000  # the trained BPE's vocabulary unless --vocab_size says otherwise (the Llama tokenizer's size)
+VAL_FRACTION = 0.01  # the documents held out for val, by hash, when the source has no split of its own
+SEED = 0  # the salt of the held-out hash (0: plain sha256)
+SHUFFLE_SEED = 0  # the documents' order in the cache (-1: the source's)
 # BPE training time grows with the square of the longest piece the pre-tokenizer leaves (a run of letters, digits,
 # symbols or whitespace): a run of 100,000 letters (DNA, a long base64 or JSON value) adds seconds, one of 1,000,000
 # minutes, with no progress shown. So runs of LONG_RUN or more characters without whitespace (or all whitespace)
@@ -79,7 +82,7 @@ def load_tokenizer(spec, vocab_size):
             return AutoTokenizer.from_pretrained(spec)
         except Exception as e:
             raise PrepareError(f"--tokenizer {spec!r} is a path but not a loadable tokenizer folder "
-                               f"({str(e).splitlines()[0][:200]})") from None
+                               f"({first_line(e)})") from None
     try:  # the local Hugging Face cache first: fast, and works offline
         return AutoTokenizer.from_pretrained(spec, local_files_only=True)
     except Exception:
@@ -89,7 +92,7 @@ def load_tokenizer(spec, vocab_size):
         try:
             return AutoTokenizer.from_pretrained(spec)
         except Exception as e:
-            reason = str(e).splitlines()[0][:200]
+            reason = first_line(e)
     raise PrepareError(f"could not load tokenizer {spec!r} ({reason}); give a local tokenizer folder, a name in "
                        f"the Hugging Face cache, or leave --tokenizer out to train a byte-level BPE of --vocab_size tokens")
 
@@ -171,8 +174,9 @@ def tokenizer_identity(tokenizer, vocab_size, max_vocab, folder=None):
     return tok, tok_name, tok_vocab, tok_files
 
 
-def prepare(source, out, tokenizer=None, vocab_size=VOCAB_SIZE, val_fraction=0.01, num_proc=None, seed=0,
-            streaming=False, max_documents=None, max_vocab=None, shuffle_seed=0, shard_tokens=SHARD_TOKENS, part=(0, 1)):
+def prepare(source, out, tokenizer=None, vocab_size=VOCAB_SIZE, val_fraction=VAL_FRACTION, num_proc=None, seed=SEED,
+            streaming=False, max_documents=None, max_vocab=None, shuffle_seed=SHUFFLE_SEED, shard_tokens=SHARD_TOKENS,
+            part=(0, 1)):
     """Build (or find up to date) the token cache `out` from `source`; returns its meta dict. part=(i, n) with n > 1:
     job i of n builds its part beside `out` instead (join() makes the cache of the n parts)."""
     t0 = time.time()
@@ -180,7 +184,7 @@ def prepare(source, out, tokenizer=None, vocab_size=VOCAB_SIZE, val_fraction=0.0
     num_proc = diagnose.check_arguments(out, val_fraction, max_documents, num_proc)
     parts.check_layout(shuffle_seed, shard_tokens, part, tokenizer)
     # 1. what the inputs are, hashed before any work, so an up-to-date cache is found without tokenizing
-    read, rule, source_sha = sources.find_source(source, streaming, max_documents, hub_reachable, out)
+    read, rule, source_sha = sources.find_source(source, streaming, max_documents, hub_reachable)
     if rule is None:
         rule = f"held-out fraction {val_fraction} by document sha256" + (f" seed {seed}" if seed else "")
     folder = tokenizer if tokenizer is not None and Path(tokenizer).is_dir() else None  # its files kept as they are
@@ -236,15 +240,21 @@ def locked(folder):
 
 def build_folder(out):
     """Where this process builds the cache `out`: beside it (the swap is a rename), named by the process id."""
-    return out.parent / f"{out.name}.tmp-{os.getpid()}"
+    return sources.aside(out, "tmp")
+
+
+def left_aside(out, kind):
+    """The builds ("tmp") or old copies ("old") of `out` that any process made (sources.aside), by name; a folder
+    the user named alike (DIR.old-backup) is none of them."""
+    return sorted(p for p in out.parent.glob(glob.escape(out.name) + ".*") if sources.aside_of(p) == (out, kind))
 
 
 def recover_or_find(out, identity, job=None):
     """Under the lock: clear what a killed run left, put back a whole old cache it moved away, and return the
     meta of a cache (or a job's part) at `out` that is up to date with `identity` (else None)."""
-    for p in out.parent.glob(glob.escape(out.name) + ".tmp-*"):  # left by a killed run
+    for p in left_aside(out, "tmp"):  # left by a killed run
         shutil.rmtree(p, ignore_errors=True)
-    olds = sorted(out.parent.glob(glob.escape(out.name) + ".old-*"))
+    olds = left_aside(out, "old")
     if not out.exists() and olds and (olds[-1] / "meta.json").exists():
         os.rename(olds.pop(), out)  # killed between the two renames: the old cache is whole, put it back
     if not (out / "meta.json").exists():
@@ -265,7 +275,7 @@ def swap_in(tmp, out, meta):
 def move_aside(out):
     """Rename the previous cache, if any, to DIR.old-<pid>: a run killed before the next rename leaves it
     there whole, and the next run puts it back."""
-    old = out.parent / f"{out.name}.old-{os.getpid()}"
+    old = sources.aside(out, "old")
     if out.exists():
         os.rename(out, old)
     return old
@@ -365,13 +375,15 @@ def main(argv=None):
     ap.add_argument("--out", required=True, help="cache folder to write (replaced atomically)")
     ap.add_argument("--tokenizer", help="transformers tokenizer (hub name or folder); default: train a byte-level BPE")
     ap.add_argument("--vocab_size", type=int, default=VOCAB_SIZE, help=f"vocabulary of the trained BPE (default {VOCAB_SIZE})")
-    ap.add_argument("--val_fraction", type=float, default=0.01, help="held-out fraction of documents when SRC has no val split")
+    ap.add_argument("--val_fraction", type=float, default=VAL_FRACTION,
+                    help=f"held-out fraction of documents when SRC has no val split (default {VAL_FRACTION})")
     ap.add_argument("--num_proc", type=int, help="tokenizing processes (default: every core this process may use)")
-    ap.add_argument("--seed", type=int, default=0, help="salt of the held-out document hash (0: plain sha256)")
+    ap.add_argument("--seed", type=int, default=SEED, help="salt of the held-out document hash (0: plain sha256)")
     ap.add_argument("--streaming", action="store_true", help="read documents as they are tokenized: no copy on disk")
     ap.add_argument("--max_documents", type=int, help="read at most N documents from each split")
     ap.add_argument("--max_vocab", type=int, help="fail if the tokenizer has more than N tokens (the model's vocabulary)")
-    ap.add_argument("--shuffle_seed", type=int, default=0, help="shuffle the documents from this seed (-1: source order)")
+    ap.add_argument("--shuffle_seed", type=int, default=SHUFFLE_SEED,
+                    help=f"shuffle the documents from this seed (-1: source order; default {SHUFFLE_SEED})")
     ap.add_argument("--shard_tokens", type=int, default=SHARD_TOKENS, help=f"tokens per shard (default {SHARD_TOKENS:,})")
     ap.add_argument("--shard", default="0/1", help="I/N: be job I of N, writing its part DIR.part-I-of-N; then --join")
     ap.add_argument("--join", action="store_true", help="make the cache --out from the parts of its N --shard jobs")
@@ -394,6 +406,10 @@ def main(argv=None):
         sys.exit(2)
     if args.tokenizer and args.vocab_size != VOCAB_SIZE and meta["tokenizer"] == args.tokenizer:
         print(f"note: --vocab_size {args.vocab_size} was ignored: tokenizer {args.tokenizer!r} has {meta['vocab_size']} tokens")
+    if not args.join and not meta["split_rule"].startswith("held-out"):
+        for flag, value, default in (("val_fraction", args.val_fraction, VAL_FRACTION), ("seed", args.seed, SEED)):
+            if value != default:
+                print(f"note: --{flag} {value} was ignored: the split is the source's own ({meta['split_rule']})")
 
 
 if __name__ == "__main__":

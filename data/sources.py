@@ -6,23 +6,25 @@ import contextlib
 import functools
 import glob
 import hashlib
+import json
 import os
 import warnings
 from pathlib import Path
 
 import env
 from data import diagnose
-from data.diagnose import PrepareError
+from data.diagnose import PrepareError, first_line
 from data.loader import sha256_file
 
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # datasets builders
-COMPRESSIONS = ("", ".gz", ".bz2", ".xz", ".zst")  # decompressed by datasets' download manager
+ASIDE_KINDS = ("tmp", "old")  # aside(): a cache's build, and the old copy it replaces
+CACHE_KEYS = ("format", "tokenizer", "vocab_size", "dtype", "eot_token_id")  # in every meta.json prepare writes
 
 
-def find_source(source, streaming, max_documents, hub_reachable, out=None):
+def find_source(source, streaming, max_documents, hub_reachable):
     """What `source` holds, found before any reading: (read(tmp) -> its datasets, split rule or None, the
-    sha256 that identifies it). hub_reachable() says whether an hf: source can be loaded; `out`, the cache to
-    write, whose own files are no part of a source folder that holds it."""
+    sha256 that identifies it). hub_reachable() says whether an hf: source can be loaded. The caches prepared in a
+    source folder, and what prepare leaves beside them, are no part of it (made_by_prepare)."""
     if source.startswith("hf:"):
         name = parse_hf(source)[0]
         if not hub_reachable():
@@ -31,7 +33,7 @@ def find_source(source, streaming, max_documents, hub_reachable, out=None):
         hub_splits, rule = open_hub(source, streaming)
         read = functools.partial(hub_to_datasets, hub_splits, streaming, max_documents)
         return read, rule, env.hash_json({"hf": source, "max_documents": max_documents})
-    split_files, base, rule, builder = find_local(source, out)
+    split_files, base, rule, builder = find_local(source)
     listing = sorted([str(f.relative_to(base)), f.stat().st_size, sha256_file(f)]
                      for fs in split_files.values() for f in fs)
     read = functools.partial(local_to_datasets, source, split_files, builder, max_documents, streaming)
@@ -42,58 +44,102 @@ def find_source(source, streaming, max_documents, hub_reachable, out=None):
 
 def builder_of(path):
     name = path.name.lower()
-    compressed = False
-    for c in COMPRESSIONS[1:]:
-        if name.endswith(c):
-            name, compressed = name[: -len(c)], True
-            break
-    builder = BUILDERS.get(os.path.splitext(name)[1])
+    compression = diagnose.compression_of(path)
+    builder = BUILDERS.get(os.path.splitext(name.removesuffix(compression))[1])
     # datasets reads parquet by its footer, which a compressed file hides (parquet compresses inside anyway)
-    return None if compressed and builder == "parquet" else builder
+    return None if compression and builder == "parquet" else builder
 
 
-def made_by_prepare(path, out):
-    """Whether `path` is one of the cache `out`'s own files: in it, its lock, or a build, old copy or job's part
-    beside it (a cache written into its source folder would otherwise become part of that source the next time)."""
-    if out is None:
-        return False
+def aside(out, kind, pid=None):
+    """Where process `pid` (this one by default) builds the cache `out` (kind "tmp") or moves the cache it replaces
+    ("old"): beside it, so that each is a rename. aside_of() knows these names by this one definition."""
+    return out.parent / f"{out.name}.{kind}-{os.getpid() if pid is None else pid}"
+
+
+def aside_of(path):
+    """(the cache out, kind) when `path` is aside(out, kind, PID) for some process, else None (a user's
+    DIR.old-backup, say, is no build of prepare's)."""
+    for kind in ASIDE_KINDS:
+        stem, _, pid = path.name.rpartition(f".{kind}-")
+        if stem and pid.isascii() and pid.isdigit() and path == aside(path.parent / stem, kind, pid):
+            return path.parent / stem, kind
+    return None
+
+
+def is_cache(folder):
+    """Whether `folder` holds a meta.json that prepare wrote: a cache, an old copy of one, or a job's part."""
     try:
-        parts = path.resolve().relative_to(out.resolve().parent).parts
-    except ValueError:
+        meta = json.loads((folder / "meta.json").read_text())
+    except (OSError, ValueError):
         return False
-    return (parts[0] == out.name and len(parts) > 1 or parts[0] == f"{out.name}.lock"
-            or parts[0].startswith((f"{out.name}.tmp-", f"{out.name}.old-", f"{out.name}.part-")))
+    return isinstance(meta, dict) and all(key in meta for key in CACHE_KEYS)
 
 
-def data_files_in(folder, out=None):
-    """Supported files under `folder`, sorted. Other files (README, MANIFEST.tsv) are skipped with a note; the
-    files of the cache `out` (made_by_prepare) are no part of it."""
+def made_by_prepare(path):
+    """Whether `path`, in a source folder, is data/prepare.py's: a cache (is_cache: the --out being made, another
+    cache prepared there, an old copy, a job's part), or a cache's lock or build beside it (the build known by the
+    lock that prepare takes first and leaves). A cache written into its source folder would otherwise become part of
+    that source the next time, or of another cache's."""
+    if path.name.endswith(".lock") and path.is_file():  # DIR.lock: no data file is named so
+        return True
+    owner = aside_of(path)
+    if owner is not None and owner[0].with_name(owner[0].name + ".lock").exists():
+        return True
+    return path.is_dir() and is_cache(path)
+
+
+def walk(folder):
+    """(data files, files of other types) under `folder`, each sorted; hidden files and made_by_prepare's are
+    left out."""
     files, others = [], []
-    for p in sorted(folder.rglob("*")):
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts) \
-                and not made_by_prepare(p, out):
-            (files if builder_of(p) else others).append(p)
+    for root, dirs, file_names in os.walk(folder):
+        root = Path(root)
+        dirs[:] = [d for d in dirs if not d.startswith(".") and not made_by_prepare(root / d)]
+        for p in (root / n for n in file_names if not n.startswith(".")):
+            if p.is_file() and not made_by_prepare(p):
+                (files if builder_of(p) else others).append(p)
+    return sorted(files), sorted(others)
+
+
+def data_files_in(folder):
+    """Supported files under `folder`, sorted. Other files (README, MANIFEST.tsv) are skipped with a note; the
+    caches prepared in it (made_by_prepare) are no part of it."""
+    files, others = walk(folder)
     if not files:
         raise PrepareError(f"folder {str(folder)!r} holds no data files; supported: {diagnose.SUPPORTED}")
     if others:
-        print(f"note: skipping {len(others)} files of other types in {folder} ({', '.join(p.name for p in others[:3])}"
-              f"{', ...' if len(others) > 3 else ''})")
+        print(f"note: skipping {len(others)} files of other types in {folder} ({names(others)})")
     return files
 
 
-def find_local(source, out=None):
+def names(paths, base=None, shown=3):
+    """The first `shown` paths' names (relative to `base`, if given), and "..." when there are more."""
+    named = [str(p.relative_to(base)) if base else p.name for p in paths[:shown]]
+    return ", ".join(named) + (", ..." if len(paths) > shown else "")
+
+
+def in_prepared(path, base):
+    """Whether `path`, or a folder it is in below `base`, is made_by_prepare's."""
+    try:
+        parts = path.relative_to(base).parts
+    except ValueError:
+        parts = (path.name,)
+        base = path.parent
+    return any(made_by_prepare(base.joinpath(*parts[:i])) for i in range(1, len(parts) + 1))
+
+
+def find_local(source):
     """({split: [files]}, base folder for relative names, split rule or None for a held-out split, builder);
-    the files of the cache `out` are left out."""
+    the caches prepared in a source folder (made_by_prepare) are left out."""
     rule = None
-    out = None if out is None else Path(out)
     if glob.has_magic(source):
-        files = sorted(Path(f) for f in glob.glob(source, recursive=True)
-                       if os.path.isfile(f) and not made_by_prepare(Path(f), out))
-        if not files:
-            raise PrepareError(f"--source {source!r} is a glob that matches no file")
         # names are made relative to the glob's folder part before the first wildcard
         prefix = source[: min(source.find(c) for c in "*?[" if c in source)]
         base = Path(prefix) if prefix.endswith(os.sep) else Path(prefix).parent
+        files = sorted(Path(f) for f in glob.glob(source, recursive=True)
+                       if os.path.isfile(f) and not in_prepared(Path(f), base))
+        if not files:
+            raise PrepareError(f"--source {source!r} is a glob that matches no file")
         split_files = {"corpus": files}
     else:
         path = Path(source)
@@ -103,17 +149,26 @@ def find_local(source, out=None):
         if path.is_file():
             base, split_files = path.parent, {"corpus": [path]}
         else:
-            base = path
-            val_dir = next((path / v for v in ("val", "validation") if (path / v).is_dir()), None)
-            if (path / "train").is_dir() and val_dir is not None:
-                split_files = {"train": data_files_in(path / "train", out), "val": data_files_in(val_dir, out)}
-                rule = f"folders train/ and {val_dir.name}/"
-            else:
-                split_files = {"corpus": data_files_in(path, out)}
+            base, (split_files, rule) = path, split_folders(path)
     files = [f for fs in split_files.values() for f in fs]
     builders = [builder_of(f) for f in files]
     diagnose.check_file_types(source, files, builders)
     return split_files, base, rule, builders[0]
+
+
+def split_folders(path):
+    """({split: [files]}, split rule or None) of a source folder: its train/ and val/ (or validation/) folders, with
+    a note naming the data files elsewhere in it, which are then left out; else the whole folder, held out by hash."""
+    val_dir = next((path / v for v in ("val", "validation") if (path / v).is_dir()), None)
+    if not (path / "train").is_dir() or val_dir is None:
+        return {"corpus": data_files_in(path)}, None
+    split_files = {"train": data_files_in(path / "train"), "val": data_files_in(val_dir)}
+    kept = {f for fs in split_files.values() for f in fs}
+    left = [f for f in walk(path)[0] if f not in kept]
+    if left:
+        print(f"note: {len(left)} data files of {path} lie outside its train/ and {val_dir.name}/ folders and are "
+              f"left out ({names(left, path)}); the split comes from those two folders")
+    return split_files, f"folders train/ and {val_dir.name}/"
 
 
 def local_to_datasets(source, split_files, builder, max_documents, streaming, tmp):
@@ -129,8 +184,7 @@ def local_to_datasets(source, split_files, builder, max_documents, streaming, tm
 
     def failed(exc, split=None):
         diagnose.check_local_text(builder, split_files[split] if split else files)  # names the file and place
-        reason = str(exc).splitlines()[0][:300]
-        raise PrepareError(f"could not read --source {source!r} as {builder} files: {reason}") from None
+        raise PrepareError(f"could not read --source {source!r} as {builder} files: {first_line(exc, 300)}") from None
     try:  # datasets' cache (decompressed files, arrow) goes into the tmp folder and leaves with it
         with quiet_datasets():
             dd = datasets.load_dataset(builder, data_files={k: [str(f) for f in v] for k, v in split_files.items()},
@@ -183,7 +237,7 @@ def open_hub(source, streaming):
         dd = datasets.load_dataset(name, config, streaming=streaming)
     except Exception as e:
         raise PrepareError(f"could not load Hugging Face dataset {name!r}"
-                           f"{f' config {config!r}' if config else ''}: {str(e).splitlines()[0][:300]}") from None
+                           f"{f' config {config!r}' if config else ''}: {first_line(e, 300)}") from None
     train_split = split or "train"
     if train_split not in dd:
         raise PrepareError(f"Hugging Face dataset {name!r} has no split {train_split!r} (it has {', '.join(dd)}); "

@@ -29,6 +29,9 @@ above_zero FIRST "$FIRST" "(the step to start at)"
 above_zero LAST "$LAST" "(the step to end at)"
 above_zero STEP_LIMIT "$STEP_LIMIT" "of seconds"
 above_zero JOBS "$JOBS" "of steps (1 runs them one at a time)"
+if [ "$FIRST" -gt "$LAST" ]; then
+  echo "FIRST ($FIRST) must not be above LAST ($LAST): no step would run" >&2; exit 2
+fi
 mkdir -p "$(dirname "$R")"
 R=$(cd "$(dirname "$R")" && pwd)/$(basename "$R")  # the results file as given from here; the steps run from the root
 cd "$(dirname "$0")/.."
@@ -163,4 +166,8 @@ run "train from the export" python train.py $REF --init_from=out/smoke/hf --name
 after_earlier  # every run in the results file
 run "plot runs" python scripts/plot_runs.py "$R" --out=out/smoke/runs.png
 after_earlier
+if [ "$passed" -eq 0 ]; then  # FIRST past the last step (or only a step this machine skips): nothing was checked
+  echo "=== gpu smoke ran no command: steps $FIRST to $LAST select none of this machine's $step steps" >&2
+  exit 2
+fi
 echo "=== gpu smoke passed: $passed commands (steps $FIRST to $((LAST < step ? LAST : step))) in $((SECONDS - start)) s"

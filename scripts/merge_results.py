@@ -3,27 +3,35 @@
     python scripts/merge_results.py FROM.json [INTO.json]
 
 Sections of named entries (benchmarks, profiles, evaluations, time-to-target verdicts: results.NAMED_SECTIONS) merge
-entry by entry, training runs by name, all through record_many, so nothing already in INTO is lost (a replaced entry
-moves to its "history"); what FROM itself replaced (an entry run twice there) joins INTO's history as it was.
+entry by entry, training runs by name, so nothing already in INTO is lost (a replaced entry moves to its "history");
+what FROM itself replaced (an entry run twice there) joins INTO's history as it was. A list (trained-parity) merges
+as a union: FROM's rows that INTO lacks are appended to INTO's.
 
 FROM may have started as a copy of INTO (runs made elsewhere on top of it), so it can hold entries that INTO has
-replaced since: an entry whose value INTO keeps in its history is skipped, not merged over the newer one.
+moved past since, and an entry of FROM replaces INTO's only if it is newer:
+- an entry INTO keeps in its history is older (INTO replaced it); an identical one is already there;
+- of two entries with a run_id, the later run is newer (a run_id starts with its start time, %Y%m%dT%H%M%S), and
+  of two of one run (which updates its entry in place, keeping no history) the one further along: more sessions,
+  then more updates (step), then finished (a status other than "running");
+- of two with a timestamp (evaluations), the later;
+- other entries carry nothing that orders them: results.record moves each replaced one to the history, so one that
+  is not there is FROM's own, and replaces INTO's (which then moves to the history).
 """
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from results import NAMED_SECTIONS, ResultsFileError, lookup, read_results, record_many  # noqa: E402
+from results import NAMED_SECTIONS, ResultsFileError, locked_update, put, read_results  # noqa: E402
 
 
 def canonical(path, value):
     return json.dumps([path, value], sort_keys=True, default=str)
 
 
-def merge(source, target):
-    """Merges source's entries into target; returns how many were merged and how many skipped as stale."""
-    items, data = [], read_results(source)
+def entries(source, data):
+    """(keys, value) of each entry of a results file's data but its history: named sections entry by entry."""
+    items = []
     for key, value in data.items():
         if key == "history":
             continue
@@ -34,13 +42,61 @@ def merge(source, target):
             items += [([key, name], entry) for name, entry in value.items()]
         else:
             items.append(([key], value))
-    replaced_here = {canonical(h.get("path"), h.get("value")) for h in lookup(target, ["history"], [])}
-    fresh = [(keys, value) for keys, value in items if canonical(keys, value) not in replaced_here]
-    # what source replaced (an entry run twice there) joins target's history, once
-    replaced = [h for h in data.get("history", [])
-                if canonical(h.get("path"), h.get("value")) not in replaced_here]
-    record_many(target, fresh, replaced)  # one lock and one write for the whole merge
-    return len(fresh), len(items) - len(fresh)
+    return items
+
+
+def order(value):
+    """What orders an entry against others at its place (see the module's docstring): a tuple, or None."""
+    if not isinstance(value, dict):
+        return None
+    if isinstance(value.get("run_id"), str):
+        progress = (value.get("sessions") or 0, value.get("step") or 0, value.get("status") != "running")
+        return ("run", value["run_id"], *progress)
+    if isinstance(value.get("timestamp"), (int, float)):
+        return ("time", value["timestamp"])
+    return None
+
+
+def older(value, current):
+    """Whether `value` is not newer than `current` by what both carry; False when they carry nothing comparable."""
+    mine, theirs = order(value), order(current)
+    return mine is not None and theirs is not None and mine[0] == theirs[0] and mine <= theirs
+
+
+def merge_entry(data, keys, value, replaced_here, path):
+    """Merges one entry of FROM into INTO's data; returns "merged", "same" (already there) or "stale"."""
+    node = data
+    for key in keys[:-1]:
+        node = node.get(key) if isinstance(node, dict) else None
+    current = node.get(keys[-1]) if isinstance(node, dict) else None
+    if current == value:
+        return "same"
+    if isinstance(current, list) and isinstance(value, list):
+        rows = [row for row in value if row not in current]
+        current.extend(rows)  # appended rows are never replaced values, so nothing goes to the history
+        return "merged" if rows else "same"
+    if canonical(keys, value) in replaced_here or current is not None and older(value, current):
+        return "stale"
+    put(data, keys, value, path)
+    return "merged"
+
+
+def merge(source, target):
+    """Merges source's entries into target; returns how many were merged and how many skipped as older than
+    target's (entries target already holds count as neither)."""
+    data = read_results(source)
+    items, counts = entries(source, data), {"merged": 0, "same": 0, "stale": 0}
+
+    def change(into):
+        replaced_here = {canonical(h.get("path"), h.get("value")) for h in into.get("history", [])}
+        # what source replaced (an entry run twice there) joins target's history, once
+        replaced = [h for h in data.get("history", []) if canonical(h.get("path"), h.get("value")) not in replaced_here]
+        if replaced:
+            into.setdefault("history", []).extend(replaced)
+        for keys, value in items:
+            counts[merge_entry(into, keys, value, replaced_here, target)] += 1
+    locked_update(Path(target), change)  # one lock and one write, decided on the file as it is then
+    return counts["merged"], counts["stale"]
 
 
 def main(argv):
@@ -53,7 +109,7 @@ def main(argv):
             raise ResultsFileError(f"{source} does not exist; give the results file to merge from")
         merged, stale = merge(source, into)
         print(f"merged {merged} entries of {source} into {into}"
-              + (f"; skipped {stale} that {into} has replaced since" if stale else ""))
+              + (f"; skipped {stale} older than {into}'s own" if stale else ""))
     except ResultsFileError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -20,6 +20,7 @@ from data.loader import CacheError, TokenCache  # noqa: E402
 from hf import hf_named_tensors, to_hf  # noqa: E402
 from model import Transformer, get_preset  # noqa: E402
 from results import ResultsFileError, append, read_results  # noqa: E402
+from scripts.common import positive_int  # noqa: E402
 
 
 def parity(model, idx, targets, device="cpu", autocast=True):
@@ -56,8 +57,8 @@ def main(argv):
     parser.add_argument("--preset", default="20m", help="a freshly initialized preset (ignored with --checkpoint)")
     parser.add_argument("--checkpoint", help="a train.py checkpoint (out/NAME/ckpt.pt): the trained weights")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--seq_len", type=int, default=1024)
+    parser.add_argument("--tokens", type=positive_int, default=2048)
+    parser.add_argument("--seq_len", type=positive_int, default=1024)
     parser.add_argument("--results_file", default="results.json")
     args = parser.parse_args(argv)
     try:
@@ -75,6 +76,9 @@ def main(argv):
             model, preset = Transformer(get_preset(args.preset)), args.preset
             tokens = torch.randint(0, model.config.vocab_size, (args.tokens + 1,),
                                    generator=torch.Generator().manual_seed(0))
+        if args.seq_len > model.config.max_seq_len:
+            raise ValueError(f"--seq_len {args.seq_len} is longer than the model's context of "
+                             f"{model.config.max_seq_len} tokens; give at most {model.config.max_seq_len}")
     except (ValueError, CacheError, ResultsFileError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -220,3 +220,20 @@ def test_a_run_that_fails_to_build_gives_its_folder_back(text_cache, tmp_path, m
     # must have been released, not left to the garbage collector
     assert failure.traceback
     assert train.train(settings.Config(cfg, overwrite=True))["status"] == "complete"  # not "another train.py"
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--seq_len=0"], "argument --seq_len: must be at least 1, got 0"),
+    (["--seq_len=-8"], "argument --seq_len: must be at least 1, got -8"),
+    (["--seq_len=2048", "--tokens=4096"], "--seq_len 2048 is longer than the model's context of 1024 tokens"),
+])
+def test_parity_refuses_a_seq_len_the_model_cannot_take_in_one_line(tmp_path, capsys, args, words):
+    """Before, 0 divided by zero, a negative length failed in view() and one past the context in the forward."""
+    from scripts import parity
+    try:
+        status = parity.main(["--preset=20m", "--device=cpu", f"--results_file={tmp_path / 'r.json'}", *args])
+    except SystemExit as exc:  # argparse's refusal
+        status = exc.code
+    err = capsys.readouterr().err
+    assert status == 2 and words in err and "Traceback" not in err, err
+    assert not (tmp_path / "r.json").exists()

@@ -487,7 +487,7 @@ def test_merging_a_returned_results_file_keeps_everything(tmp_path):
     assert set(merged["time-to-target"]) == {"speed", "quality"}  # a verdict section joins, never replaces
     # the entry replaced here is kept, and so is the one the returned file replaced, once, however often merged
     assert [h["value"]["run_id"] for h in merged["history"]] == ["e", "b"]
-    assert merge_results.merge(returned, local) == (5, 0)
+    assert merge_results.merge(returned, local) == (0, 0)  # all already there
     assert [h["value"]["run_id"] for h in read_results(local)["history"]] == ["e", "b"]
     # another JSON object (a cache's meta.json, say) is refused in one line, and nothing of it merged
     other = tmp_path / "meta.json"
@@ -509,10 +509,37 @@ def test_merging_never_brings_back_a_value_replaced_here_while_the_device_ran(tm
     shutil.copy(local, returned)  # the device call starts
     record(returned, ["benchmarks", "b"], {"run_id": "b"})  # what it measures
     record(local, ["matched-comparison"], {"optimized": "s29", "difference": -0.0105})  # meanwhile, here
-    assert merge_results.merge(returned, local) == (2, 1)
+    assert merge_results.merge(returned, local) == (1, 1)  # b merged, s15 skipped, a already there
     merged = read_results(local)
     assert merged["matched-comparison"]["optimized"] == "s29" and set(merged["benchmarks"]) == {"a", "b"}
     assert [h["value"]["optimized"] for h in merged["history"]] == ["s15"]
+
+
+def test_merging_never_puts_an_older_state_of_a_run_or_list_over_the_newer(tmp_path):
+    """A run updates its entry in place (same run_id, no history) and parity rows are appended: a copy taken
+    while the run was going holds its older state, and lacks the rows appended here since."""
+    import importlib.util
+    import shutil
+    spec = importlib.util.spec_from_file_location("merge_results", REPO / "scripts" / "merge_results.py")
+    merge_results = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(merge_results)
+    local, returned = tmp_path / "local.json", tmp_path / "returned.json"
+    running = {"run_id": "20250101T100000-1-aaaaaa", "status": "running", "sessions": 1, "step": 50}
+    record(local, ["run-a"], running)
+    record(local, ["run-b"], running)
+    append(local, ["trained-parity"], {"preset": "20m", "loss": 1.0})
+    shutil.copy(local, returned)  # the device call starts
+    record(local, ["run-a"], dict(running, status="complete", step=100, final_validation={"loss": 3.0}))
+    append(local, ["trained-parity"], {"preset": "50m", "loss": 2.0})  # meanwhile, here
+    record(returned, ["run-b"], dict(running, status="complete", step=100))  # there, the run went on
+    append(returned, ["trained-parity"], {"preset": "90m", "loss": 3.0})
+    assert merge_results.merge(returned, local) == (2, 1)
+    merged = read_results(local)
+    assert merged["run-a"]["status"] == "complete" and merged["run-a"]["final_validation"] == {"loss": 3.0}
+    assert merged["run-b"]["status"] == "complete"
+    assert [row["preset"] for row in merged["trained-parity"]] == ["20m", "50m", "90m"]
+    assert "history" not in merged  # nothing was replaced: a run's own states and appended rows are no history
+    assert merge_results.merge(returned, local) == (0, 1)
 
 
 def test_history_cannot_be_recorded_over(tmp_path):

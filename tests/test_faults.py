@@ -4,8 +4,10 @@ Signals and pipes go to real train.py and data/prepare.py subprocesses; the mode
 import errno
 import gzip
 import io
+import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -339,6 +341,63 @@ def test_an_out_folder_inside_a_flat_source_is_no_part_of_it(tmp_path):
     first = prepare(src, src / "cache", vocab_size=300, num_proc=1)
     again = prepare(src, src / "cache", vocab_size=300, num_proc=1)
     assert again["cache_identity"] == first["cache_identity"] and again["train_documents"] == 3
+
+
+def jsonl_source(folder, n=6):
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [{"text": f"Document {i}: the quick brown fox jumps over the lazy dog. " * 20} for i in range(n)]
+    (folder / "docs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def test_every_cache_prepared_inside_a_source_is_no_part_of_it(tmp_path):
+    """A second cache in the source read the first one's meta.json and tokenizer files as JSON documents; a killed
+    build's folder (beside its lock) is no part of it either."""
+    src = jsonl_source(tmp_path / "src")
+    first = prepare(src, src / "a", vocab_size=300, num_proc=1)
+    (src / "a.tmp-999").mkdir()  # a build killed before its meta.json: a.lock beside it says whose it is
+    (src / "a.tmp-999" / "dataset_info.json").write_text('{"text": "not a document"}')
+    second = prepare(src, src / "b", vocab_size=300, num_proc=1)
+    assert second["source_sha256"] == first["source_sha256"] and second["cache_identity"] == first["cache_identity"]
+
+
+def test_a_folder_named_like_a_build_or_an_old_copy_is_left_alone(tmp_path):
+    """Any DIR.old-* was put back as the cache, or deleted; any DIR.tmp-* deleted: only DIR.old-PID and
+    DIR.tmp-PID are prepare's."""
+    src, out = jsonl_source(tmp_path / "src"), tmp_path / "cache"
+    prepare(src, out, vocab_size=300, num_proc=1)
+    shutil.copytree(out, tmp_path / "cache.old-keep")  # the user's backup of a cache
+    (tmp_path / "cache.tmp-notes").mkdir()
+    prepare(src, out, vocab_size=300, num_proc=1)  # up to date: clears what a killed run left
+    assert (tmp_path / "cache.old-keep" / "meta.json").is_file() and (tmp_path / "cache.tmp-notes").is_dir()
+    shutil.rmtree(out)
+    prepare(src, out, vocab_size=300, num_proc=1)  # a killed swap's DIR.old-PID would be put back
+    assert (tmp_path / "cache.old-keep" / "meta.json").is_file()
+
+
+@pytest.mark.parametrize("name, content", [("empty.jsonl", ""), ("blank.json", "\n  \n")])
+def test_a_json_file_with_no_rows_is_named_in_one_line(tmp_path, name, content):
+    """datasets raises with an empty message there, whose first line was an IndexError."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / name).write_text(content)
+    with pytest.raises(PrepareError, match=rf"--source file '.*{name}' holds no rows"):
+        prepare(tmp_path / "src", tmp_path / "cache", vocab_size=300, num_proc=1)
+    from data.diagnose import first_line
+    assert first_line(ValueError("")) == "ValueError" and first_line(ValueError("a\nb")) == "a"
+
+
+def test_files_and_options_that_train_and_val_folders_leave_out_are_noted(tmp_path, capsys):
+    from data.prepare import main as prepare_main
+    src = tmp_path / "src"
+    for split in ("train", "val", "validation"):
+        jsonl_source(src / split, n=3)
+    (src / "extra.jsonl").write_text((src / "train" / "docs.jsonl").read_text())
+    prepare_main(["--source", str(src), "--out", str(tmp_path / "cache"), "--vocab_size", "300", "--num_proc", "1",
+                  "--val_fraction", "0.2", "--seed", "3"])
+    out = capsys.readouterr().out
+    assert "note: 2 data files of" in out and "left out (extra.jsonl, validation/docs.jsonl)" in out
+    assert "note: --val_fraction 0.2 was ignored: the split is the source's own (folders train/ and val/)" in out
+    assert "note: --seed 3 was ignored" in out
 
 
 def test_a_config_file_with_a_utf8_bom_is_read_as_python_reads_it(tmp_path):

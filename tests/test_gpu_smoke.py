@@ -142,3 +142,16 @@ def test_it_runs_from_the_repository_root_wherever_it_is_started(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert calls.read_text().splitlines() == [str(ROOT)]  # the sample step ran at the root
     assert (tmp_path / "elsewhere" / "mine").is_dir()
+
+
+def test_first_above_last_is_refused_in_one_line(tmp_path):
+    status, out, events = smoke(tmp_path, 5, 2)
+    assert status == 2 and events == []
+    assert out.strip().count("\n") == 0 and out.startswith("FIRST (5) must not be above LAST (2)"), out
+
+
+def test_steps_that_select_no_command_fail(tmp_path):
+    """FIRST past the last step runs nothing, which must not read as a passed smoke."""
+    status, out, events = smoke(tmp_path, 25, 30)
+    assert status == 2 and events == []
+    assert "gpu smoke passed" not in out and "=== gpu smoke ran no command: steps 25 to 30" in out
