@@ -309,11 +309,17 @@ def finish_bucket(maps, consume):
 
 
 def part_folders(out):
-    """The parts of `out` that jobs wrote (DIR.part-I-of-N), by number; all of them, of one N, or refused."""
+    """The parts of `out` that jobs wrote (DIR.part-I-of-N), by number; all of them, of one N, or refused. Only a
+    folder named as part_folder names the part its meta.json says it is counts (not a user's DIR.part-0-of-2.bak,
+    which --join would use and then remove)."""
     found = {}
     for p in out.parent.glob(f"{glob.escape(out.name)}.part-*-of-*"):
-        if (p / "meta.json").is_file():
-            i, n = json.loads((p / "meta.json").read_text())["part"]
+        try:
+            part = json.loads((p / "meta.json").read_text()).get("part")
+            i, n = part
+        except (OSError, ValueError, AttributeError, TypeError):
+            continue  # no part's meta.json
+        if isinstance(i, int) and isinstance(n, int) and p == part_folder(out, (i, n)):
             found.setdefault(n, {})[i] = p
     if len(found) != 1:
         what = "no parts" if not found else f"parts of {' and of '.join(map(str, sorted(found)))} jobs"

@@ -119,6 +119,11 @@ def test_shard_jobs_joined_are_one_runs_cache_bit_for_bit(corpus, tmp_path, caps
 def test_a_missing_part_or_a_bad_shard_option_is_one_clear_error(corpus, tmp_path, capsys):
     src, tok, _ = corpus
     prepare(src, tmp_path / "c", tokenizer=str(tok), num_proc=1, part=(1, 3))
+    # a user's copy of a part is no part: --join would have joined it and then removed it
+    (tmp_path / "c.part-1-of-3").rename(tmp_path / "c.part-1-of-3.bak")
+    with pytest.raises(PrepareError, match="found no parts"):
+        join(tmp_path / "c")
+    (tmp_path / "c.part-1-of-3.bak").rename(tmp_path / "c.part-1-of-3")
     with pytest.raises(PrepareError, match=r"2 of the 3 parts are missing \(0/3, 2/3\); run those --shard jobs"):
         join(tmp_path / "c")
     for i in (0, 2):
