@@ -14,6 +14,13 @@ from model import ModelConfig, RemovedLever, Transformer
 from optim import averaged_weights
 from results import atomic_write
 
+FILE_NAME = "ckpt.pt"  # a run's checkpoint, in its run folder (out/NAME)
+
+
+def in_folder(folder):
+    """The checkpoint file of the run folder `folder`."""
+    return Path(folder) / FILE_NAME
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written (a full disk, a folder made read-only); the previous one is kept."""
@@ -146,8 +153,8 @@ def initial_weights(path):
     checkpoint file, or a run folder holding ckpt.pt. ValueError, in one sentence, for anything else or for a
     Llama outside the tiny-llm family (hf.config_from_hf says what is outside it)."""
     path = Path(path)
-    if path.is_dir() and (path / "ckpt.pt").is_file():
-        path = path / "ckpt.pt"
+    if path.is_dir() and in_folder(path).is_file():
+        path = in_folder(path)
     recorded = {}
     if path.is_file():
         model, ckpt = load_model(path)

@@ -161,7 +161,7 @@ def train_or_reuse(side, c, recipe_identity, rerun, signals):
         print(f"{side}: reusing the complete run {c.name} of the same config and code in {c.results_file} "
               f"(pass --rerun=True to train again)")
         return
-    ckpt = out / "ckpt.pt"
+    ckpt = checkpoint.in_folder(out)
     launch = []
     if old and old.get("status") == "interrupted" and checkpoint_run_id(ckpt) == old.get("run_id"):
         launch = ["--resume=True"]

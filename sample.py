@@ -104,7 +104,7 @@ class SampleError(ValueError):
 
 def load_checkpoint(out_dir, device):
     """(model in eval mode on device, the checkpoint dict) from out_dir/ckpt.pt."""
-    path = Path(out_dir) / "ckpt.pt"
+    path = checkpoint.in_folder(out_dir)
     if not path.is_file():
         raise SampleError(f"no checkpoint at {path}; train one first (python train.py CONFIG --name=NAME saves "
                           f"out/NAME/ckpt.pt) or pass the --out_dir of a trained run")
@@ -232,7 +232,7 @@ def check_export_folder(folder):
     if not names or (not foreign and _is_llama_config(folder / "config.json") and hf_weight_files(folder)):
         return
     kind = ": it is a token cache" if {"meta.json", "train.bin"} & set(names) else \
-        ": it is a run's folder" if "ckpt.pt" in names else ""
+        ": it is a run's folder" if checkpoint.FILE_NAME in names else ""
     listed = ", ".join(foreign[:4] + ["..."] * (len(foreign) > 4))
     what = (f"holds files that an export does not write ({listed}){kind}" if foreign
             else "is not an earlier export (no Llama config.json beside weights)")
@@ -284,13 +284,13 @@ def sample(cfg):
     model, ckpt = load_checkpoint(out_dir, device)
     data_dir = tokenizer_folder(cfg, ckpt)
     tokenizer = load_tokenizer(data_dir, model.config.vocab_size)
-    check_cache(ckpt, Path(out_dir) / "ckpt.pt", data_dir)
+    check_cache(ckpt, checkpoint.in_folder(out_dir), data_dir)
     if cfg.export_hf:
         export(model, tokenizer, cfg.export_hf, eot_token(tokenizer, data_dir))
         return []
     if problem := top_k_problem(cfg.top_k, model.config.vocab_size):
         raise SampleError(problem)
-    print(f"{out_dir}/ckpt.pt: update {ckpt.get('step')}, epoch {ckpt.get('epoch')}, "
+    print(f"{checkpoint.in_folder(out_dir)}: update {ckpt.get('step')}, epoch {ckpt.get('epoch')}, "
           f"{sum(p.numel() for p in model.parameters()):,} parameters, {device}; tokenizer of {data_dir}",
           file=sys.stderr)
     idx = encode_prompt(tokenizer, cfg.prompt, model, data_dir)

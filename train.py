@@ -72,7 +72,7 @@ def prepare_out_dir(cfg, main_process=True):
     resume to continue), else refused. Returns (checkpoint path, the held lock or None)."""
     from filelock import FileLock, Timeout
     out = run_dir(cfg)
-    ckpt = out / "ckpt.pt"
+    ckpt = checkpoint.in_folder(out)
     if ckpt.exists() and not cfg.resume and not cfg.overwrite:
         raise ConfigError(f"{ckpt} exists: a run named {cfg.name!r} trained there; continue it with --resume=True, "
                           f"start it afresh with --overwrite=True, or choose another --name")
@@ -393,7 +393,7 @@ def resumed_settings(cfg, argv):
     """With resume and a checkpoint: the settings its run was trained with, under the config files and overrides
     given now (so that `--name=NAME --resume=True` alone resumes it); a recipe key they change is refused, naming
     each with both values. Without a checkpoint, cfg as given."""
-    path = run_dir(cfg) / "ckpt.pt"
+    path = checkpoint.in_folder(run_dir(cfg))
     if not (cfg.resume and path.is_file()):
         return cfg
     stored = checkpoint.peek(path, "config")  # mapped: resume_or_start reads the whole file once
