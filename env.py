@@ -215,11 +215,6 @@ def fingerprint(cache_identity=None):
     }
 
 
-def _slurm_gpus(text):
-    """The GPUs of a SLURM count: "4", "h100:4", or a list of types, "h100:4,a100:2". ValueError for another text."""
-    return sum(int(part.split(":")[-1]) for part in text.split(","))
-
-
 def allocation_usage(environ=None, now=None):
     """Under SLURM, what this job's allocation has used so far (the reference's allocation-usage); else None."""
     environ = os.environ if environ is None else environ
@@ -228,26 +223,20 @@ def allocation_usage(environ=None, now=None):
         return None
     now = time.time() if now is None else now
     per_node = environ.get("SLURM_GPUS_ON_NODE")
+    count = lambda text: sum(int(part.split(":")[-1]) for part in text.split(","))  # "4", "h100:4,a100:2"
     try:  # SLURM_GPUS is the job's total, not a node's
-        gpus = (_slurm_gpus(per_node) * int(environ.get("SLURM_NNODES", "1")) if per_node
-                else _slurm_gpus(environ.get("SLURM_GPUS") or "0"))
+        gpus = (count(per_node) * int(environ.get("SLURM_NNODES", "1")) if per_node
+                else count(environ.get("SLURM_GPUS") or "0"))
     except ValueError:
         gpus = None
     start = environ.get("SLURM_JOB_START_TIME")
     end = environ.get("SLURM_JOB_END_TIME")
     iso = lambda t: datetime.datetime.fromtimestamp(int(t)).isoformat() if t else None
     elapsed = int(now - int(start)) if start else None
-    return {
-        "job_id": job,
-        "account": environ.get("SLURM_JOB_ACCOUNT"),
-        "partition": environ.get("SLURM_JOB_PARTITION"),
-        "gpus": gpus,
-        "start_local": iso(start),
-        "end_local": iso(end),
-        "timezone": time.strftime("%Z"),
-        "elapsed_seconds": elapsed,
-        "gpu_hours": elapsed * gpus / 3600 if elapsed is not None and gpus is not None else None,
-    }
+    return {"job_id": job, "account": environ.get("SLURM_JOB_ACCOUNT"), "partition": environ.get("SLURM_JOB_PARTITION"),
+            "gpus": gpus, "start_local": iso(start), "end_local": iso(end), "timezone": time.strftime("%Z"),
+            "elapsed_seconds": elapsed,
+            "gpu_hours": elapsed * gpus / 3600 if elapsed is not None and gpus is not None else None}
 
 
 # Dense bf16 tensor-core peak by device name, for MFU (the datasheets give twice these, with sparsity). A name

@@ -256,6 +256,19 @@ def first_non_string_parquet(path):
 
 # ----------------------------------------------------------------------------- text that trains slowly
 
+def ignored_options(args, meta, defaults):
+    """Notes on prepare's options that the cache made did not use: a --vocab_size beside a --tokenizer of its own,
+    and a --val_fraction or --seed where the split is the source's own (its folders, its hub splits)."""
+    notes = []
+    if args.tokenizer and args.vocab_size != defaults["vocab_size"] and meta["tokenizer"] == args.tokenizer:
+        notes.append(f"--vocab_size {args.vocab_size} was ignored: tokenizer {args.tokenizer!r} has "
+                     f"{meta['vocab_size']} tokens")
+    if not args.join and not meta["split_rule"].startswith("held-out"):
+        notes += [f"--{key} {getattr(args, key)} was ignored: the split is the source's own ({meta['split_rule']})"
+                  for key in ("val_fraction", "seed") if getattr(args, key) != defaults[key]]
+    return notes
+
+
 def long_run_note(n, text, runs, piece):
     """One line about the longest of `runs` ((start, end) in training document n), which the BPE trains on in
     pieces of `piece` characters (data/prepare.py says why at LONG_RUN)."""

@@ -17,7 +17,6 @@ docs/DATA.md.
 import argparse
 import contextlib
 import datetime
-import glob
 import hashlib
 import json
 import os
@@ -175,8 +174,7 @@ def tokenizer_identity(tokenizer, vocab_size, max_vocab, folder=None):
 
 
 def prepare(source, out, tokenizer=None, vocab_size=VOCAB_SIZE, val_fraction=VAL_FRACTION, num_proc=None, seed=SEED,
-            streaming=False, max_documents=None, max_vocab=None, shuffle_seed=SHUFFLE_SEED, shard_tokens=SHARD_TOKENS,
-            part=(0, 1)):
+            streaming=False, max_documents=None, max_vocab=None, shuffle_seed=SHUFFLE_SEED, shard_tokens=SHARD_TOKENS, part=(0, 1)):
     """Build (or find up to date) the token cache `out` from `source`; returns its meta dict. part=(i, n) with n > 1:
     job i of n builds its part beside `out` instead (join() makes the cache of the n parts)."""
     t0 = time.time()
@@ -201,7 +199,7 @@ def prepare(source, out, tokenizer=None, vocab_size=VOCAB_SIZE, val_fraction=VAL
         if meta is not None:
             print(f"{'part' if job else 'cache'} {target} is up to date (identity {identity[:16]})")
             return meta
-        tmp = build_folder(target)
+        tmp = sources.aside(target, "tmp")
         try:
             tmp.mkdir()
             meta = build(source, read(tmp), tok, tok_name, vocab_size, rule, tmp, opts)
@@ -238,23 +236,12 @@ def locked(folder):
         yield
 
 
-def build_folder(out):
-    """Where this process builds the cache `out`: beside it (the swap is a rename), named by the process id."""
-    return sources.aside(out, "tmp")
-
-
-def left_aside(out, kind):
-    """The builds ("tmp") or old copies ("old") of `out` that any process made (sources.aside), by name; a folder
-    the user named alike (DIR.old-backup) is none of them."""
-    return sorted(p for p in out.parent.glob(glob.escape(out.name) + ".*") if sources.aside_of(p) == (out, kind))
-
-
 def recover_or_find(out, identity, job=None):
     """Under the lock: clear what a killed run left, put back a whole old cache it moved away, and return the
     meta of a cache (or a job's part) at `out` that is up to date with `identity` (else None)."""
-    for p in left_aside(out, "tmp"):  # left by a killed run
+    for p in sources.left_aside(out, "tmp"):  # left by a killed run
         shutil.rmtree(p, ignore_errors=True)
-    olds = left_aside(out, "old")
+    olds = sources.left_aside(out, "old")
     if not out.exists() and olds and (olds[-1] / "meta.json").exists():
         os.rename(olds.pop(), out)  # killed between the two renames: the old cache is whole, put it back
     if not (out / "meta.json").exists():
@@ -311,7 +298,7 @@ def join(out):
     with locked(out):
         meta = recover_or_find(out, first["inputs_identity"])
         if meta is None:
-            tmp = build_folder(out)
+            tmp = sources.aside(out, "tmp")
             try:
                 tmp.mkdir()
                 parts.copy_tokenizer(folders[0], tmp)
@@ -375,22 +362,20 @@ def main(argv=None):
     ap.add_argument("--out", required=True, help="cache folder to write (replaced atomically)")
     ap.add_argument("--tokenizer", help="transformers tokenizer (hub name or folder); default: train a byte-level BPE")
     ap.add_argument("--vocab_size", type=int, default=VOCAB_SIZE, help=f"vocabulary of the trained BPE (default {VOCAB_SIZE})")
-    ap.add_argument("--val_fraction", type=float, default=VAL_FRACTION,
-                    help=f"held-out fraction of documents when SRC has no val split (default {VAL_FRACTION})")
+    ap.add_argument("--val_fraction", type=float, default=VAL_FRACTION, help=f"held-out fraction of documents when SRC has no val split (default {VAL_FRACTION})")
     ap.add_argument("--num_proc", type=int, help="tokenizing processes (default: every core this process may use)")
     ap.add_argument("--seed", type=int, default=SEED, help="salt of the held-out document hash (0: plain sha256)")
     ap.add_argument("--streaming", action="store_true", help="read documents as they are tokenized: no copy on disk")
     ap.add_argument("--max_documents", type=int, help="read at most N documents from each split")
     ap.add_argument("--max_vocab", type=int, help="fail if the tokenizer has more than N tokens (the model's vocabulary)")
-    ap.add_argument("--shuffle_seed", type=int, default=SHUFFLE_SEED,
-                    help=f"shuffle the documents from this seed (-1: source order; default {SHUFFLE_SEED})")
+    ap.add_argument("--shuffle_seed", type=int, default=SHUFFLE_SEED, help=f"shuffle the documents from this seed (-1: source order; default {SHUFFLE_SEED})")
     ap.add_argument("--shard_tokens", type=int, default=SHARD_TOKENS, help=f"tokens per shard (default {SHARD_TOKENS:,})")
     ap.add_argument("--shard", default="0/1", help="I/N: be job I of N, writing its part DIR.part-I-of-N; then --join")
     ap.add_argument("--join", action="store_true", help="make the cache --out from the parts of its N --shard jobs")
     args = ap.parse_args(argv)
     try:
         part = (0, 1) if args.join else parts.parse_part(args.shard)
-        with stopped_by_signals(build_folder(parts.part_folder(Path(args.out), part))):
+        with stopped_by_signals(sources.aside(parts.part_folder(Path(args.out), part), "tmp")):
             if args.join:
                 meta = join(args.out)
             elif not args.source:
@@ -404,12 +389,8 @@ def main(argv=None):
     except PrepareError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    if args.tokenizer and args.vocab_size != VOCAB_SIZE and meta["tokenizer"] == args.tokenizer:
-        print(f"note: --vocab_size {args.vocab_size} was ignored: tokenizer {args.tokenizer!r} has {meta['vocab_size']} tokens")
-    if not args.join and not meta["split_rule"].startswith("held-out"):
-        for flag, value, default in (("val_fraction", args.val_fraction, VAL_FRACTION), ("seed", args.seed, SEED)):
-            if value != default:
-                print(f"note: --{flag} {value} was ignored: the split is the source's own ({meta['split_rule']})")
+    for line in diagnose.ignored_options(args, meta, dict(vocab_size=VOCAB_SIZE, val_fraction=VAL_FRACTION, seed=SEED)):
+        print(f"note: {line}")
 
 
 if __name__ == "__main__":

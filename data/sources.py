@@ -66,6 +66,12 @@ def aside_of(path):
     return None
 
 
+def left_aside(out, kind):
+    """The builds ("tmp") or old copies ("old") of `out` that any process made (aside), by name; a folder the user
+    named alike (DIR.old-backup) is none of them."""
+    return sorted(p for p in out.parent.glob(glob.escape(out.name) + ".*") if aside_of(p) == (out, kind))
+
+
 def is_cache(folder):
     """Whether `folder` holds a meta.json that prepare wrote: a cache, an old copy of one, or a job's part."""
     try:
