@@ -285,9 +285,11 @@ class Run:
         """The checkpoint and the entry (interrupted at a stop that leaves the run to resume, else running); none
         of a diverged run, whose last finite weights stay the checkpoint. The loss is seen at log lines only, so the
         weights are checked here: where one is not finite the run diverged since. Returns the stop reason."""
-        if reason == "diverged" or not self.metrics.weights_finite(self.trainer.raw_model):
-            return "diverged"
-        with self.metrics.paused():
+        if reason == "diverged":
+            return reason
+        with self.metrics.paused():  # the check too: a pause of the training clock, as the checkpoint is
+            if not self.metrics.weights_finite(self.trainer.raw_model):
+                return "diverged"
             if reason in INTERRUPTING:
                 self.say_stopped(reason)
             self.save_checkpoint()
