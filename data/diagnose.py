@@ -254,7 +254,7 @@ def first_non_string_parquet(path):
     return (f"row {int(valid[0]) + 1:,}", f"of type {column.type}") if len(valid) else None
 
 
-# ----------------------------------------------------------------------------- text that trains slowly
+# ----------------------------------------------------------------------------- notes after the work
 
 def ignored_options(args, meta, defaults):
     """Notes on prepare's options that the cache made did not use: a --vocab_size beside a --tokenizer of its own,
@@ -268,6 +268,8 @@ def ignored_options(args, meta, defaults):
                   for key in ("val_fraction", "seed") if getattr(args, key) != defaults[key]]
     return notes
 
+
+# ----------------------------------------------------------------------------- text that trains slowly
 
 def long_run_note(n, text, runs, piece):
     """One line about the longest of `runs` ((start, end) in training document n), which the BPE trains on in
