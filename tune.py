@@ -30,7 +30,7 @@ from model_kernels import attention
 from plan import USER_ERRORS
 from plots import finite_number, fmt
 from settings import BENCH_GROUPS, TrainSettings, setting
-from sweep import STAGES, Sweep, describe, rate, said
+from sweep import PROTOCOL_KEYS, STAGES, Sweep, describe, rate, said
 from trainer import uses_cudagraphs
 
 TRAIN_DEFAULTS = settings.defaults(TrainSettings)  # the keys of a candidate's config file, which train.py runs
@@ -67,7 +67,7 @@ def check_lists(cfg):
 
 # The protocol's keys that a candidate's bench.py run takes; bench.py's others (profile, cold, presets, ...) are its
 # own modes, not a screen's, so tune.py does not offer them.
-PROTOCOL = settings.pick(settings.Protocol, "warmup", "steps", "windows", "data_mode")
+PROTOCOL = settings.pick(settings.Protocol, *PROTOCOL_KEYS, "data_mode")
 TuneSettings = settings.compose("TuneSettings", Tuning, PROTOCOL,
                                 *(g for g in BENCH_GROUPS if g is not settings.Protocol), name=setting(
     "tune", "prefix of the candidates' entries under benchmarks.", settings.RUN, rule=settings.run_name_problem))
