@@ -332,6 +332,13 @@ def tuning_record(cfg, sweep, selected, refused, source):
 
 def print_report(tuning):
     """The candidates' table, the selection and its gain, where the budget went, and the selected config."""
+    print_candidates(tuning)
+    print_budget(tuning)
+    print_selection(tuning)
+
+
+def print_candidates(tuning):
+    """One row a candidate (its screen and confirmation, gain over the incumbent), then each failed stage's error."""
     inc, inc_protocol = tuning["incumbent"]["tokens_per_second"], tuning["incumbent"]["protocol"]
     print(f"\n{'candidate':<46}{'screen tok/s':>13}{'x inc':>7}{'confirm tok/s':>14}{'gain':>8}{'compile s':>10}"
           f"{'peak GiB':>9}  status")
@@ -346,6 +353,10 @@ def print_report(tuning):
         for stage in STAGES:
             if c[stage] and c[stage].get("status") != "ok":
                 print(f"  {c['change']}, {stage}: {str(c[stage].get('error'))[:200]}")
+
+
+def print_budget(tuning):
+    """Where the budget went, and what an exhausted budget left out."""
     split = tuning["budget_split"]
     print(f"budget: {split['elapsed_seconds'] / 60:.1f} of {tuning['budget_minutes']:g} min; screens "
           f"{split['screen_seconds'] / 60:.1f}, confirmations {split['confirm_seconds'] / 60:.1f}; compiling "
@@ -358,6 +369,11 @@ def print_report(tuning):
                                       (f"confirmations ran {said(confirm)}, not {said(full)}", confirm != full)) if why]
         print(f"budget exhausted: {'; '.join(cut)}; screening every candidate and confirming the best with the full "
               f"protocol would take about {math.ceil(tuning['minutes_to_finish']):.0f} min (--budget)")
+
+
+def print_selection(tuning):
+    """The selected candidate, its gain and how it was measured, and its config."""
+    inc, inc_protocol = tuning["incumbent"]["tokens_per_second"], tuning["incumbent"]["protocol"]
     sel = tuning["selected"]
     if not sel:
         print("no selection: the incumbent could not be measured (not even its screen), nor any candidate confirmed")
