@@ -259,3 +259,25 @@ def test_a_half_minute_budget_on_the_tiny_config_answers_with_a_selection(tmp_pa
     assert tuning["elapsed_minutes"] <= 0.55  # each run ends by the budget's end at the latest
     assert f"{selected['tokens_per_second']:,.0f} tok/s (+0.0% over the incumbent), measured with " \
            f"{sweep_lib.said(selected['protocol'])} (its " in out
+
+
+def test_the_report_names_a_failed_stage_an_exhausted_budget_and_no_selection(capsys):
+    """The report's lines for a sweep that went wrong: each failed stage's error under the table, what an exhausted
+    budget cut (runs not started, confirmations on a shorter protocol than bench.py's) and that nothing was selected."""
+    short, full = {"warmup": 3, "steps": 20, "windows": 1}, {"warmup": 20, "steps": 100, "windows": 3}
+    failed = {"change": "micro_batch_size=32", "screen": {"status": "failed", "error": "OutOfMemoryError: 2 GiB"},
+              "confirm": None, "screen_ratio": None, "tokens_per_second": None, "protocol": short,
+              "compile_seconds": None, "peak_memory_bytes": None, "status": "failed", "not_started": []}
+    waiting = dict(failed, change="loss_impl=fused", screen=None, status="not started", not_started=["screen"])
+    tune.print_report({"incumbent": {"tokens_per_second": None, "protocol": short}, "candidates": [failed, waiting],
+                       "budget_split": {k: 60.0 for k in ("elapsed_seconds", "screen_seconds", "confirm_seconds",
+                                                          "compile_seconds", "measure_seconds", "other_seconds")},
+                       "budget_minutes": 1, "budget_exhausted": True, "protocols": {"confirm": short},
+                       "full_protocol": full, "minutes_to_finish": 7.2, "selected": None, "noise": 0.01})
+    out = capsys.readouterr().out
+    assert "  micro_batch_size=32, screen: OutOfMemoryError: 2 GiB" in out
+    assert ("budget exhausted: some runs did not fit in what was left; confirmations ran 3 + 1 x 20 updates, not "
+            "20 + 3 x 100 updates; screening every candidate and confirming the best with the full protocol would "
+            "take about 8 min (--budget)") in out
+    assert out.rstrip().endswith("no selection: the incumbent could not be measured (not even its screen), nor any "
+                                 "candidate confirmed")
