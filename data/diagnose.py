@@ -20,6 +20,7 @@ COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma", ".zst": "zstandard"
 SUPPORTED = (f".txt, .jsonl or .json, each optionally compressed as {', '.join(list(COMPRESSIONS)[:-1])} or "
              f"{list(COMPRESSIONS)[-1]}, or .parquet")
 JSON_TYPES = {bool: "a boolean", int: "a number", float: "a number", list: "an array", dict: "an object"}
+CACHE_KEYS = ("format", "tokenizer", "vocab_size", "dtype", "eot_token_id")  # in every meta.json prepare writes
 
 
 class PrepareError(ValueError):
@@ -40,8 +41,9 @@ def compression_of(path):
 
 # ----------------------------------------------------------------------------- refusals before any work
 
-def check_arguments(out, val_fraction, max_documents, num_proc):
-    """The arguments that would fail or mean nothing, refused before any work; returns the process count."""
+def check_arguments(out, val_fraction, max_documents, num_proc, target=None):
+    """The arguments that would fail or mean nothing, refused before any work; returns the process count.
+    `target`: the folder a --shard job writes (its part beside `out`), which it replaces whole as well."""
     if not 0 < val_fraction < 1:
         raise PrepareError(f"--val_fraction {val_fraction} must lie strictly between 0 and 1")
     if max_documents is not None and max_documents < 1:
@@ -50,16 +52,33 @@ def check_arguments(out, val_fraction, max_documents, num_proc):
         num_proc = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if num_proc < 1:
         raise PrepareError(f"--num_proc {num_proc} must be at least 1")
-    if out.exists() and not (out / "meta.json").exists() and (not out.is_dir() or any(out.iterdir())):
-        # the cache replaces --out whole: never a folder (or file) that holds something else
+    if not replaceable(out):
         raise PrepareError(f"--out {str(out)!r} exists and is not a token cache; give a new folder, an empty one, "
                            f"or an existing cache")
+    if target is not None and not replaceable(target):
+        raise PrepareError(f"--shard's part folder {str(target)!r} exists and is not a token cache's part; give an "
+                           f"--out whose part folder is new, empty, or an existing part")
     try:  # before any tokenizing: the cache and its lock file go beside --out
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise PrepareError(f"--out {str(out)!r}: its folder {str(out.parent)!r} cannot be made ({exc.strerror}); "
                            f"give a path in a writable folder") from None
     return num_proc
+
+
+def replaceable(folder):
+    """Whether prepare may replace `folder` whole: it does not exist, is an empty folder, or is_cache. Never a folder
+    (or file) that holds something else, not even one with a meta.json of its own (a user's results, say)."""
+    return not folder.exists() or is_cache(folder) or (folder.is_dir() and not any(folder.iterdir()))
+
+
+def is_cache(folder):
+    """Whether `folder` holds a meta.json that prepare wrote: a cache, an old copy of one, or a job's part."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and all(key in meta for key in CACHE_KEYS)
 
 
 def check_file_types(source, files, builders):

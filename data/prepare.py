@@ -179,7 +179,7 @@ def prepare(source, out, tokenizer=None, vocab_size=VOCAB_SIZE, val_fraction=VAL
     job i of n builds its part beside `out` instead (join() makes the cache of the n parts)."""
     t0 = time.time()
     source, out = str(source), Path(out)
-    num_proc = diagnose.check_arguments(out, val_fraction, max_documents, num_proc)
+    num_proc = diagnose.check_arguments(out, val_fraction, max_documents, num_proc, parts.part_folder(out, part))
     parts.check_layout(shuffle_seed, shard_tokens, part, tokenizer)
     # 1. what the inputs are, hashed before any work, so an up-to-date cache is found without tokenizing
     read, rule, source_sha = sources.find_source(source, streaming, max_documents, hub_reachable)

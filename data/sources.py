@@ -6,7 +6,6 @@ import contextlib
 import functools
 import glob
 import hashlib
-import json
 import os
 import warnings
 from pathlib import Path
@@ -18,7 +17,6 @@ from data.loader import sha256_file
 
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # datasets builders
 ASIDE_KINDS = ("tmp", "old")  # aside(): a cache's build, and the old copy it replaces
-CACHE_KEYS = ("format", "tokenizer", "vocab_size", "dtype", "eot_token_id")  # in every meta.json prepare writes
 
 
 def find_source(source, streaming, max_documents, hub_reachable):
@@ -72,26 +70,17 @@ def left_aside(out, kind):
     return sorted(p for p in out.parent.glob(glob.escape(out.name) + ".*") if aside_of(p) == (out, kind))
 
 
-def is_cache(folder):
-    """Whether `folder` holds a meta.json that prepare wrote: a cache, an old copy of one, or a job's part."""
-    try:
-        meta = json.loads((folder / "meta.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(meta, dict) and all(key in meta for key in CACHE_KEYS)
-
-
 def made_by_prepare(path):
-    """Whether `path`, in a source folder, is data/prepare.py's: a cache (is_cache: the --out being made, another
-    cache prepared there, an old copy, a job's part), or a cache's lock or build beside it (the build known by the
-    lock that prepare takes first and leaves). A cache written into its source folder would otherwise become part of
-    that source the next time, or of another cache's."""
+    """Whether `path`, in a source folder, is data/prepare.py's: a cache (diagnose.is_cache: the --out being made,
+    another cache prepared there, an old copy, a job's part), or a cache's lock or build beside it (the build known by
+    the lock that prepare takes first and leaves). A cache written into its source folder would otherwise become part
+    of that source the next time, or of another cache's."""
     if path.name.endswith(".lock") and path.is_file():  # DIR.lock: no data file is named so
         return True
     owner = aside_of(path)
     if owner is not None and owner[0].with_name(owner[0].name + ".lock").exists():
         return True
-    return path.is_dir() and is_cache(path)
+    return path.is_dir() and diagnose.is_cache(path)
 
 
 def walk(folder):

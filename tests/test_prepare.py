@@ -276,12 +276,13 @@ def test_bad_input_is_one_clear_error_and_touches_nothing(tmp_path, make, words)
     src = make(tmp_path)
     out = tmp_path / "cache"
     out.mkdir()
-    (out / "meta.json").write_text("{}")  # something existing that must survive the error
+    old = json.dumps({"format": 2, "tokenizer": "test", "vocab_size": VOCAB, "dtype": "uint16", "eot_token_id": 0})
+    (out / "meta.json").write_text(old)  # an existing cache (prepare's meta.json) that must survive the error
     with pytest.raises(PrepareError) as e:
         prepare(src, out, vocab_size=VOCAB, num_proc=1)
     message = str(e.value)
     assert "\n" not in message and all(w in message for w in words), message
-    assert os.listdir(out) == ["meta.json"] and (out / "meta.json").read_text() == "{}"
+    assert os.listdir(out) == ["meta.json"] and (out / "meta.json").read_text() == old
     assert not list(tmp_path.glob("cache.tmp-*")) and not list(tmp_path.glob("cache.old-*"))
 
 
@@ -368,6 +369,23 @@ def test_out_that_holds_something_else_is_refused_and_kept(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert prepare(src, empty, vocab_size=300, num_proc=1)["train_tokens"] > 0  # an empty folder is fine
+
+
+def test_out_with_a_meta_json_of_its_own_is_refused_and_kept(tmp_path, capsys):
+    """Any meta.json passed for a cache, and prepare replaced the folder whole: results.csv was deleted."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("a.txt", "b.txt", "c.txt"):
+        (src / name).write_text(f"{name}: the fox jumps over the dog. " * 50)
+    (tmp_path / "userdir").mkdir()
+    files = {"meta.json": '{"note": 1}\n', "results.csv": "precious\n"}  # a meta.json of its own, not prepare's
+    for name, text in files.items():
+        (tmp_path / "userdir" / name).write_text(text)
+    err = cli_error(capsys, "--source", src, "--out", tmp_path / "userdir", "--vocab_size", 300, "--val_fraction", 0.3,
+                    "--num_proc", 1)
+    assert f"--out {str(tmp_path / 'userdir')!r} exists and is not a token cache; give a new folder" in err, err
+    assert {f.name: f.read_text() for f in (tmp_path / "userdir").iterdir()} == files
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "userdir"]  # no build, lock or old copy beside it
 
 
 def test_a_tokenizer_that_cannot_be_loaded_is_an_error_not_a_substitute(tmp_path, monkeypatch):

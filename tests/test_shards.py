@@ -133,6 +133,10 @@ def test_a_missing_part_or_a_bad_shard_option_is_one_clear_error(corpus, tmp_pat
     with pytest.raises(PrepareError, match="exists and is not a token cache"):  # the join would replace it whole
         join(tmp_path / "c")
     assert os.listdir(tmp_path / "c") == ["notes.txt"]
+    (tmp_path / "c" / "meta.json").write_text('{"note": 1}')  # a meta.json of its own makes it no cache
+    with pytest.raises(PrepareError, match="exists and is not a token cache"):
+        join(tmp_path / "c")
+    assert sorted(os.listdir(tmp_path / "c")) == ["meta.json", "notes.txt"]
     capsys.readouterr()
     for args, words in ((["--shard", "3/3"], "--shard 3/3 is not I/N with 0 <= I < N"),
                         (["--shard", "1/2", "--vocab_size", "300"], "--shard 1/2 needs a --tokenizer"),
@@ -142,6 +146,27 @@ def test_a_missing_part_or_a_bad_shard_option_is_one_clear_error(corpus, tmp_pat
             prepare_main(["--source", str(src), "--out", str(tmp_path / "d"), *args])
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and err.count("\n") == 1 and words in err, err
+
+
+def test_a_shard_jobs_part_folder_that_is_a_users_is_refused_and_kept(corpus, tmp_path):
+    """--shard I/N replaced DIR.part-I-of-N whole without a look at it, deleting whatever a user kept there."""
+    src, tok, _ = corpus
+    part = tmp_path / "c.part-0-of-2"
+    part.mkdir()
+    files = {"meta.json": '{"note": 1}\n', "results.csv": "precious\n"}
+    for name, text in files.items():
+        (part / name).write_text(text)
+    with pytest.raises(PrepareError) as e:
+        prepare(src, tmp_path / "c", tokenizer=str(tok), num_proc=1, part=(0, 2))
+    assert str(e.value) == (f"--shard's part folder {str(part)!r} exists and is not a token cache's part; give an "
+                            f"--out whose part folder is new, empty, or an existing part")
+    assert {f.name: f.read_text() for f in part.iterdir()} == files
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.part-0-of-2"]  # no build, lock or cache beside it
+    shutil.rmtree(part)
+    first = prepare(src, tmp_path / "c", tokenizer=str(tok), num_proc=1, part=(0, 2))
+    again = prepare(src, tmp_path / "c", tokenizer=str(tok), num_proc=1, part=(0, 2), shuffle_seed=1)
+    assert again["inputs_identity"] != first["inputs_identity"]  # a part prepare wrote is still replaced
+    assert json.loads((part / "meta.json").read_text()) == again
 
 
 def test_a_prefix_of_a_shuffled_cache_mixes_documents_from_the_whole_corpus(corpus, tmp_path):
