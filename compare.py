@@ -15,8 +15,9 @@ the validation noise and the training noise, and it is a speed-up when the two s
 the speed ratio's noise band lies above 1 (docs/MATCHED_RUNS.md has the rules and how far to trust them). The
 time-to-target mode (time_to_target.py, docs/TIME_TO_QUALITY.md): the config at several seeds, each to its
 end, against target_loss, beside a baseline recipe stopping at the target. Runs are train.py subprocesses (runs.py),
-one after the other; a finished run of the same config and code is reused, a stopped one resumed, and SIGINT or
-SIGTERM stops the running one with its checkpoint.
+one after the other; a finished run of the same config and code on this machine is reused, an unfinished one
+(stopped, killed or failed) resumed from its checkpoint, and SIGINT or SIGTERM stops the running one with its
+checkpoint.
 Exit status: 0 when the comparison holds (or is an allowed recipe change) or the target is reached, 1 when a matched
 run's losses disagree, the target is missed or a training run failed, 2 on a user mistake, 3 when stopped by a
 signal or by a run's stop_after_updates (130: Ctrl-C while no run trains).
@@ -97,7 +98,10 @@ def main(argv):
     except KeyboardInterrupt:
         return 130
     if "reaches_target" in comparison:  # time-to-target: a miss, whatever its mean, is a failed verdict
-        return 0 if comparison["reaches_target"] else 1
+        failed = time_to_target.failed_runs(comparison)
+        if failed:  # a failed baseline run leaves the verdict standing, but not the command's success
+            print(f"error: {', '.join(failed)} failed (the output above says why)", file=sys.stderr)
+        return 0 if comparison["reaches_target"] and not failed else 1
     return 0 if comparison["label"] == "recipe change" or comparison["losses_agree"] else 1
 
 

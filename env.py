@@ -164,6 +164,12 @@ def compiled_since(mark=None):
     return {k: n - graphs_before.get(k, 0) for k, n in graphs.items()}, seconds
 
 
+def gpu_model():
+    """The first visible GPU's name, as the fingerprint records it; None without CUDA."""
+    import torch  # here, as in fingerprint: importing env imports no torch
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
 def cpu_model():
     """The processor's name from /proc/cpuinfo (Linux), else platform.processor(); None when unknown."""
     try:
@@ -190,14 +196,13 @@ def fingerprint(cache_identity=None):
                          and k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")} or None
     smi = "nvidia-smi"
     return {
-        "python": sys.version,
-        "platform": platform.platform(),
+        "python": sys.version, "platform": platform.platform(),
         "hostname": socket.gethostname(),
         "versions": package_versions(),
         "cuda": torch.version.cuda if cuda else None,
         "git_revision": _run(["git", "rev-parse", "HEAD"], cwd=REPO),
         "git_status": _run(["git", "status", "--porcelain"], cwd=REPO),
-        "gpu": torch.cuda.get_device_name(0) if cuda else None,
+        "gpu": gpu_model(),
         "gpu_count": torch.cuda.device_count() if cuda else 0,
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "source_hash": source_hash(),

@@ -64,9 +64,10 @@ NOISE_RULE = (f"; and the training noise, {NOISE_SIGMAS} * sqrt(2) * s with s th
               "final validation losses of the baseline and its noise runs (its recipe at other seeds, or repeats): "
               f"{NOISE_SIGMAS} * |d| for one noise run, d the difference of the two baseline runs. A single difference "
               "is a one-degree-of-freedom estimate (a same-math run whose execution noise is as large as a seed's "
-              f"exceeds it with probability {t_tail(NOISE_SIGMAS, 1):.2f}; "
-              f"{t_tail(NOISE_SIGMAS, FIRM_NOISE_RUNS):.2f} with {FIRM_NOISE_RUNS} noise runs), and the "
-              "validation noise is the floor under one that happens to be small")
+              f"exceeds it with probability at most {t_tail(NOISE_SIGMAS, 1):.2f}; "
+              f"{t_tail(NOISE_SIGMAS, FIRM_NOISE_RUNS):.2f} with {FIRM_NOISE_RUNS} noise runs: the baseline is in "
+              "both the difference and the noise estimate, which makes a false alarm rarer than the t-distribution "
+              "says), and the validation noise is the floor under one that happens to be small")
 NO_NOISE_RULE = ("; no noise run was given ({why}), so training noise is not counted, and two executions of one "
                  "recipe can differ by more than this")
 SPEED_SIGMAS = 3  # as for the loss: standard deviations of a difference of two runs' (log) median rates
@@ -375,8 +376,8 @@ def compare_runs(results_file, baseline_name, optimized_name, allow_recipe_chang
     difference = o["final_validation"]["loss"] - b["final_validation"]["loss"]
     agree = abs(difference) <= tol["tolerance"]
     comparison = {
-        baseline_name: run_summary(b),
-        optimized_name: run_summary(o),
+        # under "runs": a run named like a field of the comparison ("baseline", "plot") would overwrite it
+        "runs": {baseline_name: run_summary(b), optimized_name: run_summary(o)},
         **speed_comparison(results, baseline_name, optimized_name, names),
         "loss_difference": difference,
         **tol,
@@ -444,7 +445,7 @@ def verdict(comparison):
     runs = len(comparison.get("noise_runs") or {})
     if not runs:
         return text + " (training noise not counted: no noise run)"
-    if runs < FIRM_NOISE_RUNS:  # with execution noise as large as a seed's, 1 in 5 (1 run) or 10 (2) fails
+    if runs < FIRM_NOISE_RUNS:  # with execution noise as large as a seed's, at most 1 in 5 (1 run) or 10 (2) fails
         text += (f" (with {runs} noise run{'' if runs == 1 else 's'} the training noise is a rough estimate: "
                  f"--noise_seed_runs={FIRM_NOISE_RUNS} would firm the verdict up)")
     return text

@@ -1,7 +1,8 @@
 """compare.py's runs, for both its modes: each one's config, folders and recipe, checked before any trains; then
 train.py subprocesses, one after the other, each trained, or reused when a complete run of the same config, recipe
-and code is recorded, or resumed when it stopped with its checkpoint in place; SIGINT and SIGTERM pass on to the
-running train.py, which checkpoints and stops, and compare.py then stops too (Stopped)."""
+and code is recorded from this machine, or resumed when it ended unfinished with its checkpoint in place; SIGINT and
+SIGTERM pass on to the running train.py, which checkpoints and stops, and compare.py then stops too (Stopped)."""
+import functools
 import os
 import shlex
 import signal
@@ -126,15 +127,45 @@ def launch_free(config):
 
 
 def recorded_run(c, args, recipe_identity):
-    """The results entry of this run when it ran this config and recipe on this code (else None)."""
+    """The results entry of this run when it ran this config and recipe on this code (else None); a complete one
+    only when it ran on this machine too, since reusing it reuses its times (one line says when it did not)."""
     old = lookup(c.results_file, [c.name])
     # The config train.py will record: the same loader on the same arguments.
     expected = load_config(TRAIN_DEFAULTS, args)
-    if (isinstance(old, dict) and old.get("recipe_identity") == recipe_identity
-            and launch_free(old.get("config") or {}) == launch_free(expected)
-            and (old.get("environment") or {}).get("source_hash") == env.source_hash()):
-        return old
-    return None
+    if not (isinstance(old, dict) and old.get("recipe_identity") == recipe_identity
+                and launch_free(old.get("config") or {}) == launch_free(expected)
+                and (old.get("environment") or {}).get("source_hash") == env.source_hash()):
+        return None
+    moved = other_machine(old) if old.get("status") == "complete" else ""
+    if moved:
+        print(f"not reusing {c.name}: {moved}; it trains again")
+        return None
+    return old
+
+
+# What a run's times depend on besides its config and code, with the words that name each.
+MACHINE_WORDS = {"gpu": "GPU", "cpu_model": "CPU", "torch": "torch"}
+
+
+@functools.cache
+def this_machine():
+    """This machine's GPU model, CPU model and torch version, by the functions env.fingerprint records them with
+    (the GPU and CPU as tune.py's BenchRunner.where keys its measurements)."""
+    return {"gpu": env.gpu_model(), "cpu_model": env.cpu_model(), "torch": env.package_versions(("torch",))["torch"]}
+
+
+def recorded_machine(entry):
+    environment = entry.get("environment") if isinstance(entry.get("environment"), dict) else {}
+    versions = environment.get("versions") if isinstance(environment.get("versions"), dict) else {}
+    return {"gpu": environment.get("gpu"), "cpu_model": environment.get("cpu_model"), "torch": versions.get("torch")}
+
+
+def other_machine(entry):
+    """Where the recorded run's machine differs from this one, in words ("" when it does not)."""
+    recorded, here = recorded_machine(entry), this_machine()
+    differ = [k for k in MACHINE_WORDS if recorded[k] != here[k]]
+    words = lambda machine: ", ".join(f"{MACHINE_WORDS[k]} {machine[k] or 'none'}" for k in differ)
+    return f"recorded on {words(recorded)}, this machine has {words(here)}" if differ else ""
 
 
 def checkpoint_run_id(path):
@@ -142,9 +173,16 @@ def checkpoint_run_id(path):
     return checkpoint.peek(path, "run_id") if path.is_file() else None
 
 
+def resumable(old, ckpt):
+    """Whether the checkpoint ckpt continues the recorded run old, which did not complete: stopped (interrupted),
+    killed (SIGKILL, out of memory: still running), or ended by a second signal or an error (aborted, failed)."""
+    return bool(old and old.get("status") != "complete" and old.get("run_id")
+                and checkpoint_run_id(ckpt) == old["run_id"])
+
+
 def train_or_reuse(side, c, recipe_identity, rerun, signals):
-    """Train the run with train.py, unless a complete run of the same config, recipe and code is recorded;
-    resume it when it was stopped with its checkpoint in place."""
+    """Train the run with train.py, unless a complete run of the same config, recipe and code is recorded (on this
+    machine); resume it when it ended unfinished with its checkpoint in place (killed or failed, not only stopped)."""
     out = run_dir(c)
     config_path = out / "compare_config.py"
     try:
@@ -163,9 +201,11 @@ def train_or_reuse(side, c, recipe_identity, rerun, signals):
         return
     ckpt = checkpoint.in_folder(out)
     launch = []
-    if old and old.get("status") == "interrupted" and checkpoint_run_id(ckpt) == old.get("run_id"):
+    if resumable(old, ckpt):
         launch = ["--resume=True"]
-        print(f"{side}: resuming the stopped run {c.name} from {ckpt}")
+        status = old["status"]
+        why = "" if status == "interrupted" else f" (status {status}: it ended unfinished)"
+        print(f"{side}: resuming the stopped run {c.name}{why} from {ckpt}")
     elif ckpt.exists():
         launch = ["--overwrite=True"]  # compare.py trains this side again: the old checkpoint is not its run
     cmd = [sys.executable, str(env.REPO / "train.py"), *args, *launch]

@@ -44,8 +44,9 @@ ALPHA = 0.01  # the significance a record asks for: the mean lies below the targ
 
 def run_outcome(entry):
     """What the verdict reads from a run's results entry: its status and seed, its final validation-subset loss
-    (the last point of its validation curve; None without a finite one), its training seconds, and where it first
-    reached the target (train.py's target.reached, None when it never did)."""
+    (the last point of its validation curve; None without a finite one), its training seconds, where it first
+    reached the target (train.py's target.reached, None when it never did), and the sessions that trained it (more
+    than 1: resumed, each session's recompile in its time)."""
     curve = entry.get("validation_curve") or []
     last = curve[-1].get("loss") if curve else None
     reached = (entry.get("target") or {}).get("reached")
@@ -53,7 +54,8 @@ def run_outcome(entry):
             "final_loss": last if plots.finite_number(last) else None, "training_seconds": entry.get("training_seconds"),
             "updates": entry.get("step"), "reached": reached,
             "seconds_to_target": reached.get("training_seconds") if reached else None,
-            "first_update_seconds": entry.get("first_update_seconds"), "start": start_regime(entry)}
+            "first_update_seconds": entry.get("first_update_seconds"), "start": start_regime(entry),
+            "sessions": entry.get("sessions")}
 
 
 def start_regime(entry):
@@ -84,7 +86,13 @@ def regime_note(section):
 def failed_outcome(seed, error):
     """A run whose train.py exited with an error: no loss and no time (its entry, if any, may be an older run's)."""
     return {"status": "failed", "seed": seed, "final_loss": None, "training_seconds": None, "updates": None,
-            "reached": None, "seconds_to_target": None, "error": error}
+            "reached": None, "seconds_to_target": None, "sessions": None, "error": error}
+
+
+def failed_runs(section):
+    """The names of the section's runs, candidate and baseline, whose train.py exited with an error."""
+    runs = {**section["candidate_runs"], **(section.get("baseline_runs") or {})}
+    return [name for name, o in runs.items() if o["status"] == "failed"]
 
 
 def verdict_losses(outcomes):
@@ -192,9 +200,16 @@ def run_rows(section):
     """(name, status, final loss, training s, first reached at training s, start) of every run, candidate first."""
     runs = {**section["candidate_runs"], **(section.get("baseline_runs") or {})}
     return [(name, str(o["status"]), plots.fmt(o["final_loss"], ".4f"), plots.fmt(o["training_seconds"], ".1f"),
-             plots.fmt(o["seconds_to_target"], ".1f"),
-             f"{o.get('start') or '?'} {plots.fmt(o.get('first_update_seconds'), '.1f')} s")
+             plots.fmt(o["seconds_to_target"], ".1f"), first_update(o))
             for name, o in runs.items()]
+
+
+def first_update(o):
+    """How the run's first update started and its seconds; and the sessions of a run resumed over several, whose
+    training seconds hold each session's recompile: not an uninterrupted run's time."""
+    sessions = o.get("sessions")
+    resumed = f", {sessions} sessions" if isinstance(sessions, int) and sessions > 1 else ""
+    return f"{o.get('start') or '?'} {plots.fmt(o.get('first_update_seconds'), '.1f')} s{resumed}"
 
 
 def speedup_line(up):

@@ -224,8 +224,7 @@ class BenchRunner:
             cache = TokenCache(cfg.data_dir, verify=False).identity if cfg.data_mode == "real" else None
         except CacheError:
             cache = None
-        self.where = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-                      "cpu": env.cpu_model(), "cache_identity": cache}
+        self.where = {"gpu": env.gpu_model(), "cpu": env.cpu_model(), "cache_identity": cache}
         # only successes, from the same code: an error may have been the budget's cut or a passing fault
         tuning, self.previous = results.lookup(cfg.results_file, ["tuning"]), {}
         tuning = tuning if isinstance(tuning, dict) else {}  # none, or a section edited by hand: nothing to reuse

@@ -9,12 +9,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import configurator
 import dashboard
+import env
 from results import lookup, read_results, record
 import compare
 import matched
+import runs as runs_lib
 import settings
 import train
 
@@ -112,8 +115,9 @@ def test_matched_runs_pass_broken_math_fails_runs_are_reused_and_rereadable(tiny
     assert c["speed_ratio"] == pytest.approx(
         lookup(results, ["m-optimized", "median_training_tokens_per_second"])
         / lookup(results, ["m-baseline", "median_training_tokens_per_second"]))
+    assert list(c["runs"]) == ["m-baseline", "m-optimized"]
     for name in ("m-baseline", "m-optimized"):
-        run = c[name]
+        run = c["runs"][name]
         assert run["result"]["status"] == "complete"
         assert not {"environment", "config", "recipe"} & set(run["result"])
         assert len(run["validation_curve"]) == 2
@@ -252,6 +256,83 @@ def test_a_run_that_stops_itself_stops_the_comparison(tiny, capsys):
     assert lookup(results, ["q-baseline", "sessions"]) == 2
 
 
+class FakeTrainPy:
+    """runs.stream in place of a train.py subprocess: it keeps each command and records the entry train.py
+    would (status, run_id, the config and recipe identity it ran, on this machine), with a checkpoint of the run,
+    and exits with status 0."""
+
+    def __init__(self, status, run_id="r1", **environment):
+        self.status, self.run_id, self.environment = status, run_id, environment
+        self.identity, self.commands = None, []
+
+    def __call__(self, side, cmd, signals):
+        self.commands.append(cmd)
+        args = [a for a in cmd[2:] if a.split("=")[0] not in ("--resume", "--overwrite")]
+        c = settings.Config(configurator.load_config(runs_lib.TRAIN_DEFAULTS, args))
+        machine = {"gpu": env.gpu_model(), "cpu_model": env.cpu_model(), "versions": env.package_versions(("torch",))}
+        record(c.results_file, [c.name], {
+            "status": self.status, "run_id": self.run_id, "recipe_identity": self.identity, "config": dict(c),
+            "final_validation": {"loss": 4.0}, "environment": dict(machine, source_hash=env.source_hash(),
+                                                                   **self.environment)})
+        ckpt = runs_lib.checkpoint.in_folder(runs_lib.run_dir(c))
+        ckpt.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"run_id": self.run_id}, ckpt)
+        return 0
+
+
+def launch(tiny, monkeypatch, fake, times=2):
+    """Train the run k times over through runs.train_or_reuse, train.py faked; returns the commands launched."""
+    config, results = tiny
+    c = settings.load(settings.TrainSettings, [config, "--name=k", f"--results_file={results}", "--micro_batch_size=4"])
+    fake.identity = env.hash_json(runs_lib.run_recipe("baseline", c))
+    monkeypatch.setattr(runs_lib, "stream", fake)
+    for _ in range(times):
+        runs_lib.train_or_reuse("baseline", c, fake.identity, False, runs_lib.SignalForwarder())
+    return fake.commands
+
+
+@pytest.mark.parametrize("status", ["running", "aborted", "failed", "interrupted"])
+def test_a_run_killed_or_failed_with_its_checkpoint_resumes_from_it(tiny, monkeypatch, capsys, status):
+    """A run killed by SIGKILL or out of memory (still "running"), ended by a second signal ("aborted") or by an
+    error ("failed") was trained again from update 0, its checkpoint deleted by --overwrite=True, though
+    compare.py's message says it resumes from the run's last checkpoint: only "interrupted" resumed."""
+    first, second = launch(tiny, monkeypatch, FakeTrainPy(status))
+    assert not {"--resume=True", "--overwrite=True"} & set(first)
+    assert second[-1] == "--resume=True" and "--overwrite=True" not in second
+    assert "baseline: resuming the stopped run k" in capsys.readouterr().out
+
+
+def test_a_checkpoint_of_another_run_is_replaced_not_resumed(tiny, monkeypatch):
+    class Replaced(FakeTrainPy):  # the checkpoint left in the folder is not the recorded run's
+        def __call__(self, side, cmd, signals):
+            code = super().__call__(side, cmd, signals)
+            torch.save({"run_id": "another"}, runs_lib.checkpoint.in_folder(Path("out/k")))
+            return code
+    first, second = launch(tiny, monkeypatch, Replaced("running"))
+    assert second[-1] == "--overwrite=True"
+
+
+@pytest.mark.parametrize("differ", [{"gpu": "another GPU"}, {"cpu_model": "another CPU"},
+                                    {"versions": {"torch": "1.0.0"}}])
+def test_a_complete_run_of_another_machine_is_not_reused(tiny, monkeypatch, capsys, differ):
+    """A complete run recorded on another GPU, CPU or torch (merged in by scripts/merge_results.py) was reused,
+    its training seconds counted as this machine's; one line now says why it trains again."""
+    first, second = launch(tiny, monkeypatch, FakeTrainPy("complete", **differ))
+    assert second[-1] == "--overwrite=True"  # trained again, not resumed: the complete run is the other machine's
+    out = capsys.readouterr().out
+    key, value = next(iter(differ.items()))
+    words = {"gpu": "GPU", "cpu_model": "CPU", "versions": "torch"}[key]
+    value = value["torch"] if key == "versions" else value
+    assert f"not reusing k: recorded on {words} {value}, this machine has {words} " in out
+    assert "reusing the complete run" not in out
+
+
+def test_a_complete_run_of_this_machine_is_reused(tiny, monkeypatch, capsys):
+    first, *again = launch(tiny, monkeypatch, FakeTrainPy("complete"))
+    out = capsys.readouterr().out
+    assert not again and "baseline: reusing the complete run k" in out and "not reusing" not in out
+
+
 def test_mistakes_are_one_line_errors(tiny, capsys):
     config, results = tiny
     # The default baseline micro-batch (8) does not divide the 4 sequences of an update.
@@ -325,6 +406,22 @@ def test_the_verdict_both_ways_and_training_noise(tmp_path, capsys):
     record(results, ["other-recipe"], finished(4.601, recipe="r2"))
     assert read("other-recipe") == 2  # a different recipe is refused, not compared
     assert "different recipes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("names", [("baseline", "optimized"), ("plot", "label"), ("tolerance", "runs")])
+def test_runs_named_like_a_field_of_the_comparison_keep_their_summaries(tmp_path, names):
+    """The two runs' summaries were keyed by run name beside the comparison's fields, so a run named "baseline"
+    or "plot" overwrote that field (or the field overwrote the run); they are under "runs" now."""
+    results = tmp_path / "results.json"
+    record(results, [names[0]], dict(finished(4.600), config={"seed": 7}))
+    record(results, [names[1]], finished(4.601))
+    assert compare.main([f"--results_file={results}", f"--baseline={names[0]}", f"--optimized={names[1]}",
+                         f"--plot={tmp_path / 'p.png'}", "--noise_seed_runs=0"]) == 0
+    c = lookup(results, ["matched-comparison"])
+    assert (c["baseline"], c["optimized"], c["plot"]) == (*names, str(tmp_path / "p.png"))
+    assert c["label"] == "matched run" and c["tolerance"] == pytest.approx(3 * 2 ** 0.5 * 3.0 / 1000)
+    assert list(c["runs"]) == list(names)
+    assert [c["runs"][n]["final_validation"]["loss"] for n in names] == [4.600, 4.601]
 
 
 def test_tuned_config_and_overrides_layer_on_the_optimized_side_only(tiny, tmp_path, capsys):
@@ -459,7 +556,8 @@ def test_the_rules_say_the_numbers_the_verdict_uses(monkeypatch):
     for df in range(1, 8):
         assert matched.t_tail(matched.NOISE_SIGMAS, df) == pytest.approx(2 * stats.t.sf(matched.NOISE_SIGMAS, df))
     odds = [f"{2 * stats.t.sf(matched.NOISE_SIGMAS, df):.2f}" for df in (1, matched.FIRM_NOISE_RUNS)]
-    assert (f"probability {odds[0]}; {odds[1]} with {matched.FIRM_NOISE_RUNS} noise runs"
+    # an upper bound: the baseline is in both the difference and the noise estimate
+    assert (f"probability at most {odds[0]}; {odds[1]} with {matched.FIRM_NOISE_RUNS} noise runs"
             in matched.NOISE_RULE)
     assert f"{matched.NOISE_SIGMAS} * sqrt(se_baseline^2" in matched.TOLERANCE_RULE
     assert f"exp(+-{matched.SPEED_SIGMAS} * sqrt(2) * s)" in matched.SPEED_RULE

@@ -143,11 +143,46 @@ def test_the_run_summary_reads_the_final_loss_the_training_seconds_and_the_targe
     reached = {"update": 20, "tokens": 2000, "training_seconds": 31.5, "loss": 3.27, "epoch": 1}
     o = run_outcome(entry([3.6, 3.27, 3.21], seconds=61.0, reached=reached, seed=7))
     assert o == {"status": "complete", "seed": 7, "final_loss": 3.21, "training_seconds": 61.0, "updates": 30,
-                 "reached": reached, "seconds_to_target": 31.5, "first_update_seconds": None, "start": "eager"}
+                 "reached": reached, "seconds_to_target": 31.5, "first_update_seconds": None, "start": "eager",
+                 "sessions": None}
     diverged = run_outcome(dict(entry([3.6, None]), target=None))  # results.py writes a NaN loss as null
     assert diverged["final_loss"] is None and diverged["reached"] is None
     assert run_outcome({})["final_loss"] is None
     assert median_seconds({"a": o, "b": dict(o, training_seconds=40.0), "f": failed_outcome(9, "x")}) == 50.5
+
+
+def test_a_failed_baseline_run_fails_the_command_though_the_target_is_reached(tmp_path, monkeypatch, capsys):
+    """compare.py exited 0 when the candidate reached the target beside a failed target-baseline run (train_all
+    goes on past it), though its exit status is 1 when a training run failed; the verdict stands as recorded."""
+    cfg = settings.Config(target_loss=TARGET, eval_interval=10, target_baseline="base.py")
+    candidates = [settings.Config(name=f"r-seed{s}", seed=s) for s in range(5)]
+    baselines = [settings.Config(name="r-target-baseline-seed0", seed=0)]
+    results = {c.name: entry([3.20 + 0.001 * c.seed], seconds=50.0, seed=c.seed) for c in candidates}
+    failed = {"r-target-baseline-seed0": "the target baseline run r-target-baseline-seed0 exited with status 1"}
+    section = target_section(cfg, results, candidates, baselines, failed, tmp_path / "p.png")
+    assert section["reaches_target"] and section["baseline_runs"]["r-target-baseline-seed0"]["status"] == "failed"
+    monkeypatch.setattr(compare, "compare", lambda cfg: section)
+    assert compare.main(["--mode=time-to-target", f"--target_loss={TARGET}"]) == 1
+    assert capsys.readouterr().err == "error: r-target-baseline-seed0 failed (the output above says why)\n"
+    del failed["r-target-baseline-seed0"]
+    results["r-target-baseline-seed0"] = entry([3.25], seconds=80.0, reached={"training_seconds": 70.0})
+    section = target_section(cfg, results, candidates, baselines, failed, tmp_path / "p.png")
+    assert compare.main(["--mode=time-to-target", f"--target_loss={TARGET}"]) == 0
+
+
+def test_a_seed_resumed_over_several_sessions_says_so_in_the_table_and_the_record(tmp_path):
+    """A resumed seed's training seconds hold each session's recompile, so its time is not an uninterrupted
+    run's: the table's first-update column and the recorded run summary say how many sessions trained it."""
+    resumed = dict(entry([3.2], seconds=61.0), sessions=2, first_update_seconds=2.2)
+    assert run_outcome(resumed)["sessions"] == 2 and run_outcome(entry([3.2]))["sessions"] is None
+    cfg = settings.Config(target_loss=TARGET, eval_interval=10, target_baseline="")
+    candidates = [settings.Config(name=f"r-seed{s}", seed=s) for s in (1, 2)]
+    results = {"r-seed1": resumed, "r-seed2": dict(entry([3.1]), sessions=1, first_update_seconds=2.0)}
+    section = target_section(cfg, results, candidates, [], {}, tmp_path / "p.png")
+    assert [o["sessions"] for o in section["candidate_runs"].values()] == [2, 1]
+    assert section["median_training_seconds"] == pytest.approx((61.0 + 60.0) / 2)  # the arithmetic as it was
+    rows = table(section)[1:3]
+    assert rows[0].endswith("eager 2.2 s, 2 sessions") and rows[1].endswith("eager 2.0 s")
 
 
 def test_each_run_says_how_it_started_and_a_warm_side_against_a_cold_one_is_named():
