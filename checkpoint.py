@@ -29,7 +29,9 @@ class CheckpointError(RuntimeError):
 def save(path, model, optimizer, step, state):
     """Write model, optimizer, update count, RNG states and `state` (the run's counters, recipe and config);
     a CheckpointError, in one sentence, when the folder cannot take it (atomic_write leaves the last one whole)."""
-    payload = dict(state, model=model.state_dict(), optimizer=optimizer.state_dict(), step=step, rng=rng_state())
+    device = next(model.parameters()).device  # the run's: its CUDA generator is the one a resume continues
+    payload = dict(state, model=model.state_dict(), optimizer=optimizer.state_dict(), step=step,
+                   rng=rng_state(device))
     try:
         atomic_write(path, lambda f: torch.save(payload, f))
     except OSError as exc:
@@ -117,23 +119,33 @@ def run_data_dir(ckpt):
     return env.REPO / recorded
 
 
-def rng_state():
-    """The generators' states. torch's are kept as numpy arrays: a resume reads the checkpoint with map_location on
-    the run's device, which moves tensors there, and torch.set_rng_state takes only a CPU tensor."""
+def rng_state(device="cpu"):
+    """The generators' states: the CPU's, numpy's, Python's and, for a run on a GPU, that GPU's own (not every
+    visible one's: a resume where fewer are visible has no generator for the others). torch's are kept as numpy
+    arrays: a resume reads the checkpoint with map_location on the run's device, which moves tensors there, and
+    torch.set_rng_state takes only a CPU tensor."""
     state = {"torch": torch.get_rng_state().numpy(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = [s.numpy() for s in torch.cuda.get_rng_state_all()]
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state(device).numpy()
     return state
 
 
-def set_rng_state(state):
-    """rng_state()'s states back, also from a checkpoint that kept torch's as tensors (then on the run's device)."""
+def set_rng_state(state, device="cpu"):
+    """rng_state()'s states back, the CUDA one onto the run's own GPU `device`; also from a checkpoint that kept
+    torch's as tensors (then on the run's device) or, as older ones did, a list of every visible GPU's CUDA
+    states (then the entry of this device's index, if there is one)."""
     cpu = lambda s: torch.as_tensor(s, device="cpu")
     torch.set_rng_state(cpu(state["torch"]))
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([cpu(s) for s in state["cuda"]])
+    saved, device = state.get("cuda"), torch.device(device)
+    if saved is None or device.type != "cuda" or not torch.cuda.is_available():
+        return
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if isinstance(saved, (list, tuple)):
+        saved = saved[index] if index < len(saved) else None
+    if saved is not None:
+        torch.cuda.set_rng_state(cpu(saved), index)
 
 
 @dataclasses.dataclass

@@ -45,13 +45,16 @@ class RunState:
     # the logged training loss, learning rate and gradient norm, one point per log interval
     training_curve: list = dataclasses.field(default_factory=list)
     target_reached: dict = None  # where the validation-subset loss first reached target_loss
+    # the log interval a checkpoint fell in, so far (its updates, tokens, loss sum over the ranks and training
+    # seconds): a resume goes on with it, so that its log point is the uninterrupted run's
+    open_interval: dict = None
 
 
 # A checkpoint must hold these to be resumed; the others start at their defaults when it has none of them (a final
 # validation exists only once the run is complete).
 RESUME_FIELDS = [f.name for f in dataclasses.fields(RunState)
                  if f.name not in ("final_validation", "training_curve", "target_reached", "first_update_graphs",
-                                "first_update_compile_seconds", "first_calls")]
+                                "first_update_compile_seconds", "first_calls", "open_interval")]
 
 
 def format_seconds(seconds):
@@ -71,7 +74,7 @@ class Metrics:
         self.session_start = time.time()
         self.dashboards = None
         self.diverged = None  # what was not finite, once something is
-        self.interval_tokens, self.loss_total = 0, None
+        self.interval_updates, self.interval_tokens, self.loss_total = 0, 0, None
         self.segment_start = self.interval_start = time.time()
         # (tokens, training seconds) after this process's first update, which compiles: the ETA's mean rate since
         self.rate_start = None
@@ -98,11 +101,29 @@ class Metrics:
     # -- the training clock: updates count, evaluations, checkpoints and records do not
 
     def start_clock(self):
-        """Training time starts now (the GPU synchronized first, so no earlier work is counted)."""
+        """Training time starts now (the GPU synchronized first, so no earlier work is counted), in the log interval
+        the checkpoint resumed from fell in, if it fell in one."""
         self.synchronize()
         self.compile_mark = env.compile_totals()  # the first update's compile is what comes after this
         self.segment_start = self.interval_start = time.time()
-        self.interval_tokens, self.loss_total = 0, None
+        self.interval_updates, self.interval_tokens, self.loss_total = 0, 0, None
+        kept, self.state.open_interval = self.state.open_interval, None
+        if kept:  # its rate: all its tokens over all its training seconds, the earlier process's included
+            self.interval_updates, self.interval_tokens = kept["updates"], kept["tokens"]
+            self.loss_total = kept["loss_sum"] if self.main else None  # log() adds up the ranks' sums
+            self.interval_start -= kept["training_seconds"]
+
+    def keep_open_interval(self, pause_start):
+        """At a checkpoint (every rank: one all-reduce, where an update came since the last log line), the log
+        interval so far, for the state it saves; pause_start: when the checkpoint's pause of the clock began."""
+        self.state.open_interval = None
+        if self.interval_updates:
+            # a float or None: no update of this process in it yet (a resume that validated first), the sum as kept
+            total = self.loss_total if torch.is_tensor(self.loss_total) else \
+                torch.tensor(self.loss_total or 0.0, device=self.facts["device"])
+            loss_sum = all_reduce_sum(total.detach().clone(), self.world_size).item()
+            self.state.open_interval = {"updates": self.interval_updates, "tokens": self.interval_tokens,
+                                        "loss_sum": loss_sum, "training_seconds": pause_start - self.interval_start}
 
     def pause_clock(self):
         """Training time stops: the segment so far is added; returns when the pause began."""
@@ -149,6 +170,7 @@ class Metrics:
         self.loss_total = loss_sum if self.loss_total is None else self.loss_total + loss_sum
         state.tokens += n_tokens
         self.interval_tokens += n_tokens
+        self.interval_updates += 1
         if self.rate_start is None:
             self.rate_start = (state.tokens, self.training_seconds_now())
 
@@ -182,7 +204,7 @@ class Metrics:
             print(f"update {trainer.step}/{self.facts['total_updates']} | epoch {state.epoch + 1} | loss {loss:.4f} | "
                   f"grad norm {norm:.3f} | lr {lr:.2e} | {rate / 1e3:,.1f}K tok/s | MFU {mfu} | "
                   f"ETA {format_seconds(eta)}", flush=True)
-        self.interval_start, self.interval_tokens, self.loss_total = now, 0, None
+        self.interval_start, self.interval_updates, self.interval_tokens, self.loss_total = now, 0, 0, None
 
     def weights_finite(self, model):
         """Whether every weight is finite (one host sync: at checkpoints only); else the run diverged here."""

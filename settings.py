@@ -245,8 +245,8 @@ class Lifecycle:
                                  bounds=">= 0")
     stop_at_target: bool = setting(False, "end the run, checkpointed, when target_loss is reached", RUN)
     log_interval: int = setting(50, "updates between log lines", RUN, bounds="> 0")
-    checkpoint_minutes: float = setting(0.0, "also checkpoint every N minutes (0: only at epoch ends and on signals)",
-                                        RUN, bounds=">= 0")
+    checkpoint_minutes: float = setting(0.0, "also checkpoint every N minutes (0: only at epoch ends and on "
+                                             "signals; under torchrun at the next log line)", RUN, bounds=">= 0")
     tensorboard_dir: str = setting("", "also log the curves to TensorBoard, into <this folder>/<name> (pip install "
                                        "tensorboard)", RUN)
     wandb_log: bool = setting(False, "also log them to Weights & Biases, offline (pip install wandb)", RUN)

@@ -127,7 +127,7 @@ class Run:
                 print(f"initial weights from {self.cfg.init_from} ({plan.initial.source}, "
                       f"{plan.initial.sha256[:12]})")
             self.metrics = Metrics(self.cfg, self.trainer, self.facts())
-            self.session_updates, self.last_checkpoint_time = 0, time.time()
+            self.session_updates, self.last_checkpoint_time, self.time_due = 0, time.time(), False
         except BaseException:  # out of memory, say: no run of this process holds the folder any more
             self.release()
             raise
@@ -167,7 +167,7 @@ class Run:
         optim.load_state(self.trainer.optimizer, ckpt["optimizer"])
         self.trainer.load_checkpoint_state(ckpt)  # the weights' average, with ema
         self.trainer.step = ckpt["step"]
-        checkpoint.set_rng_state(ckpt["rng"])
+        checkpoint.set_rng_state(ckpt["rng"], self.plan.device)
         self.metrics.restore(ckpt)
         print(f"resumed {self.ckpt_path} at update {self.trainer.step} (epoch {self.state.epoch + 1}, "
               f"update {self.state.update_in_epoch} of {self.data.updates_per_epoch})")
@@ -224,10 +224,8 @@ class Run:
         return epoch_end or bool(interval and step and step % interval == 0 and not done)
 
     def checkpoint_due(self, epoch_end, reason):
-        """At an epoch's end, at a stop, and every checkpoint_minutes."""
-        minutes = self.cfg.checkpoint_minutes
-        return (epoch_end or reason is not None
-                or bool(minutes) and time.time() - self.last_checkpoint_time > 60 * minutes)
+        """At an epoch's end, at a stop, and every checkpoint_minutes (by rank 0's clock: signalled() sets time_due)."""
+        return epoch_end or reason is not None or self.time_due
 
     def stop_reason(self):
         """Why the loop ends now, or None: a loss that is not finite (first: its weights must not be checkpointed as
@@ -245,13 +243,19 @@ class Run:
         return "end" if self.state.epoch >= self.cfg.epochs else None
 
     def signalled(self):
+        """Whether a signal came (on any rank); time_due: whether checkpoint_minutes have passed by rank 0's clock
+        (ranks' own may disagree, and a checkpoint one rank takes alone leaves the others in an all-reduce). Ranks
+        agree on both only where the log line syncs anyway, never with a host sync per update."""
+        minutes = self.cfg.checkpoint_minutes
+        self.time_due = self.main_process and bool(minutes) and time.time() - self.last_checkpoint_time > 60 * minutes
         if self.world_size == 1:
             return self.stop.signal is not None
-        # Ranks agree on a signal only where the log line syncs anyway, never with a host sync per update.
+        due, self.time_due = self.time_due, False
         if self.trainer.step % self.cfg.log_interval and not self.epoch_done():
             return False
-        flag = torch.tensor([float(self.stop.signal is not None)], device=self.plan.device)
-        return all_reduce_sum(flag, self.world_size).item() > 0
+        flags = torch.tensor([self.stop.signal is not None, due], dtype=torch.float32, device=self.plan.device)
+        signal_flag, self.time_due = (all_reduce_sum(flags, self.world_size) > 0).tolist()
+        return signal_flag
 
     # -- validation and checkpoints, out of the training clock
 
@@ -287,11 +291,12 @@ class Run:
         weights are checked here: where one is not finite the run diverged since. Returns the stop reason."""
         if reason == "diverged":
             return reason
-        with self.metrics.paused():  # the check too: a pause of the training clock, as the checkpoint is
+        with self.metrics.paused() as start:  # the check too: a pause of the training clock, as the checkpoint is
             if not self.metrics.weights_finite(self.trainer.raw_model):
                 return "diverged"
             if reason in INTERRUPTING:
                 self.say_stopped(reason)
+            self.metrics.keep_open_interval(start)  # the log interval so far: a resume goes on with it
             self.save_checkpoint()
             self.last_checkpoint_time = time.time()
             self.metrics.record("interrupted" if reason in INTERRUPTING else "running")

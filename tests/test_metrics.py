@@ -96,3 +96,44 @@ def test_the_first_update_records_the_first_call_childrens_timings_and_compiles_
     train(m, trainer, clock, 1.0, 1)
     assert m.state.first_calls == timings and m.state.first_update_compile_seconds == phases
     assert not {"first_calls", "first_update_compile_seconds"} & set(metrics.RESUME_FIELDS)
+
+
+def test_a_log_interval_a_checkpoint_cut_goes_on_in_the_resumed_process(monkeypatch, capsys):
+    """Its loss point averages all its updates, and its rate is all its tokens over all its training seconds, the
+    earlier process's included; a rank other than 0 brings only its own updates' loss sum to the log's all-reduce."""
+    m, trainer, clock = run_metrics(monkeypatch)
+    train(m, trainer, clock, 1.0, 2, log_interval=4)  # updates 1-2, loss 4 a token, 1 s each
+    with m.paused() as start:
+        clock.now += 30  # the checkpoint: not training time
+        m.keep_open_interval(start)
+    saved = m.state_dict()
+    assert saved["open_interval"] == {"updates": 2, "tokens": 2000, "loss_sum": 8000.0, "training_seconds": 2.0}
+    assert "open_interval" not in metrics.RESUME_FIELDS  # an older checkpoint has none
+
+    resumed, trainer, clock = run_metrics(monkeypatch)
+    resumed.restore(saved)
+    resumed.start_clock()
+    assert resumed.state.open_interval is None  # carried now: a later checkpoint keeps its own
+    with resumed.paused() as start:  # a checkpoint before this process's first update keeps the interval as it was
+        resumed.keep_open_interval(start)
+    assert resumed.state.open_interval == saved["open_interval"]
+    trainer.step = 2
+    for _ in range(2):  # updates 3-4, loss 1 a token, 4 s each
+        clock.now += 4.0
+        trainer.step += 1
+        resumed.count(torch.tensor(1000.0), 1000)
+    resumed.log(torch.tensor(1.0))
+    point = resumed.state.training_curve[-1]
+    assert point["update"] == 4 and point["loss"] == (8000.0 + 2000.0) / 4000
+    assert resumed.state.interval_tokens_per_second[-1] == 4000 / (2.0 + 8.0)
+
+    reduced = []
+    monkeypatch.setattr(metrics, "all_reduce_sum", lambda tensor, world_size: reduced.append(tensor.item()) or tensor)
+    other, trainer, clock = run_metrics(monkeypatch)
+    other.main, other.world_size = False, 2
+    other.restore(saved)
+    other.start_clock()
+    assert other.loss_total is None and (other.interval_updates, other.interval_tokens) == (2, 2000)
+    with other.paused() as start:
+        other.keep_open_interval(start)
+    assert reduced == [0.0]  # rank 0 brings the kept sum

@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -392,6 +393,31 @@ def test_stop_and_resume_is_bitwise_identical(text_cache, tmp_path, recipe):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_resumed_training_curve_is_the_uninterrupted_ones_with_stops_inside_a_log_interval(text_cache, tmp_path):
+    """The loss and tokens of the log interval a stop cut were not in the checkpoint, and the resumed process's
+    first log point averaged only its own updates (8.096 for the uninterrupted 8.2136). Two stops inside one
+    interval (log_interval 4: updates 1-2, then 3, then 4-6) give the uninterrupted curve, point for point."""
+    common = dict(epochs=1, train_subset_tokens=6 * SEQUENCES_PER_UPDATE * SEQ_LEN + 1, log_interval=4)
+    full = train.train(small_config(text_cache, tmp_path, name="straight", out_dir=str(tmp_path / "straight"),
+                                    **common))
+    cfg = small_config(text_cache, tmp_path, name="resumed", out_dir=str(tmp_path / "resumed"), **common)
+    kept = lambda: checkpoint.peek(tmp_path / "resumed" / "ckpt.pt", "open_interval") or {}
+    assert train.train(settings.Config(cfg, stop_after_updates=2))["training_curve"] == []
+    first = kept()
+    assert train.train(settings.Config(cfg, resume=True, stop_after_updates=1))["step"] == 3
+    second = kept()
+    last = train.train(settings.Config(cfg, resume=True))
+    assert last["status"] == "complete" and last["sessions"] == 3
+    curve = lambda entry: [(p["update"], p["tokens"], p["loss"], p["lr"], p["grad_norm"])
+                           for p in entry["training_curve"]]
+    assert [p[0] for p in curve(full)] == [4, 6] and curve(last) == curve(full)
+    # what the checkpoints kept of the interval: its updates and tokens so far, and their loss sum
+    assert (first.get("updates"), first.get("tokens"), second.get("updates")) == (2, 2 * SEQ_LEN * 8, 3)
+    assert 0 < first["loss_sum"] < second["loss_sum"] and not kept()  # the complete run's: no interval open
+    # the cut interval's rate is its tokens over its training seconds in all three processes
+    assert len(last["interval_tokens_per_second"]) == 2 and all(r > 0 for r in last["interval_tokens_per_second"])
+
+
 def test_resume_restores_the_random_number_generators(text_cache, tmp_path):
     """Nothing in this model draws random numbers after it is built (no dropout), so equal losses cannot show
     it: a resumed process continues the saved generators' streams, whatever it drew before resuming."""
@@ -418,6 +444,43 @@ def test_the_random_number_generators_resume_from_a_checkpoint_read_onto_another
     torch.manual_seed(12345)  # a checkpoint that kept torch's state as a tensor, as older ones did
     checkpoint.set_rng_state(dict(checkpoint.rng_state(), torch=torch.tensor(expected, dtype=torch.uint8)))
     assert torch.get_rng_state().tolist() == expected
+
+
+class FakeCudaGenerator:
+    def __init__(self):
+        self.state = None
+
+    def set_state(self, state):
+        self.state = state.tolist()
+
+
+def test_the_cuda_generator_kept_and_restored_is_the_run_devices_own(monkeypatch):
+    """rng_state() kept the state of every visible GPU's generator and a resume set as many: a run trained where 8
+    GPUs were visible died with an IndexError resumed where fewer were. Now the run's own GPU's is kept and restored,
+    and an older checkpoint's list gives the entry of the run's device index (no GPU here: torch.cuda mocked)."""
+    generators = (FakeCudaGenerator(), FakeCudaGenerator())  # two GPUs visible at the resume
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # the model is on its GPU when Run.load runs
+    monkeypatch.setattr(torch.cuda, "default_generators", generators)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state",
+                        lambda device="cuda": asked.append(device) or torch.full((16,), 7, dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: pytest.fail("every visible GPU's state was read"))
+    state = checkpoint.rng_state("cuda:1")
+    assert asked == ["cuda:1"] and state["cuda"].tolist() == [7] * 16
+    checkpoint.set_rng_state(state, "cuda:1")
+    assert generators[1].state == [7] * 16 and generators[0].state is None
+    old = dict(state, cuda=[np.full(16, i, np.uint8) for i in range(8)])  # an older checkpoint, of 8 GPUs
+    checkpoint.set_rng_state(old, "cuda:1")
+    assert generators[1].state == [1] * 16 and generators[0].state is None
+    checkpoint.set_rng_state(old, "cuda")  # the current device's
+    assert generators[0].state == [0] * 16
+    checkpoint.set_rng_state(dict(old, cuda=old["cuda"][:1]), "cuda:1")  # none kept for it: left as it is
+    assert generators[1].state == [1] * 16
+    assert "cuda" not in checkpoint.rng_state("cpu")  # a CPU run keeps no GPU's
+    checkpoint.set_rng_state(state, "cpu")
+    assert generators[0].state == [0] * 16 and generators[1].state == [1] * 16
 
 
 def wait_for(predicate, timeout, what):
@@ -813,6 +876,37 @@ def test_torchrun_training_on_two_processes(text_cache, tmp_path):
     assert_close_parameters(checkpoint_parameters(tmp_path / "out"), checkpoint_parameters(tmp_path / "single"), 1e-4)
 
 
+def torchrun(cfg, log, *args):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(REPO / "train.py"),
+                           *cli_args(cfg), *args], cwd=REPO,
+                          stdout=open(log, "w"), stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          timeout=300).returncode
+
+
+def test_torchrun_resumes_inside_a_log_interval_with_timed_checkpoints_to_the_uninterrupted_curve(text_cache, tmp_path):
+    """Two processes: a stop inside a log interval keeps the interval's loss summed over both ranks, and timed
+    checkpoints (rank 0's clock, every sync point here) never leave a rank waiting for the other."""
+    common = dict(epochs=1, train_subset_tokens=6 * SEQUENCES_PER_UPDATE * SEQ_LEN + 1, log_interval=4,
+                  micro_batch_size=2, checkpoint_minutes=1e-9)
+    straight = small_config(text_cache, tmp_path, name="straight", out_dir=str(tmp_path / "straight"), **common)
+    cfg = small_config(text_cache, tmp_path, name="resumed", out_dir=str(tmp_path / "resumed"), **common)
+    for run, log, args in [(straight, "straight", ()), (cfg, "first", ("--stop_after_updates=3",)),
+                           (cfg, "last", ("--resume=True",))]:
+        code = torchrun(run, tmp_path / f"{log}.log", *args)  # torchrun's 1 for its processes' EXIT_INTERRUPTED
+        assert code == (1 if log == "first" else 0), (tmp_path / f"{log}.log").read_text()
+    assert "stop_after_updates=3: checkpointed at update 3" in (tmp_path / "first.log").read_text()
+    results = read_results(cfg.results_file)
+    full, last = results["straight"], results["resumed"]
+    assert last["status"] == "complete" and last["sessions"] == 2 and last["world_size"] == 2
+    points = lambda entry: [(p["update"], p["tokens"], p["lr"]) for p in entry["training_curve"]]
+    assert points(last) == points(full) and [p[0] for p in points(full)] == [4, 6]
+    # the ranks' sums are added in another order across the stop: float32 roundings apart, not 3 updates of 4
+    for a, b in zip(last["training_curve"], full["training_curve"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+
+
 def test_two_nodes_through_torchruns_rendezvous_train_as_one_process(text_cache, tmp_path):
     """Multi-node is torchrun's: two torchrun launchers (--nnodes=2, the c10d rendezvous), one process each, as two
     machines would start them, meet on one endpoint and train the recipe to the one-process result."""
@@ -835,6 +929,34 @@ def test_two_nodes_through_torchruns_rendezvous_train_as_one_process(text_cache,
     assert entry["tokens"] == 2 * N_SEQUENCES * SEQ_LEN
     single = train.train(settings.Config(cfg, name="single", out_dir=str(tmp_path / "single")))
     assert entry["final_validation"]["loss"] == pytest.approx(single["final_validation"]["loss"], rel=1e-5)
+
+@pytest.mark.parametrize("rank_0_due", [False, True])
+def test_ddp_ranks_take_a_timed_checkpoint_by_rank_0s_clock_where_they_sync(monkeypatch, rank_0_due):
+    """checkpoint_minutes was judged by each rank's own clock after every update, so ranks could disagree: a
+    checkpoint one rank takes alone (its all-reduce of the log interval, or its leaving the loop on weights that are
+    not finite) leaves the others waiting. Rank 0's clock decides, shared where signalled() all-reduces anyway."""
+    reduced = []
+
+    def all_reduce_sum(tensor, world_size):  # rank 0's flags: no signal, and its clock's verdict
+        reduced.append(tensor.tolist())
+        return tensor + torch.tensor([0.0, float(rank_0_due)])
+
+    monkeypatch.setattr(train, "all_reduce_sum", all_reduce_sum)
+    run = train.Run.__new__(train.Run)  # rank 1 of 2, whose own clock says a checkpoint is due
+    run.cfg, run.plan = settings.Config(checkpoint_minutes=1.0, log_interval=4), types.SimpleNamespace(device="cpu")
+    run.world_size, run.main_process, run.last_checkpoint_time = 2, False, time.time() - 120
+    run.stop, run.trainer = types.SimpleNamespace(signal=None), types.SimpleNamespace(step=3)
+    run.epoch_done = lambda: False
+    assert not run.signalled() and not run.checkpoint_due(False, None) and reduced == []  # no sync at update 3
+    run.trainer.step = 4  # a log line's update: the ranks sync
+    assert not run.signalled() and run.checkpoint_due(False, None) == rank_0_due
+    assert reduced == [[0.0, 0.0]]  # this rank's clock has no say
+    run.main_process, run.trainer.step = True, 5  # rank 0 itself: due by its clock, told at the next sync
+    assert not run.signalled() and not run.checkpoint_due(False, None)
+    run.trainer.step = 8
+    assert not run.signalled() and run.checkpoint_due(False, None) and reduced[-1] == [0.0, 1.0]
+    run.world_size, run.trainer.step = 1, 9  # one process: its clock, after every update
+    assert not run.signalled() and run.checkpoint_due(False, None) and len(reduced) == 2
 
 
 def test_the_recipe_identity_is_of_the_resolved_model(text_cache, tmp_path):
