@@ -2,8 +2,9 @@
 
 Layout follows transformers' LlamaForCausalLM exactly (RMSNorm before attention and MLP, rotary positions
 with the rotate-half convention, SwiGLU, tied embeddings, no biases), so weights map one to one (hf.py). Two
-projections are stored fused for speed at small widths, with the same math: q, k, v as one matrix
-(`wqkv`) and the SwiGLU gate and up projections as one (`w13`). The kernels it calls live in model_kernels/, and how
+projections are stored fused for speed at small widths, with the same forward math: q, k, v as one matrix
+(`wqkv`) and the SwiGLU gate and up projections as one (`w13`); Muon orthogonalizes a fused matrix whole unless
+muon_split_projections cuts it into its pieces (fused_projections). The kernels it calls live in model_kernels/, and how
 each concern runs (the loss, the MLP, attention) is the choice model_kernels/registry.py declares.
 
 The architecture levers (ModelConfig's last fields, all off by default: then the model, its parameter names and
@@ -293,6 +294,12 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=residual_std)
             else:
                 nn.init.normal_(p, mean=0.0, std=0.02)
+
+    def fused_projections(self):
+        """The weights stored fused (the module's docstring), each with the matrices it stacks by rows: each
+        block's wqkv (q, k, v) and w13 (the SwiGLU gate and up)."""
+        return [(w, pieces) for block in self.layers
+                for w, pieces in ((block.attention.wqkv.weight, 3), (block.feed_forward.w13.weight, 2))]
 
     def check_input(self, idx, targets=None):
         """Shape and token-id checks, run before any kernel so that a bad input is one clear error.

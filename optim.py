@@ -61,16 +61,18 @@ def lr_at(step, total_updates, learning_rate, min_lr, warmup_updates, schedule="
 
 # ---------------------------------------------------------------- Muon
 
-def orthogonalize(grads, buffers, momentum, nesterov, coefficients, ns_steps, eps, second_moments=None):
+def orthogonalize(grads, buffers, momentum, nesterov, coefficients, ns_steps, eps, second_moments=None, pieces=1):
     """Momentum and Newton-Schulz for matrices of one shape: the float32 updates, stacked (n, rows, cols).
 
     torch.optim.Muon's math (_single_tensor_muon and _zeropower_via_newtonschulz) with each matrix product
     batched over the stack; second_moments (each parameter's (rows, 1) tensor) adds NorMuon's normalization.
+    pieces: each parameter stacks that many matrices by rows (a fused projection), orthogonalized one by one.
     Updates the momentum buffers (and second moments) in place; uses no learning rate, so that compiled it is one
     graph per shape whatever the schedule does."""
     torch._foreach_lerp_(buffers, grads, 1 - momentum)
     updates = torch._foreach_lerp(grads, buffers, momentum) if nesterov else buffers
-    x = torch.stack(updates).bfloat16()
+    stacked = torch.stack(updates)
+    x = as_pieces(stacked, pieces).bfloat16()
     tall = x.size(-2) > x.size(-1)
     if tall:  # the Gram matrix of the short side: fewer FLOPs
         x = x.mT
@@ -83,20 +85,27 @@ def orthogonalize(grads, buffers, momentum, nesterov, coefficients, ns_steps, ep
     if tall:
         x = x.mT
     # float32 and contiguous: the parameters' dtype and layout, so the foreach add below takes its fast path
-    x = x.to(torch.float32, memory_format=torch.contiguous_format)
-    return x if second_moments is None else normalize_neurons(x, second_moments)
+    x = x.to(torch.float32, memory_format=torch.contiguous_format).view(stacked.shape)
+    return x if second_moments is None else normalize_neurons(x, second_moments, pieces=pieces)
 
 
-def normalize_neurons(updates, second_moments, beta2=NORMUON_BETA2, eps=NORMUON_EPS):
+def as_pieces(stacked, pieces):
+    """The stack (n, rows, cols) as its n x pieces matrices of rows / pieces rows each, in order: a view."""
+    n, rows, cols = stacked.shape
+    return stacked.view(n * pieces, rows // pieces, cols)
+
+
+def normalize_neurons(updates, second_moments, beta2=NORMUON_BETA2, eps=NORMUON_EPS, pieces=1):
     """NorMuon's step on the stacked float32 orthogonalized updates (n, rows, cols), as its reference code takes
     it: each row's mean square (a row is an output neuron of the (out, in) weight) enters that row's second
     moment, an average over updates (second_moments, each (rows, 1), lerped in place by 1 - beta2); each row is
-    divided by the moment's root; each matrix is then scaled back to the Frobenius norm it had, so that muon_lr
-    and muon_adjust_lr keep their meaning and only the rows' shares change."""
-    norm = updates.norm(dim=(-2, -1), keepdim=True)
+    divided by the moment's root; each matrix (each of a fused parameter's pieces) is then scaled back to the
+    Frobenius norm it had, so that muon_lr and muon_adjust_lr keep their meaning and only the rows' shares
+    change."""
+    norm = as_pieces(updates, pieces).norm(dim=(-2, -1), keepdim=True)
     torch._foreach_lerp_(second_moments, updates.square().mean(dim=-1, keepdim=True).unbind(0), 1 - beta2)
-    normalized = updates / (torch.stack(second_moments).sqrt() + eps)
-    return normalized * (norm / (normalized.norm(dim=(-2, -1), keepdim=True) + eps))
+    normalized = as_pieces(updates / (torch.stack(second_moments).sqrt() + eps), pieces)
+    return (normalized * (norm / (normalized.norm(dim=(-2, -1), keepdim=True) + eps))).view(updates.shape)
 
 
 _compiled_orthogonalize = None
@@ -164,14 +173,16 @@ class Muon(torch.optim.Optimizer):
     (state[p]["momentum_buffer"], and NorMuon's state[p]["second_moment"]), so state_dict() and load_state_dict()
     are torch's, and a resumed run continues bit for bit.
 
-    The lever, a group option off by default (off, the math above): normuon=True (normalize_neurons says what it
-    computes).
+    The levers, group options off by default (off, the math above): normuon=True (normalize_neurons says what it
+    computes); pieces=k, for parameters that stack k matrices by rows (model.py's fused wqkv and w13): each
+    piece is orthogonalized, and its learning rate adjusted, as a matrix of its own, as torch.optim.Muon does
+    the unfused projections of transformers' Llama (the momentum and NorMuon's rows are the same either way).
     """
-    LEVERS = dict(normuon=False)  # off
+    LEVERS = dict(normuon=False, pieces=1)  # off
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=NS_COEFFICIENTS, eps=NS_EPS, ns_steps=5, adjust_lr_fn=None, compile=False,
-                 normuon=False):
+                 normuon=False, pieces=1):
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError("Muon: a tensor lr must have one element")
         if not (lr >= 0 and momentum >= 0 and weight_decay >= 0):
@@ -184,13 +195,17 @@ class Muon(torch.optim.Optimizer):
                              f"{ns_steps} and {ns_coefficients!r}")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
-                        adjust_lr_fn=adjust_lr_fn, normuon=bool(normuon))
+                        adjust_lr_fn=adjust_lr_fn, normuon=bool(normuon), pieces=pieces)
         super().__init__(params, defaults)
         self.compile = compile  # not a group option: how the math runs, not what it is
         for group in self.param_groups:
             for p in group["params"]:
                 if p.ndim != 2:
                     raise ValueError(f"Muon takes only 2-D parameters; got one of shape {tuple(p.shape)}")
+                pieces = group["pieces"]
+                if not (isinstance(pieces, int) and pieces >= 1 and p.shape[0] % pieces == 0):
+                    raise ValueError(f"Muon: pieces must be a whole number >= 1 that divides each parameter's rows; "
+                                     f"got {pieces!r} for one of shape {tuple(p.shape)}")
 
     def shape_groups(self, group):
         """The group's parameters that have gradients, as lists of one shape, dtype and device, in order."""
@@ -203,7 +218,7 @@ class Muon(torch.optim.Optimizer):
         return list(by_shape.values())
 
     def __setstate__(self, state):
-        """A group saved before the lever existed holds no normuon option: it ran with it off."""
+        """A group saved before a lever existed holds no option for it: it ran with it off."""
         super().__setstate__(state)
         for group in self.param_groups:
             for key, off in self.LEVERS.items():
@@ -240,9 +255,11 @@ class Muon(torch.optim.Optimizer):
                 moments = self.state_of(params, "second_moment") if group["normuon"] else None
                 updates = self.orthogonalize_fn(params[0].device)(
                     [p.grad for p in params], self.state_of(params, "momentum_buffer"), group["momentum"],
-                    group["nesterov"], group["ns_coefficients"], group["ns_steps"], group["eps"], moments)
+                    group["nesterov"], group["ns_coefficients"], group["ns_steps"], group["eps"], moments,
+                    group["pieces"])
+                rows, cols = params[0].shape
                 apply_updates(params, updates, group["lr"], group["weight_decay"],
-                              adjusted_ratio(group["adjust_lr_fn"], params[0].shape))
+                              adjusted_ratio(group["adjust_lr_fn"], (rows // group["pieces"], cols)))
         return loss
 
 
@@ -316,7 +333,7 @@ def build_optimizer(model, settings, device, captured=False):
     muon: MuonWithAdamW: Muon (lr muon_lr, Nesterov) on the 2-D weights of model.layers, AdamW (lr learning_rate,
         the same betas, eps and fused rule) on the rest: the tied embedding and LM head with weight decay, the
         norms without. Muon's per-shape math is compiled when settings' compile is (on CUDA), except where the
-        update is captured. Its lever normuon is Muon's alone.
+        update is captured. Its levers normuon and muon_split_projections (muon_groups) are Muon's alone.
     """
     get = lambda key: setting(settings, key)
     name = get("optimizer")
@@ -334,7 +351,8 @@ def build_optimizer(model, settings, device, captured=False):
     rest = [p for p in params if id(p) not in in_muon]
     adamw = torch.optim.AdamW(split_by_decay(rest, get("weight_decay"), base_lr=get("learning_rate")),
                               **adamw_options)
-    muon = Muon([{"params": matrices, "base_lr": get("muon_lr")}], lr=group_lr(get("muon_lr"), tensor_lr, device),
+    pieces = model.fused_projections() if setting(settings, "muon_split_projections", False) else []
+    muon = Muon(muon_groups(matrices, pieces, get("muon_lr")), lr=group_lr(get("muon_lr"), tensor_lr, device),
                 weight_decay=get("weight_decay"), momentum=get("muon_momentum"), nesterov=True,
                 ns_steps=get("muon_ns_steps"), adjust_lr_fn=get("muon_adjust_lr"),
                 normuon=setting(settings, "normuon", False),
@@ -343,6 +361,16 @@ def build_optimizer(model, settings, device, captured=False):
                 # math's launches cost no host time, and a cold start saves a compile per shape
                 compile=bool(get("compile")) and not graph and not captured)
     return MuonWithAdamW(muon, adamw)
+
+
+def muon_groups(matrices, pieces, base_lr):
+    """Muon's parameter groups: the matrices whole, then (muon_split_projections) each fused projection's kind in
+    its own group, with the matrices it stacks as the group's pieces; a group only where it has parameters."""
+    split = {id(w): k for w, k in pieces}
+    groups = [{"params": [p for p in matrices if id(p) not in split], "base_lr": base_lr}]
+    for k in dict.fromkeys(split.values()):  # 3 (wqkv), then 2 (w13)
+        groups.append({"params": [p for p in matrices if split.get(id(p)) == k], "base_lr": base_lr, "pieces": k})
+    return [group for group in groups if group["params"]]
 
 
 def adamw_kernels(graph, device, captured=False):

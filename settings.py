@@ -166,9 +166,12 @@ class Recipe:
                                          "a linear cooldown to min_lr", RECIPE, choices=SCHEDULES)
     cooldown_fraction: float = setting(0.2, "wsd: the share of the updates that decay to min_lr", RECIPE,
                                        bounds="[0, 1]")
-    # the optimizer levers (#38), each off by default: a refinement of Muon's update and the weights' average
+    # the optimizer levers (#38), each off by default: two refinements of Muon's update and the weights' average
     normuon: bool = setting(False, "NorMuon: each output neuron's row of Muon's update divided by the root of its "
                                    "second moment, the update's norm kept", RECIPE)
+    muon_split_projections: bool = setting(False, "Muon orthogonalizes q, k and v (the fused wqkv) and the SwiGLU "
+                                                  "gate and up (w13) each as a matrix of its own, as torch.optim.Muon "
+                                                  "does transformers' Llama; off: each fused matrix whole", RECIPE)
     ema: float = setting(0.0, "the weights' exponential moving average with this decay (0: none), debiased: "
                               "validated, evaluated, sampled and exported in place of the trained weights", RECIPE,
                          bounds="[0, 1)")
@@ -457,12 +460,13 @@ def _cooldown(cfg):
                 f"would ignore it; set lr_schedule=wsd or leave cooldown_fraction at its default")
 
 
-@combination("optimizer", "normuon")
+@combination("optimizer", "normuon", "muon_split_projections")
 def _muon_levers(cfg):
-    """normuon, the optimizer lever of #38 that refines Muon: Muon's alone."""
-    if cfg.normuon and cfg.optimizer != "muon":
-        return (f"normuon refines Muon's update and optimizer is {cfg.optimizer!r}; set optimizer=muon or leave "
-                f"normuon off")
+    """normuon and muon_split_projections, the optimizer levers of #38 that refine Muon: Muon's alone."""
+    for lever in ("normuon", "muon_split_projections"):
+        if cfg[lever] and cfg.optimizer != "muon":
+            return (f"{lever} refines Muon's update and optimizer is {cfg.optimizer!r}; set optimizer=muon or leave "
+                    f"{lever} off")
 
 
 @combination("ema", "epochs")

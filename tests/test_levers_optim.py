@@ -1,6 +1,7 @@
-"""The optimizer levers of #38: NorMuon in Muon and the weights' average (ema), each against a hand computation or a
-plain reference written here; then both on at once in a run that trains, resumes bit for bit, compiles its step once
-under update_graph, and trains under DDP as one process does."""
+"""The optimizer levers of #38: NorMuon in Muon, Muon on the fused projections' pieces and the weights' average (ema),
+each against a hand computation, torch.optim.Muon or a plain reference written here; then all on at once in a run
+that trains, resumes bit for bit, compiles its step once under update_graph, and trains under DDP as one process
+does."""
 import functools
 import multiprocessing
 import socket
@@ -19,7 +20,7 @@ from tests.test_train import make_trainer, small_config, train_data
 from tests.test_train import test_stop_and_resume_is_bitwise_identical as resumes_bitwise  # not collected here
 from tests.test_update_graph import fresh_compiler
 
-LEVERS = dict(optimizer="muon", muon_lr=0.01, normuon=True, ema=0.9)
+LEVERS = dict(optimizer="muon", muon_lr=0.01, normuon=True, muon_split_projections=True, ema=0.9)
 
 
 # ---------------------------------------------------------------- NorMuon
@@ -63,12 +64,13 @@ def test_normuon_matches_its_reference_over_several_steps():
         assert torch.allclose(normuon.state[p]["second_moment"], v, rtol=0.02, atol=1e-6)
 
 
+MODEL_SETTINGS = dict(optimizer="muon", learning_rate=2e-3, weight_decay=0.1, beta1=0.9, beta2=0.95, adam_eps=1e-8,
+                      muon_lr=0.02, muon_momentum=0.95, muon_ns_steps=5, muon_adjust_lr="original", compile=False)
+
+
 def test_the_lever_reaches_muon_only_and_an_old_muon_state_loads_with_it_off():
-    model_settings = dict(optimizer="muon", learning_rate=2e-3, weight_decay=0.1, beta1=0.9, beta2=0.95,
-                          adam_eps=1e-8, muon_lr=0.02, muon_momentum=0.95, muon_ns_steps=5,
-                          muon_adjust_lr="original", compile=False)
     from tests.test_optim import tiny_model
-    built = optim.build_optimizer(tiny_model(), dict(model_settings, normuon=True), "cpu")
+    built = optim.build_optimizer(tiny_model(), dict(MODEL_SETTINGS, normuon=True), "cpu")
     [group] = built.muon.param_groups
     assert group["normuon"] is True
     assert all("normuon" not in g for g in built.adamw.param_groups)  # AdamW's update stays plain
@@ -81,6 +83,89 @@ def test_the_lever_reaches_muon_only_and_an_old_muon_state_loads_with_it_off():
     assert {k: loaded.param_groups[0][k] for k in optim.Muon.LEVERS} == optim.Muon.LEVERS
     set_grads([loaded.param_groups[0]["params"]], torch.Generator().manual_seed(0))
     loaded.step()
+
+
+# ---------------------------------------------------------------- Muon on the fused projections' pieces
+
+FUSED = [((48, 16), 3), ((32, 16), 2), ((16, 32), 1), ((48, 16), 3)]  # wqkv-, w13- and wo-like, two of one shape
+
+
+def fused_and_split(seed=0):
+    """Fused parameters (each stacking `pieces` matrices by rows) and clones of their pieces as parameters."""
+    fused = matrices(seed, [shape for shape, _ in FUSED])
+    split = clones([piece for p, (_, k) in zip(fused, FUSED) for piece in p.detach().chunk(k)])
+    return fused, split
+
+
+def step_fused_and_split(fused, split, ours, theirs, steps=3):
+    """The same random gradients, fused and cut into the pieces; returns them, per step, as the split list."""
+    g, grads = torch.Generator().manual_seed(1), []
+    for _ in range(steps):
+        for p in fused:
+            p.grad = torch.randn(p.shape, generator=g)
+        grads.append([c.clone() for p, (_, k) in zip(fused, FUSED) for c in p.grad.chunk(k)])
+        for q, grad in zip(split, grads[-1]):
+            q.grad = grad.clone()
+        ours.step()
+        theirs.step()
+    return grads
+
+
+def pieces_of(fused):
+    return [c for p, (_, k) in zip(fused, FUSED) for c in p.detach().chunk(k)]
+
+
+def fused_groups(params):
+    return [{"params": [p], "pieces": k} for p, (_, k) in zip(params, FUSED)]
+
+
+@pytest.mark.parametrize("adjust_lr_fn", optim.MUON_ADJUST)
+def test_muon_on_pieces_is_torch_muon_on_the_unfused_matrices(adjust_lr_fn):
+    """Each piece orthogonalized and its rate adjusted as a matrix of its own: torch.optim.Muon on the pieces as
+    separate parameters, to the batched-bf16 tolerance; and far from Muon on the fused matrices whole."""
+    fused, split = fused_and_split()
+    whole = clones(fused)
+    options = dict(MUON, adjust_lr_fn=adjust_lr_fn)
+    ours = optim.Muon(fused_groups(fused), **options)
+    step_fused_and_split(fused, split, ours, torch.optim.Muon(split, **options))
+    assert update_steps_apart(split, pieces_of(fused), adjust_lr_fn) < 1.5
+    plain = optim.Muon(whole, **options)
+    step_fused_and_split(whole, clones(split), plain, torch.optim.Muon(clones(split), **options))
+    assert update_steps_apart(split, pieces_of(whole), adjust_lr_fn) > 20
+
+
+def test_normuon_on_pieces_is_its_reference_on_the_unfused_matrices():
+    """NorMuon's rows are the same rows either way; each piece keeps its own norm (the reference's per matrix)."""
+    fused, split = fused_and_split()
+    reference = [p.detach().clone() for p in split]
+    ours = optim.Muon(fused_groups(fused), **MUON, normuon=True)
+    grads = step_fused_and_split(fused, split, ours, optim.Muon(clones(split), **MUON))
+    moments = normuon_reference(reference, grads, **MUON)
+    assert update_steps_apart(reference, pieces_of(fused), None) < 2.0
+    ours_moments = [c for p, (_, k) in zip(fused, FUSED) for c in ours.state[p]["second_moment"].chunk(k)]
+    for v, w in zip(ours_moments, moments):
+        assert torch.allclose(v, w, rtol=0.02, atol=1e-6)
+
+
+def test_the_split_lever_puts_each_fused_projection_in_a_group_of_its_pieces():
+    from tests.test_optim import tiny_model
+    model = tiny_model()
+    built = optim.build_optimizer(model, dict(MODEL_SETTINGS, muon_split_projections=True), "cpu")
+    whole, qkv, w13 = built.muon.param_groups
+    blocks = model.layers
+    assert [g["pieces"] for g in built.muon.param_groups] == [1, 3, 2]
+    assert qkv["params"] == [b.attention.wqkv.weight for b in blocks]
+    assert w13["params"] == [b.feed_forward.w13.weight for b in blocks]
+    assert whole["params"] == [w for b in blocks for w in (b.attention.wo.weight, b.feed_forward.w2.weight)]
+    assert all(g["base_lr"] == MODEL_SETTINGS["muon_lr"] for g in built.muon.param_groups)
+    [off] = optim.build_optimizer(model, MODEL_SETTINGS, "cpu").muon.param_groups  # off: one group, whole
+    assert off["pieces"] == 1 and len(off["params"]) == 4 * len(blocks)
+
+
+def test_pieces_that_do_not_divide_the_rows_are_refused():
+    with pytest.raises(ValueError, match="pieces must be a whole number >= 1 that divides each parameter's rows; "
+                                         r"got 3 for one of shape \(32, 16\)"):
+        optim.Muon([{"params": matrices(0, [(32, 16)]), "pieces": 3}], **MUON)
 
 
 # ---------------------------------------------------------------- the weights' average
@@ -131,6 +216,8 @@ def test_all_levers_train_and_resume_bitwise_and_the_checkpoint_exports_the_aver
 @pytest.mark.parametrize("change, words", [
     (dict(optimizer="adamw", normuon=True), "normuon refines Muon's update and optimizer is 'adamw'; set "
                                             "optimizer=muon"),
+    (dict(optimizer="adamw", muon_split_projections=True), "muon_split_projections refines Muon's update and "
+                                                           "optimizer is 'adamw'; set optimizer=muon"),
     (dict(ema=0.99, epochs=0, init_from="out/x"), "epochs 0 makes none"),
     (dict(ema=1.0), "ema must lie in [0, 1)")])
 def test_lever_settings_that_cannot_work_are_refused(text_cache, tmp_path, change, words):

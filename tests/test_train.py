@@ -559,7 +559,7 @@ RECIPE_KEYS = {"preset", "vocab_size", "dim", "n_layers", "n_heads", "hidden_dim
                "optimizer", "muon_lr", "muon_momentum", "muon_ns_steps", "muon_adjust_lr", "lr_schedule",
                "cooldown_fraction",
                # the time-to-quality levers (#38), also only off their defaults
-               "normuon", "ema", "seq_len_schedule", "qk_norm", "value_embeddings"}
+               "normuon", "muon_split_projections", "ema", "seq_len_schedule", "qk_norm", "value_embeddings"}
 
 
 def test_every_default_is_classified():
