@@ -9,6 +9,7 @@ the mean token loss of the last five. The noise floor is the difference between 
 max(3 x that floor, 0.01) of eager micro-batch 32. Exit status 1 if any variant fails or errors.
 """
 import dataclasses
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -63,7 +64,7 @@ def main(argv):
         start = time.time()
         try:
             losses = losses_of(cfg, mode, micro, cfg.updates)
-            results[f"{mode}-mb{micro}"] = {"losses": losses, "last5": sum(losses[-5:]) / 5,
+            results[f"{mode}-mb{micro}"] = {"losses": losses, "last5": statistics.mean(losses[-5:]),
                                             "seconds": time.time() - start}
         except Exception as exc:  # a failure of one variant is the finding; the others still run
             results[f"{mode}-mb{micro}"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
@@ -74,9 +75,9 @@ def main(argv):
     print(f"{'variant':<22}{'loss (updates -5..)':>20}{'vs eager mb32':>15}  verdict  (tolerance {tolerance})")
     ok = reference is not None
     for name, r in results.items():
-        if "error" in r:
+        if "error" in r or reference is None:  # without the reference's loss no variant can be judged
             ok = False
-            print(f"{name:<22} error: {r['error']}")
+            print(f"{name:<22} {'error: ' + r['error'] if 'error' in r else 'not judged: the reference failed'}")
             continue
         diff = r["last5"] - reference
         r["passed"] = abs(diff) <= tolerance

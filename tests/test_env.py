@@ -678,3 +678,23 @@ def test_the_results_file_is_json_with_one_line_per_point_of_a_curve(tmp_path):
     assert json.loads(text)["run"] == json.loads(json.dumps(entry, default=str))
     lines = text.splitlines()
     assert '      {"epoch": 1, "loss": 4.5},' in lines and '    "interval_tokens_per_second": [1.0, 2.0, 3.0],' in lines
+
+
+def test_accumulation_check_judges_nothing_but_records_all_when_its_reference_fails(tmp_path, monkeypatch, capsys):
+    """The reference variant (eager, micro-batch 32) out of memory: every other variant was judged against None and
+    the script died before recording the GPU work. And a run of fewer than 5 updates averaged them over 5."""
+    from scripts import accumulation_check as script
+    monkeypatch.setattr(script.plan_lib, "resolve", lambda *args, **kwargs: None)  # no GPU here: the run is faked
+
+    def losses_of(cfg, mode, micro, updates):
+        if (mode, micro) == ("eager", 32):
+            raise RuntimeError("CUDA out of memory")
+        return [3.0] * updates
+    monkeypatch.setattr(script, "losses_of", losses_of)
+    results = tmp_path / "r.json"
+    assert script.main([str(REPO / "config" / "tiny_cpu.py"), "--updates=2", f"--results_file={results}"]) == 1
+    variants = read_results(results)["accumulation-check"]["variants"]
+    assert variants["eager-mb32"]["error"] == "RuntimeError: CUDA out of memory"
+    assert {name: v["last5"] for name, v in variants.items() if name != "eager-mb32"} == dict.fromkeys(
+        [f"{mode}-mb{micro}" for mode, micro in script.VARIANTS[1:]], 3.0)  # the mean of its 2 updates
+    assert capsys.readouterr().out.count("not judged: the reference failed") == len(script.VARIANTS) - 1
