@@ -74,9 +74,12 @@ def read(path):
         return None
     header, _, artefacts = path.read_bytes()[len(MAGIC):].partition(b"\n")
     try:
-        return json.loads(header), artefacts
+        stored = json.loads(header)
     except ValueError:
-        raise CompileCacheError(f"compile_cache {path} has a damaged header; delete it and it is made again") from None
+        stored = None
+    if not isinstance(stored, dict):
+        raise CompileCacheError(f"compile_cache {path} has a damaged header; delete it and it is made again")
+    return stored, artefacts
 
 
 def kernel_folder():
@@ -187,7 +190,10 @@ def load(path, device):
     changed = differences(stored, key(device))
     if changed:
         return False, f"compile cache {path} ignored, made for other code or machine ({'; '.join(changed)}); compiling"
-    torch_bytes = stored.get("torch_bytes", len(artefacts))
+    torch_bytes, total = stored.get("torch_bytes", len(artefacts)), stored.get("total_bytes", len(artefacts))
+    if len(artefacts) != total or torch_bytes > total:  # cut short (an interrupted copy): torch would load nothing
+        return False, (f"compile cache {path} is damaged ({len(artefacts):,} bytes of the {total:,} written; an "
+                       f"interrupted copy?); compiling, and it is written again after the first update")
     info = torch.compiler.load_cache_artifacts(artefacts[:torch_bytes])
     unpack_kernel_files(artefacts[torch_bytes:])
     count = sum(len(keys) for keys in info.artifacts.values()) if info is not None else 0
@@ -202,6 +208,8 @@ def save(path, device):
     if saved is None:
         return None
     artefacts, _ = saved
-    header = json.dumps(dict(key(device), torch_bytes=len(artefacts)), sort_keys=True).encode()
-    atomic_write(path, lambda f: f.write(MAGIC + header + b"\n" + artefacts + kernel_files()))
+    kernels = kernel_files()
+    header = json.dumps(dict(key(device), torch_bytes=len(artefacts), total_bytes=len(artefacts) + len(kernels)),
+                        sort_keys=True).encode()
+    atomic_write(path, lambda f: f.write(MAGIC + header + b"\n" + artefacts + kernels))
     return f"compile cache {path}: saved {len(artefacts) / 2**20:.1f} MiB"

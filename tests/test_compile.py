@@ -319,6 +319,30 @@ def test_a_path_that_is_not_a_compile_cache_is_refused_and_kept(tmp_path):
     assert mine.read_bytes() == b"a user's file"
 
 
+def test_a_cache_cut_short_or_with_a_header_not_its_own_is_not_loaded(tmp_path, monkeypatch):
+    """A copy to another node interrupted: the kernels' archive cut short raised tarfile's ReadError in every later
+    run, the torch part cut short loaded nothing and said it had loaded; now the run compiles and writes it again.
+    A header that is JSON but not the key's object is the damaged header's one line, not an AttributeError."""
+    monkeypatch.setattr(compile_cache.torch.compiler, "save_cache_artifacts", lambda: (b"t" * 1000, None))
+    monkeypatch.setattr(compile_cache, "kernel_files", lambda: b"k" * 500)
+    loaded = []
+    monkeypatch.setattr(compile_cache.torch.compiler, "load_cache_artifacts", lambda data: loaded.append(data))
+    path = tmp_path / "run.compile"
+    compile_cache.save(path, "cpu")
+    whole = path.read_bytes()
+    for cut in (300, 800):  # into the kernels' archive, into torch's part
+        path.write_bytes(whole[:-cut])
+        ok, line = compile_cache.load(path, "cpu")
+        assert not ok and f"is damaged ({1500 - cut:,} bytes of the 1,500 written; an interrupted copy?)" in line
+    assert loaded == []
+    monkeypatch.setattr(compile_cache, "unpack_kernel_files", lambda data: None)
+    path.write_bytes(whole)
+    assert compile_cache.load(path, "cpu")[0] and loaded == [b"t" * 1000]
+    path.write_bytes(compile_cache.MAGIC + b"[1]\n" + b"t" * 10)
+    with pytest.raises(compile_cache.CompileCacheError, match="has a damaged header; delete it and it is made again"):
+        compile_cache.load(path, "cpu")
+
+
 def test_the_cache_is_written_after_the_first_update_and_again_only_when_graphs_were_compiled(tmp_path, monkeypatch):
     """A warm start that compiles nothing writes nothing; a schedule's new shape, compiled later, is saved too."""
     import trainer as trainer_lib
