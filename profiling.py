@@ -20,11 +20,13 @@ import torch
 CATEGORIES = [
     ("attention", ("flash", "fmha", "attention", "sdpa", "attn")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
-                "aten::_scaled_mm", "aten::matmul", "aten::linear", "splitkreduce", "sm90_", "sm80_")),
+                "aten::_scaled_mm", "aten::matmul", "aten::linear", "splitkreduce", "sm90_", "sm80_",
+                "triton_tem_")),  # Inductor's Triton matmul templates (max-autotune), whose names hold "add" or "copy"
     ("cross_entropy", ("log_softmax", "nll_loss", "cross_entropy", "softmax")),
     ("optimizer", ("adam", "multi_tensor", "foreach", "lpnorm", "clip_grad", "_amp_")),
     ("norm", ("rms_norm", "rmsnorm", "rsqrt", "layer_norm")),
-    ("rotary", ("rotary", "rope", "cat_neg", "neg_cat", "cos", "sin")),
+    # cos and sin as words: cub's "SingleTile" kernels (a sort in the embedding's backward) are no rotary
+    ("rotary", ("rotary", "rope", "cat_neg", "neg_cat", re.compile(r"(?<![a-z])(cos|sin)(?![a-z])"))),
     ("elementwise", ("triton_poi", "triton_per", "triton_red", "elementwise", "vectorized", "copy", "fill",
                      "add", "mul", "silu", "swiglu", "sigmoid", "catarray", "aten::cat", "index", "embedding", "reduce")),
 ]
@@ -36,7 +38,7 @@ def categorize(kernel_name):
     if "nccl" in low:
         return "other"  # communication (DDP's all-reduce), whose names would match "reduce" below
     for category, patterns in CATEGORIES:
-        if any(p in low for p in patterns):
+        if any(p.search(low) if isinstance(p, re.Pattern) else p in low for p in patterns):
             return category
     return "other"
 

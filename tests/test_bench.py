@@ -207,6 +207,10 @@ def test_a_profile_goes_to_its_own_section(tmp_path):
     ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "other"),
     ("aten::baddbmm", "matmul"),  # Newton-Schulz's batched matmuls in a CPU profile, not an "add"
     ("aten::_scaled_mm", "matmul"),  # the FP8 head's
+    ("triton_tem_fused_addmm_1", "matmul"),  # Inductor's Triton matmul template, not an "add"
+    ("triton_tem_fused__to_copy_mm_t_2", "matmul"),
+    ("void cub::DeviceRadixSortSingleTileKernel<...>", "other"),  # "Single" holds no sine
+    ("triton_poi_fused_cos_sin_3", "rotary"),
 ])
 def test_kernel_categories(name, category):
     assert profiling.categorize(name) == category
