@@ -4,7 +4,8 @@ later with `wandb sync`). Both are off by default; the results entry records the
 
 Each run is its own run in both, as nanoGPT's and litgpt's users expect: TensorBoard writes to
 <tensorboard_dir>/<run name>, so `tensorboard --logdir <tensorboard_dir>` shows one curve per run (a resumed run
-appends to its folder), and W&B names the run by its name.
+appends to its folder; TensorBoard hides what an earlier process logged from the update a process starts at, so a
+run started again under its name shows only its own points), and W&B names the run by its name.
 """
 from pathlib import Path
 
@@ -19,7 +20,7 @@ def tensorboard_folder(cfg):
 class Dashboards:
     """The dashboards a config turns on; each gets the same scalars at the same update number."""
 
-    def __init__(self, cfg, run_id, out_dir):
+    def __init__(self, cfg, run_id, out_dir, start_step=0):
         self.writers = []
         if cfg.tensorboard_dir:
             try:
@@ -29,7 +30,9 @@ class Dashboards:
                                   "pip install tensorboard, or leave tensorboard_dir empty") from None
             folder = tensorboard_folder(cfg)
             try:
-                self.tensorboard = SummaryWriter(log_dir=str(folder))
+                # purge_step: from here on, TensorBoard hides the folder's older events (a run started again under
+                # this name, from update 0; or a killed run's points after the checkpoint a resume starts from)
+                self.tensorboard = SummaryWriter(log_dir=str(folder), purge_step=start_step)
             except OSError as exc:
                 raise ConfigError(f"tensorboard_dir {cfg.tensorboard_dir!r}: {folder} cannot be written "
                                   f"({exc.strerror}); give a writable folder") from None

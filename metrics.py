@@ -92,7 +92,7 @@ class Metrics:
 
     def open_dashboards(self, out_dir):
         if self.main:
-            self.dashboards = Dashboards(self.cfg, self.state.run_id, out_dir)
+            self.dashboards = Dashboards(self.cfg, self.state.run_id, out_dir, start_step=self.trainer.step)
 
     def synchronize(self):
         if self.facts["device"].startswith("cuda"):

@@ -182,6 +182,12 @@ def test_the_entry_holds_the_training_curve_and_the_dashboards_get_it(text_cache
         assert scalars == [(p["update"], pytest.approx(p["loss"], rel=1e-6)) for p in run["training_curve"]]
         assert [e.value for e in events.Scalars("val/subset_loss")] == [
             pytest.approx(p["loss"]) for p in run["validation_curve"]]
+    # the run started again under its name (overwrite): only its own points, not the replaced run's beside them
+    again = train.train(settings.Config(cfg, log_interval=1, wandb_log=False, overwrite=True))
+    events = EventAccumulator(str(tmp_path / "tb" / "t"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
+        (p["update"], pytest.approx(p["loss"], rel=1e-6)) for p in again["training_curve"]]
 
 
 def test_dashboards_that_are_not_installed_are_one_line_before_training(text_cache, tmp_path, capsys, monkeypatch):
