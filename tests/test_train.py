@@ -930,6 +930,7 @@ def test_two_nodes_through_torchruns_rendezvous_train_as_one_process(text_cache,
     single = train.train(settings.Config(cfg, name="single", out_dir=str(tmp_path / "single")))
     assert entry["final_validation"]["loss"] == pytest.approx(single["final_validation"]["loss"], rel=1e-5)
 
+
 @pytest.mark.parametrize("rank_0_due", [False, True])
 def test_ddp_ranks_take_a_timed_checkpoint_by_rank_0s_clock_where_they_sync(monkeypatch, rank_0_due):
     """checkpoint_minutes was judged by each rank's own clock after every update, so ranks could disagree: a
