@@ -225,13 +225,15 @@ class BenchRunner:
         except CacheError:
             cache = None
         self.where = {"gpu": env.gpu_model(), "cpu": env.cpu_model(), "cache_identity": cache}
-        # only successes, from the same code: an error may have been the budget's cut or a passing fault
+        # only successes, from the same code: an error may have been the budget's cut or a passing fault; each
+        # stage its own (a screen and a confirmation of one protocol would otherwise stand in for each other, and a
+        # rerun would rank the screens by another measurement than the sweep it repeats)
         tuning, self.previous = results.lookup(cfg.results_file, ["tuning"]), {}
         tuning = tuning if isinstance(tuning, dict) else {}  # none, or a section edited by hand: nothing to reuse
         records = tuning.get("candidates") if isinstance(tuning.get("candidates"), list) else []
-        for res in [record.get(s) for record in records if isinstance(record, dict) for s in STAGES]:
+        for stage, res in [(s, record.get(s)) for record in records if isinstance(record, dict) for s in STAGES]:
             if reusable(res) and res.get("source_hash") == self.source:
-                self.previous[res.get("candidate_identity")] = with_environment(res, tuning.get("environment"))
+                self.previous[res.get("candidate_identity"), stage] = with_environment(res, tuning.get("environment"))
 
     def config_path(self, candidate):
         path = self.tuned_dir / f"{candidate_name(candidate)}.py"
@@ -256,8 +258,8 @@ class BenchRunner:
         # the given config, whose own value of a lever would otherwise stand in for the candidate's.
         write_config_file(path, keys, TRAIN_DEFAULTS, header=f"tune.py candidate {name}\nreproduce: python train.py "
                                                              f"{path}", keep=LEVER_KEYS)
-        if identity in self.previous:
-            return dict(self.previous[identity], reused=True, config_path=str(path))
+        if (identity, stage) in self.previous:
+            return dict(self.previous[identity, stage], reused=True, config_path=str(path))
         bench_name = f"{cfg.name}-{name}-{stage}"
         command = [sys.executable, str(env.REPO / "bench.py"), str(path), f"--name={bench_name}",
                    f"--results_file={cfg.results_file}"] + [f"--{k}={v}" for k, v in protocol.items()]

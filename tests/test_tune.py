@@ -106,11 +106,11 @@ def test_only_successes_are_reused(tmp_path, text_cache, monkeypatch):
                                  "candidates": [{"screen": run(ok, "ok"), "confirm": None},
                                                 {"screen": run(failed, "error"), "confirm": None}]})
     again = tune.BenchRunner(cfg).previous
-    assert list(again) == [runner.identity(ok, protocol)]
-    assert again[runner.identity(ok, protocol)]["environment"] == {"cpu": "x", "gpu": None}
+    assert list(again) == [(runner.identity(ok, protocol), "screen")]  # each stage reuses its own measurement
+    assert again[runner.identity(ok, protocol), "screen"]["environment"] == {"cpu": "x", "gpu": None}
     # a section edited by hand: what is not a record is left out, the rest still reused
     record(results, ["tuning"], {"environment": "x", "candidates": [5, {"screen": dict(run(ok, "ok"), environment=3)}]})
-    assert tune.BenchRunner(cfg).previous[runner.identity(ok, protocol)]["environment"] == {}
+    assert tune.BenchRunner(cfg).previous[runner.identity(ok, protocol), "screen"]["environment"] == {}
     # a success whose figures were edited by hand is measured again, not a TypeError when the sweep estimates
     for broken in ({"wall_seconds": None}, {"measurements": [{"seconds": "2", "updates": 20}]}, {"measurements": 3},
                    {"tokens_per_second": "fast"}):
@@ -118,6 +118,13 @@ def test_only_successes_are_reused(tmp_path, text_cache, monkeypatch):
         assert tune.BenchRunner(cfg).previous == {}, broken
     record(results, ["tuning"], [1, 2])
     assert tune.BenchRunner(cfg).previous == {}
+    # a screen and a confirmation of one protocol (the CPU sweep's): the confirmation's rate stood in for the
+    # screen's on a rerun, which then ranked the screens otherwise and could select another candidate
+    record(results, ["tuning"], {"candidates": [{"screen": dict(run(ok, "ok"), tokens_per_second=10.0),
+                                                 "confirm": dict(run(ok, "ok"), tokens_per_second=8.0)}]})
+    again = tune.BenchRunner(cfg).previous
+    identity = runner.identity(ok, protocol)
+    assert (again[identity, "screen"]["tokens_per_second"], again[identity, "confirm"]["tokens_per_second"]) == (10, 8)
 
 
 def test_a_candidate_config_states_its_levers_even_at_train_defaults(tmp_path, text_cache, monkeypatch):
