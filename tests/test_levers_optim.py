@@ -162,6 +162,21 @@ def test_the_split_lever_puts_each_fused_projection_in_a_group_of_its_pieces():
     assert off["pieces"] == 1 and len(off["params"]) == 4 * len(blocks)
 
 
+def test_a_run_with_the_split_lever_updates_its_fused_projections_piece_by_piece(text_cache, tmp_path):
+    """The key reaches the trainer's optimizer from a run's config (not only build_optimizer's own settings), and
+    moves the fused projections otherwise than Muon on them whole, the other matrices as it does."""
+    moved = {}
+    for split in (False, True):
+        cfg = small_config(text_cache, tmp_path, optimizer="muon", muon_lr=0.01, muon_split_projections=split)
+        trainer, data = make_trainer(cfg), train_data(cfg)
+        assert [g["pieces"] for g in trainer.optimizer.muon.param_groups] == ([1, 3, 2] if split else [1])
+        trainer.update(*data.micro_batches(0, 0, cfg.micro_batch_size))
+        moved[split] = dict(trainer.raw_model.named_parameters())
+    for name, p in moved[True].items():
+        same = torch.equal(p, moved[False][name])
+        assert same != name.endswith(("wqkv.weight", "w13.weight")), name
+
+
 def test_pieces_that_do_not_divide_the_rows_are_refused():
     with pytest.raises(ValueError, match="pieces must be a whole number >= 1 that divides each parameter's rows; "
                                          r"got 3 for one of shape \(32, 16\)"):
