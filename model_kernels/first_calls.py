@@ -33,6 +33,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -40,6 +41,7 @@ import env
 
 KERNELS = ("loss", "attention")
 NUMBER = r"\d+(?:\.\d+)?"
+WAIT_LIMIT_S = 300  # a first call's wait for a child, which takes 2 to 25 s (docs/COLD_START.md)
 _children = {}  # kernel -> {"process", "log", "folders"} while its child runs
 _timings = {}  # kernel -> {"ready_seconds", "torch_seconds", "code_seconds", "job_seconds": the child's, since it was
 #                            started; "waited_seconds": the run's first call's}
@@ -157,22 +159,31 @@ def _command(kernel, started):
 
 
 def wait(kernel):
-    """Return once kernel's child (kernel one of KERNELS) has compiled it or has exited; at once without one."""
+    """Return once kernel's child (kernel one of KERNELS) has compiled it, has exited or has run past WAIT_LIMIT_S
+    (then it is ended, so that a hung child costs the run that wait, not the run); at once without one."""
     child = _children.pop(kernel, None)
     if child is None:
         return
     begin, process = time.perf_counter(), child["process"]
-    for line in process.stdout:  # its line, after anything a library printed
-        ready = ready_line(kernel, line)
-        if ready is not None:
-            _timings[kernel] = dict(ready, waited_seconds=time.perf_counter() - begin)
-            break
-    else:
-        process.wait()
-        child["log"].seek(0)
-        lines = child["log"].read().decode(errors="replace").strip().splitlines() or ["no output"]
-        print(f"first calls: the child compiling the {kernel} kernel exited with {process.returncode} ({lines[-1]}); "
-              f"compiling it in this process", file=sys.stderr, flush=True)
+    late = threading.Event()
+    limit = threading.Timer(WAIT_LIMIT_S, lambda: (late.set(), process.kill()))  # its output ends, so the loop does
+    limit.start()
+    try:
+        for line in process.stdout:  # its line, after anything a library printed
+            ready = ready_line(kernel, line)
+            if ready is not None:
+                _timings[kernel] = dict(ready, waited_seconds=time.perf_counter() - begin)
+                break
+        else:
+            process.wait()
+            child["log"].seek(0)
+            lines = child["log"].read().decode(errors="replace").strip().splitlines() or ["no output"]
+            why = (f"gave no line within {WAIT_LIMIT_S} s" if late.is_set()
+                   else f"exited with {process.returncode} ({lines[-1]})")
+            print(f"first calls: the child compiling the {kernel} kernel {why}; compiling it in this process",
+                  file=sys.stderr, flush=True)
+    finally:
+        limit.cancel()
     _end(child)
 
 

@@ -709,3 +709,22 @@ def test_the_real_children_call_each_kernel_at_the_runs_shapes(tmp_path, monkeyp
     assert all(child.returncode is not None for child in children)  # reaped
     assert (tmp_path / "calls").read_text().splitlines() == ["[2, 16, 2, 8] [2, 2, 16] torch.bfloat16",
                                                              "[1, 32, 2, 8] [1, 2, 32] torch.bfloat16"]
+
+
+def test_a_child_that_never_answers_is_ended_after_the_wait_limit(tmp_path, monkeypatch, capsys):
+    """A child hung before its line (a GPU call that never returns, say) costs the run WAIT_LIMIT_S, not the run:
+    it is killed, the first call compiles the kernel itself and the line says why."""
+    from model_kernels import first_calls
+    monkeypatch.setattr(first_calls, "WAIT_LIMIT_S", 0.5)
+    first_calls.start(JOB, stand_in_children({"loss": "import time\ntime.sleep(600)"}))
+    try:
+        child = first_calls._children["loss"]["process"]
+        begin = time.perf_counter()
+        first_calls.wait("loss")
+        assert time.perf_counter() - begin < 30 and child.returncode is not None
+        assert "loss" not in first_calls.timings()
+        assert "the child compiling the loss kernel gave no line within 0.5 s" in capsys.readouterr().err
+        first_calls.wait("attention")  # an answering child is not cut by the limit's earlier timer
+        assert first_calls.timings()["attention"]["ready_seconds"] == 1.5
+    finally:
+        first_calls.stop()
