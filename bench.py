@@ -6,6 +6,7 @@
 (forward, backward, clipping, optimizer). The headline is the median window's tokens/s. The entry goes to
 benchmarks.NAME in the results file. Under torchrun, tokens/s are totals over all GPUs and per GPU.
 """
+import gc
 import os
 import statistics
 import sys
@@ -31,7 +32,7 @@ from plots import finite_number, fmt
 from profiling import kernel_breakdown, profiled_kernels
 from results import check_writable, lookup, record
 from settings import BenchSettings
-from trainer import Trainer, peak_memory_bytes
+from trainer import Trainer, peak_memory_bytes, reset_peak_memory
 
 DEFAULTS = settings.defaults(BenchSettings)
 
@@ -131,8 +132,7 @@ def run_protocol(cfg):
     trainer = None
     try:
         plan = plan_lib.resolve(cfg, BenchSettings, synthetic=cfg.data_mode == "synthetic", prestart=True)
-        if plan.device.startswith("cuda"):
-            torch.cuda.reset_peak_memory_stats()
+        reset_peak_memory(torch.device(plan.device))
         data, make = protocol_data(plan)
         entry["protocol"]["cache_identity"] = plan.cache.identity if plan.cache else None
         total = cfg.warmup + cfg.windows * cfg.steps + (cfg.profile_updates if cfg.profile else 1)
@@ -168,6 +168,7 @@ def run_protocol(cfg):
         entry.update(status="error", error=f"{type(exc).__name__}: {exc}", traceback=env.portable_traceback())
     finally:
         del trainer
+        gc.collect()  # the model's cycles, so that the next preset's peak starts without them
         torch._dynamo.reset()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -5,6 +5,7 @@ import inspect
 import math
 import os
 import resource
+from pathlib import Path
 
 import torch
 import torch._functorch.config  # activation_memory_budget
@@ -21,9 +22,22 @@ from data.loader import sequence_lengths
 
 
 def peak_memory_bytes(device):
+    """The allocator's peak on a GPU; on the CPU the process's peak RSS (since reset_peak_memory, where it works)."""
     if torch.device(device).type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # process peak RSS on the CPU
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_memory(device):
+    """Start peak_memory_bytes anew, for a process that measures several models (bench.py's presets): the allocator's
+    peak, or on the CPU the process's RSS high-water mark (Linux's clear_refs; elsewhere it stays the process's)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
 
 
 def autocast(device, dtype, enabled=True):

@@ -1,6 +1,7 @@
 """bench.py on the CPU: the same code path as on the GPU, with a tiny model and a short protocol."""
 import json
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -314,3 +315,20 @@ def test_each_runs_first_update_records_its_own_compile_not_an_earlier_runs():
         graphs = entry["first_update_graphs"]
         assert graphs["compiled"] + graphs["from_cache"] == 1, graphs  # its one graph, not the two made so far
         assert 0 < entry["first_update_compile_seconds"]["compile_total"] < entry["first_update_seconds"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="the CPU's peak resets through Linux's /proc")
+def test_a_preset_after_a_larger_one_records_its_own_cpu_peak(tmp_path, text_cache):
+    """On the CPU the peak is the process's RSS high-water mark, which getrusage never resets: a preset timed after a
+    larger one in the same process recorded the larger's peak. Each run now starts the mark anew."""
+    big = torch.ones(64 * 2**20)  # 256 MiB, touched
+    del big
+    before = trainer_lib.peak_memory_bytes("cpu")
+    trainer_lib.reset_peak_memory("cpu")
+    assert trainer_lib.peak_memory_bytes("cpu") < before - 200 * 2**20
+    argv = ["--name=order", "--presets=50m,20m", "--warmup=1", "--steps=1", "--windows=1", "--data_mode=synthetic",
+            "--vocab_size=512"]
+    base = [a for a in TINY if not a.startswith("--preset=") and a not in SHAPE]
+    assert run_bench(tmp_path, text_cache, *argv, base=base)[0] == 0
+    entries = read_results(tmp_path / "results.json")["benchmarks"]
+    assert entries["order-20m"]["peak_memory_bytes"] < entries["order-50m"]["peak_memory_bytes"]
