@@ -15,9 +15,9 @@ own; prestart(), once the run knows its settings and its caches' warmth, keeps t
 folders) and starts any missing, so that their imports overlap at least the run's checks, data and model; start()
 then gives each child its job (starting any that prestart did not) and ends the ones the run turned out not to
 need. The run's own first call of a kernel waits for the child's line (wait) and then loads the kernel from disk
-instead of compiling it again. A child that fails or exits early costs the run nothing but that wait: the first call
-compiles the kernel itself, as it would have without a child. timings() says when each was ready and how long the
-run waited for it (bench.py records them).
+instead of compiling it again. A child that fails or exits early, or gives no line within WAIT_LIMIT_S (then it is
+ended), costs the run nothing but that wait: the first call compiles the kernel itself, as without a child.
+timings() says when each was ready and how long the run waited for it (bench.py records them).
 
 Inductor starts its compile workers at the first compile, and compiles a kernel in this process, one after another,
 while they are not yet ready (torch._inductor.async_compile); each imports torch first. Cold, prestart starts
