@@ -191,8 +191,7 @@ def prepare(source, out, tokenizer=None, vocab_size=VOCAB_SIZE, val_fraction=VAL
                               val_fraction if rule.startswith("held-out") else None, shuffle_seed, shard_tokens])
     job, target = part if part[1] > 1 else None, parts.part_folder(out, part)
     opts = dict(val_fraction=val_fraction, num_proc=num_proc, seed=seed, shuffle_seed=shuffle_seed,
-                tokenizer_folder=folder,
-                shard_tokens=shard_tokens, part=part)
+                tokenizer_folder=folder, shard_tokens=shard_tokens, part=part)
     # 2. under a lock, so two prepares of one DIR don't interleave: recover, check the cache, build, swap
     with locked(target):
         meta = recover_or_find(target, identity, job)
@@ -252,7 +251,11 @@ def recover_or_find(out, identity, job=None):
 
 
 def swap_in(tmp, out, meta):
-    """meta.json written last (a folder with one is complete), then the new folder renamed over the old."""
+    """meta.json written last (a folder with one is complete), then the new folder renamed over the old, checked
+    again here: what a user put into a new --out while it was built is never replaced."""
+    if not diagnose.replaceable(out):
+        raise PrepareError(f"--out {str(out)!r} was filled with other files during the build; they are kept and the "
+                           f"build discarded: give a new folder, an empty one, or an existing cache")
     atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1, sort_keys=True) + "\n")
     old = move_aside(out)
     os.rename(tmp, out)

@@ -701,3 +701,24 @@ def test_a_zero_on_the_command_line_is_refused_not_taken_for_the_default(tmp_pat
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1, err
     assert not (tmp_path / "cache").exists()
+
+
+def test_out_filled_during_the_build_is_kept_and_the_build_discarded(tmp_path, monkeypatch):
+    """--out was checked before the build only: files a user put into the new folder while it was tokenized were
+    deleted when the built cache was swapped in."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (src / name).write_text(f"{name}: the fox jumps over the dog. " * 50)
+    out = tmp_path / "new"
+    build = prep.build
+
+    def meanwhile(*args, **kwargs):
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+        return build(*args, **kwargs)
+    monkeypatch.setattr(prep, "build", meanwhile)
+    with pytest.raises(PrepareError, match="was filled with other files during the build; they are kept"):
+        prepare(src, out, vocab_size=300, num_proc=1)
+    assert os.listdir(out) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "new.lock", "src"]  # the build removed
