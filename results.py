@@ -21,9 +21,10 @@ class ResultsFileError(RuntimeError):
 # therefore not be one of these).
 SECTIONS = frozenset({"environment", "benchmarks", "tuning", "profiles", "history", "matched-comparison",
                       "partial-probe", "trained-parity", "allocation-usage", "loss-microbench", "accumulation-check",
-                      "ceilings", "time-to-target", "mlp-microbench", "evaluation"})
-# Those of them whose entries are named (results[section][name]): a merge joins them entry by entry.
-NAMED_SECTIONS = frozenset({"benchmarks", "profiles", "evaluation", "time-to-target"})
+                      "ceilings", "time-to-target", "mlp-microbench", "evaluation", "lever-screens"})
+# Those of them whose entries are named (results[section][name]): a merge joins them entry by entry (lever-screens:
+# the #38 screens' entries, read back from their checkpoints, in the H200 time-to-quality files).
+NAMED_SECTIONS = frozenset({"benchmarks", "profiles", "evaluation", "time-to-target", "lever-screens"})
 
 
 _UMASK = os.umask(0o022)  # read once, at import (single-threaded): os.umask can only be read by setting it

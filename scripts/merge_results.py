@@ -11,14 +11,17 @@ FROM may have started as a copy of INTO (runs made elsewhere on top of it), so i
 moved past since, and an entry of FROM replaces INTO's only if it is newer:
 - an entry INTO keeps in its history is older (INTO replaced it); an identical one is already there;
 - of two entries with a run_id, the later run is newer (a run_id starts with its start time, %Y%m%dT%H%M%S), and
-  of two of one run (which updates its entry in place, keeping no history) the one further along: more sessions,
-  then more updates (step), then finished (a status other than "running");
+  of two states of one run (which updates its entry in place, keeping no history) the one further along: more
+  sessions, then more updates (step), then finished (a status other than "running");
 - of two with a timestamp (evaluations), the later;
+- an earlier run or evaluation of FROM than INTO's (another run_id or timestamp) joins INTO's history, as though INTO
+  had replaced it; an older state of INTO's own run is dropped;
 - other entries carry nothing that orders them: results.record moves each replaced one to the history, so one that
   is not there is FROM's own, and replaces INTO's (which then moves to the history).
 """
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -75,7 +78,12 @@ def merge_entry(data, keys, value, replaced_here, path):
         rows = [row for row in value if row not in current]
         current.extend(rows)  # appended rows are never replaced values, so nothing goes to the history
         return "merged" if rows else "same"
-    if canonical(keys, value) in replaced_here or current is not None and older(value, current):
+    if canonical(keys, value) in replaced_here:
+        return "stale"
+    if current is not None and older(value, current):
+        if order(value)[1] != order(current)[1]:  # another run, earlier, under the name: kept in the history
+            data.setdefault("history", []).append({"path": keys, "replaced_at": time.time(), "value": value})
+            replaced_here.add(canonical(keys, value))
         return "stale"
     put(data, keys, value, path)
     return "merged"

@@ -698,3 +698,25 @@ def test_accumulation_check_judges_nothing_but_records_all_when_its_reference_fa
     assert {name: v["last5"] for name, v in variants.items() if name != "eager-mb32"} == dict.fromkeys(
         [f"{mode}-mb{micro}" for mode, micro in script.VARIANTS[1:]], 3.0)  # the mean of its 2 updates
     assert capsys.readouterr().out.count("not judged: the reference failed") == len(script.VARIANTS) - 1
+
+
+def test_merging_keeps_an_earlier_run_of_the_same_name_in_the_history(tmp_path):
+    """FROM's run older than INTO's of the same name (another run_id) was dropped as stale: a run lost for good."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("merge_results", REPO / "scripts" / "merge_results.py")
+    merge_results = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(merge_results)
+    local, returned = tmp_path / "local.json", tmp_path / "returned.json"
+    record(local, ["foo"], {"run_id": "20240102T000000-1-bbbbbb", "status": "complete", "step": 9})
+    earlier = {"run_id": "20240101T000000-1-aaaaaa", "status": "complete", "step": 9}
+    record(returned, ["foo"], earlier)
+    record(returned, ["evaluation", "e"], {"timestamp": 1.0, "loss": 2.0})
+    record(local, ["evaluation", "e"], {"timestamp": 2.0, "loss": 3.0})
+    record(returned, ["lever-screens", "qk"], {"loss": 4.2})  # a named section: joined entry by entry
+    record(local, ["lever-screens", "relu2"], {"loss": 4.3})
+    assert merge_results.merge(returned, local) == (1, 2)
+    merged = read_results(local)
+    assert merged["foo"]["run_id"].startswith("20240102") and merged["evaluation"]["e"]["loss"] == 3.0
+    assert [h["value"] for h in merged["history"]] == [earlier, {"timestamp": 1.0, "loss": 2.0}]
+    assert set(merged["lever-screens"]) == {"qk", "relu2"}
+    assert merge_results.merge(returned, local) == (0, 2) and len(read_results(local)["history"]) == 2  # once
