@@ -13,7 +13,7 @@ from pathlib import Path
 import env
 import plots
 import settings
-from configurator import load_config
+from configurator import RENAMED_KEYS, load_config
 from results import SECTIONS, lookup, read_results, record
 from runs import (TRAIN_DEFAULTS, CompareError, check_plot_path, run_folders, run_plan, run_recipe,
                   seed_run_name, train_all)
@@ -255,12 +255,14 @@ def verdict_tolerance(results, results_file, baseline_name, optimized_name, nois
 
 def recorded_seed_runs(results, baseline_name, count):
     """The noise seed runs of a finished baseline that the results file holds complete: <baseline>-seed<N> for
-    N = its seed + 1 .. its seed + count, as compare.py trains them."""
+    N = its seed + 1 .. its seed + count, as compare.py trains them, with their final validation (time-to-target's
+    seed runs have the same names and may have none)."""
     seed = (results[baseline_name].get("config") or {}).get("seed")
     if not isinstance(seed, int):
         return []
     names = [seed_run_name(baseline_name, seed + i) for i in range(1, count + 1)]
-    return [n for n in names if isinstance(results.get(n), dict) and results[n].get("status") == "complete"]
+    return [n for n in names if isinstance(results.get(n), dict) and results[n].get("status") == "complete"
+            and isinstance(results[n].get("final_validation"), dict)]
 
 
 # ---------------------------------------------------------------- the speed
@@ -277,6 +279,7 @@ def recorded_execution(entry):
     cfg = entry.get("config")
     if not isinstance(cfg, dict):
         return None
+    cfg = {RENAMED_KEYS.get(k, k): v for k, v in cfg.items()}  # an older entry's keys by their names now
     device, environment = cfg.get("device"), entry.get("environment")
     if device == "auto" and isinstance(environment, dict):  # "auto" ran on the GPU exactly when there was one
         device = "cuda" if environment.get("gpu") else "cpu"

@@ -511,13 +511,15 @@ def test_a_rate_that_is_not_a_number_gives_no_speed_ratio(tmp_path):
     assert comparison["speed_ratio"] is None and comparison["losses_agree"]
 
 
-def test_no_noise_run_found_says_how_many_seed_runs_were_looked_for(tmp_path, capsys):
+@pytest.mark.parametrize("seed_run", [{"status": "interrupted"}, {"final_validation": None}])
+def test_no_noise_run_found_says_how_many_seed_runs_were_looked_for(tmp_path, capsys, seed_run):
     """The baseline's seed run asked for (noise_seed_runs=1) but not in the results file: the rule and the table
-    said "noise_seed_runs=0", as if none had been asked for."""
+    said "noise_seed_runs=0", as if none had been asked for. A complete run of that name without a final validation
+    (time-to-target's seed runs are named so) is not one either: it stopped the comparison with an error."""
     results = tmp_path / "results.json"
     record(results, ["base"], dict(finished(4.600), config={"seed": 7}))
     record(results, ["opt"], finished(4.601))
-    record(results, ["base-seed8"], dict(finished(4.602), status="interrupted"))
+    record(results, ["base-seed8"], dict(finished(4.602), **seed_run))
     for argv, words in (([], "noise_seed_runs=1, but no complete base-seed<N> run was found, and no --noise_runs"),
                         (["--noise_seed_runs=0"], "noise_seed_runs=0 and no --noise_runs")):
         assert compare.main([f"--results_file={results}", "--baseline=base", "--optimized=opt",
@@ -689,3 +691,16 @@ def test_hand_edited_interval_rates_give_no_band_from_them_not_a_traceback(tmp_p
     code, c = speed_verdict_of(tmp_path, runs, "--noise_seed_runs=0")
     assert code == 0 and c["speed_noise"]["interval_quartiles"]["baseline"] is None
     assert c["speed_verdict"] == "noise not measured"
+
+
+def test_an_older_entry_under_a_renamed_key_is_another_execution(tmp_path, capsys):
+    """Entries recorded before sdpa_backend became attention_backend, without the attention that ran: "auto" and
+    "fa4" read as one execution (both new names missing), so a speed-up outside the noise was called none."""
+    def old(entry, backend):
+        config = {k: v for k, v in entry["config"].items() if k != "attention_backend"}
+        return dict({k: v for k, v in entry.items() if k != "attention"}, config=dict(config, sdpa_backend=backend))
+    runs = {"base": old(timed(4.600, [960, 990, 1000, 1010, 1040]), "auto"),
+            "opt": old(timed(4.601, [1300, 1310, 1320, 1330, 1340]), "fa4")}
+    code, c = speed_verdict_of(tmp_path, runs)
+    assert code == 0 and c["same_execution"] is False and c["execution_differences"] == ["attention_backend"]
+    assert c["speed_verdict"] == "faster"
