@@ -82,6 +82,13 @@ def without_finite_losses(runs):
     return [name for name, entry in runs if (ys := losses(entry)) and not any(map(finite_number, ys))]
 
 
+def drawable(runs, x="both"):
+    """The names of runs [(name, entry)] with a point to draw on x's axes (a failed or running run may have none)."""
+    axes = list(X_AXES) if x == "both" else [x]
+    return [name for name, entry in runs
+            if any(points(entry, curve, X_AXES[a][0])[0] for curve, _, _ in CURVES for a in axes)]
+
+
 def runs_figure(runs, x="both", title=None):
     """A figure of runs [(name, entry), ...]: a row per curve (training loss, validation loss), a column per x
     axis (tokens, seconds or both), one line per run in each panel where the run has points, and every run in each

@@ -8,7 +8,7 @@ written before train.py recorded the training curve are drawn in the validation 
 training panels' legend as having none; a run without a finite loss (diverged) is named so in the legend and
 not drawn.
 Exit status: 0 when the plot is written, 2 on a mistake (an unknown run, a bad --out, a broken results file,
-no run with a finite loss).
+no run with a point to draw).
 """
 import argparse
 import sys
@@ -62,10 +62,13 @@ def main(argv):
         args = parse(argv)
         plots.check_path(args.out)
         runs = selected_runs(args.results, args.runs)
-        empty = plots.without_finite_losses(runs)
+        empty, drawn = plots.without_finite_losses(runs), plots.drawable(runs, args.x)
         if len(empty) == len(runs):
             raise plots.PlotError(f"results file {args.results}: no finite loss to draw in {', '.join(empty)} "
                                   f"(every loss NaN, infinite or null: diverged)")
+        if not drawn:
+            raise plots.PlotError(f"results file {args.results}: no point to draw against {args.x} in "
+                                  f"{', '.join(name for name, _ in runs)} (no curve recorded, or only diverged losses)")
         title = f"{len(runs)} run{'s' if len(runs) > 1 else ''} of {args.results}"
         fig = plots.save_plot(args.out, runs, args.x, title)
     except (plots.PlotError, ResultsFileError) as exc:
@@ -74,7 +77,7 @@ def main(argv):
     if empty:  # their panels say so too, but a figure is easy to misread as the run not being there
         print(f"note: no finite loss in {', '.join(empty)} (every loss NaN, infinite or null: diverged); "
               f"not drawn", file=sys.stderr)
-    print(f"wrote {args.out}: {', '.join(name for name, _ in runs if name not in empty)}")
+    print(f"wrote {args.out}: {', '.join(drawn)}")
     return 0, fig
 
 

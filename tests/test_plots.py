@@ -183,3 +183,21 @@ def test_a_curve_of_one_point_is_drawn_and_a_run_without_a_curve_is_named_in_the
     for line in train_tokens.lines:
         (x,), (y,) = line.get_xdata(), line.get_ydata()
         assert colour_pixels_near(pair, fig, train_tokens, x, y, line.get_color()) >= 9
+
+
+def test_runs_with_nothing_to_draw_are_a_mistake_and_wrote_names_only_the_drawn(results, tmp_path, capsys):
+    """A failed run (no curve) beside a diverged one: the figure was written with empty panels, exit 0, and "wrote"
+    named the failed run as drawn."""
+    diverged = run_entry(0.3)
+    for curve in ("training_curve", "validation_curve"):
+        for point in diverged[curve]:
+            point["loss"] = None
+    record(results, ["diverged"], diverged)
+    record(results, ["failed"], {"status": "failed", "recipe_identity": "recipe-f", "run_id": "id-f"})
+    assert plot_runs.main([str(results), "diverged", "failed", f"--out={tmp_path / 'none.png'}"]) == (2, None)
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert "no point to draw against both in diverged, failed" in err
+    assert not (tmp_path / "none.png").exists()
+    assert plot_runs.main([str(results), "a", "failed", f"--out={tmp_path / 'a.png'}"])[0] == 0
+    assert capsys.readouterr().out.strip().endswith("a.png: a")
