@@ -66,6 +66,24 @@ def check_arguments(out, val_fraction, max_documents, num_proc, target=None):
     return num_proc
 
 
+def check_still_replaceable(out):
+    """At the swap, after the build: --out, new or empty when the build began, may have been filled since."""
+    if not replaceable(out):
+        raise PrepareError(f"--out {str(out)!r} was filled with other files during the build; they are kept and the "
+                           f"build discarded: give a new folder, an empty one, or an existing cache")
+
+
+def check_saved_tokenizer(spec, folder, size):
+    """A tokenizer whose tokenizer.json, saved into `folder`, holds another count of tokens than the loaded one
+    (`size`: its tokenizer_config.json adds a token, its eos say) makes a cache that the loader refuses."""
+    from data.loader import tokenizer_size
+    saved = tokenizer_size(folder)
+    if saved is not None and saved != size:
+        raise PrepareError(f"--tokenizer {spec!r}: its tokenizer.json holds {saved} tokens but loaded it has {size} "
+                           f"(its tokenizer_config.json adds some); save it again with transformers' "
+                           f"save_pretrained so that its files agree, or give another tokenizer")
+
+
 def replaceable(folder):
     """Whether prepare may replace `folder` whole: it does not exist, is an empty folder, or is_cache. Never a folder
     (or file) that holds something else, not even one with a meta.json of its own (a user's results, say)."""

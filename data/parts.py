@@ -245,6 +245,16 @@ def part_is_whole(folder, meta):
                                                     for name, size in meta["bucket_bytes"].items())
 
 
+def check_whole(out, folders, metas):
+    """Refuse to join parts of which one is cut short (an interrupted copy from another node): its buckets would be
+    read short, the cache made short and the parts deleted."""
+    for folder, meta in zip(folders, metas):
+        if not part_is_whole(folder, meta) or len(load_index(folder)) != meta["documents"]:
+            raise PrepareError(f"--join {out}: the part {str(folder)!r} is not whole (a bucket file shorter than its "
+                               f"meta.json records, or its index of another length); make it again with its --shard "
+                               f"job, then join")
+
+
 def load_index(folder):
     return np.load(Path(folder) / "index.npy")
 

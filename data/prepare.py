@@ -167,6 +167,7 @@ def tokenizer_identity(tokenizer, vocab_size, max_vocab, folder=None):
             raise PrepareError(f"--tokenizer {tokenizer!r} has no end-of-text (eos) token; pick one that has")
         with tempfile.TemporaryDirectory() as d:  # its saved files identify it (a hub name alone may move)
             tok_name, tok_vocab, tok_files = tokenizer, len(tok), save_tokenizer(tok, d, folder)
+            diagnose.check_saved_tokenizer(tokenizer, d, tok_vocab)
     if max_vocab is not None and tok_vocab > max_vocab:
         raise PrepareError(f"tokenizer {tok_name!r} has {tok_vocab} tokens but the model's vocabulary holds "
                            f"{max_vocab}; pick a smaller --vocab_size or tokenizer, or a model with a larger vocabulary")
@@ -178,7 +179,7 @@ def prepare(source, out, tokenizer=None, vocab_size=VOCAB_SIZE, val_fraction=VAL
     """Build (or find up to date) the token cache `out` from `source`; returns its meta dict. part=(i, n) with n > 1:
     job i of n builds its part beside `out` instead (join() makes the cache of the n parts)."""
     t0 = time.time()
-    source, out = str(source), Path(out)
+    source, out = str(source), Path(os.path.realpath(out))  # a link's target: the build and old copy go beside it
     num_proc = diagnose.check_arguments(out, val_fraction, max_documents, num_proc, parts.part_folder(out, part))
     parts.check_layout(shuffle_seed, shard_tokens, part, tokenizer)
     # 1. what the inputs are, hashed before any work, so an up-to-date cache is found without tokenizing
@@ -253,9 +254,7 @@ def recover_or_find(out, identity, job=None):
 def swap_in(tmp, out, meta):
     """meta.json written last (a folder with one is complete), then the new folder renamed over the old, checked
     again here: what a user put into a new --out while it was built is never replaced."""
-    if not diagnose.replaceable(out):
-        raise PrepareError(f"--out {str(out)!r} was filled with other files during the build; they are kept and the "
-                           f"build discarded: give a new folder, an empty one, or an existing cache")
+    diagnose.check_still_replaceable(out)
     atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1, sort_keys=True) + "\n")
     old = move_aside(out)
     os.rename(tmp, out)
@@ -290,9 +289,10 @@ def up_to_date(out, identity, job=None):
 def join(out):
     """The cache `out` from the parts that its n --shard jobs wrote beside it: the one run's cache, bit for bit (but
     for its build time); the parts are removed once it is in place. Returns its meta."""
-    t0, out = time.time(), Path(out)
+    t0, out = time.time(), Path(os.path.realpath(out))  # a link's target: the build and old copy go beside it
     folders = parts.part_folders(out)
     metas = [json.loads((f / "meta.json").read_text()) for f in folders]
+    parts.check_whole(out, folders, metas)
     first = metas[0]
     diagnose.check_arguments(out, first["val_fraction"], None, 1)  # an --out that is not a cache is left alone
     if any(m["inputs_identity"] != first["inputs_identity"] for m in metas):
@@ -378,7 +378,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     try:
         part = (0, 1) if args.join else parts.parse_part(args.shard)
-        with stopped_by_signals(sources.aside(parts.part_folder(Path(args.out), part), "tmp")):
+        with stopped_by_signals(sources.aside(parts.part_folder(Path(os.path.realpath(args.out)), part), "tmp")):
             if args.join:
                 meta = join(args.out)
             elif not args.source:

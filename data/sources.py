@@ -86,8 +86,12 @@ def made_by_prepare(path):
 def walk(folder):
     """(data files, files of other types) under `folder`, each sorted; hidden files and made_by_prepare's are
     left out."""
-    files, others = [], []
-    for root, dirs, file_names in os.walk(folder):
+    files, others, seen = [], [], set()
+    for root, dirs, file_names in os.walk(folder, followlinks=True):  # as a ** glob does; each folder once
+        if os.path.realpath(root) in seen:
+            dirs[:] = []
+            continue
+        seen.add(os.path.realpath(root))
         root = Path(root)
         dirs[:] = [d for d in dirs if not d.startswith(".") and not made_by_prepare(root / d)]
         for p in (root / n for n in file_names if not n.startswith(".")):
@@ -127,7 +131,7 @@ def find_local(source):
     """({split: [files]}, base folder for relative names, split rule or None for a held-out split, builder);
     the caches prepared in a source folder (made_by_prepare) are left out."""
     rule = None
-    if glob.has_magic(source):
+    if glob.has_magic(source) and not Path(source).exists():  # a folder named "books [2024]" is that folder
         # names are made relative to the glob's folder part before the first wildcard
         prefix = source[: min(source.find(c) for c in "*?[" if c in source)]
         base = Path(prefix) if prefix.endswith(os.sep) else Path(prefix).parent
@@ -182,7 +186,8 @@ def local_to_datasets(source, split_files, builder, max_documents, streaming, tm
         raise PrepareError(f"could not read --source {source!r} as {builder} files: {first_line(exc, 300)}") from None
     try:  # datasets' cache (decompressed files, arrow) goes into the tmp folder and leaves with it
         with quiet_datasets():
-            dd = datasets.load_dataset(builder, data_files={k: [str(f) for f in v] for k, v in split_files.items()},
+            dd = datasets.load_dataset(builder, data_files={k: [glob.escape(str(f)) for f in v]  # names, not globs
+                                                            for k, v in split_files.items()},
                                        cache_dir=str(tmp / "hf_cache"), streaming=streaming, **kwargs)
     except Exception as e:
         failed(e)

@@ -722,3 +722,67 @@ def test_out_filled_during_the_build_is_kept_and_the_build_discarded(tmp_path, m
         prepare(src, out, vocab_size=300, num_proc=1)
     assert os.listdir(out) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "new.lock", "src"]  # the build removed
+
+
+def test_a_source_folder_named_like_a_glob_is_that_folder(tmp_path):
+    """An existing folder whose name holds [ ] was taken for a glob, which matched nothing."""
+    src = tmp_path / "books [2024]"
+    src.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (src / name).write_text(f"{name}: the fox jumps over the dog. " * 50)
+    meta = prepare(src, tmp_path / "out", vocab_size=300, num_proc=1, val_fraction=0.5)
+    assert meta["train_documents"] + meta["val_documents"] == 2
+
+
+def test_documents_in_a_linked_folder_are_read_once(tmp_path):
+    """os.walk skipped folders that are symbolic links (a ** glob follows them): their documents were dropped
+    without a note; a link back up the tree is followed once, not forever."""
+    elsewhere, src = tmp_path / "elsewhere", tmp_path / "src"
+    elsewhere.mkdir()
+    src.mkdir()
+    for folder, names in ((src, ("a.txt", "b.txt")), (elsewhere, ("c.txt", "d.txt"))):
+        for name in names:
+            (folder / name).write_text(f"{name}: the fox jumps over the dog. " * 50)
+    (src / "linked").symlink_to(elsewhere)
+    (elsewhere / "loop").symlink_to(src)
+    meta = prepare(src, tmp_path / "out", vocab_size=300, num_proc=1, val_fraction=0.5)
+    assert meta["train_documents"] + meta["val_documents"] == 4
+
+
+def test_an_out_that_is_a_link_is_built_at_its_target(tmp_path):
+    """The build folder and the old copy went beside the link: a link to a folder not made yet failed at the
+    rename, after all the tokenizing, in a traceback; a link to an empty folder was renamed aside for good."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (src / name).write_text(f"{name}: the fox jumps over the dog. " * 50)
+    (tmp_path / "big").mkdir()
+    for target in (tmp_path / "big" / "new", tmp_path / "big" / "empty"):
+        if target.name == "empty":
+            target.mkdir()
+        link = tmp_path / f"link-{target.name}"
+        link.symlink_to(target)
+        assert prepare(src, link, vocab_size=300, num_proc=1)["train_tokens"] > 0
+        assert link.is_symlink() and (target / "meta.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big", "link-empty", "link-new", "src"]
+
+
+def test_a_tokenizer_whose_files_disagree_with_its_config_is_refused_before_tokenizing(tmp_path):
+    """tokenizer_config.json naming an eos that tokenizer.json lacks: transformers adds it (one token more), the
+    cache recorded that size, its own loader refused the cache, and every later prepare built it again."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (src / name).write_text(f"{name}: the fox jumps over the dog. " * 50)
+    prepare(src, tmp_path / "tok", vocab_size=300, num_proc=1)
+    folder = tmp_path / "tokx"
+    folder.mkdir()
+    saved = json.loads((tmp_path / "tok" / "tokenizer.json").read_text())
+    saved["added_tokens"] = []  # no special token left in the file
+    saved["model"]["vocab"].pop(prep.EOT, None)
+    (folder / "tokenizer.json").write_text(json.dumps(saved))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                              "eos_token": "<eos>"}))
+    with pytest.raises(PrepareError, match=r"tokenizer\.json holds \d+ tokens but loaded it has \d+"):
+        prepare(src, tmp_path / "out", tokenizer=str(folder), num_proc=1)
+    assert not (tmp_path / "out").exists()

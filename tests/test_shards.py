@@ -302,3 +302,18 @@ def test_the_readme_fineweb_edu_commands_on_local_json_lines(corpus, tmp_path):
     entry = train.train(settings.Config(cfg))
     assert entry["status"] == "interrupted" and entry["step"] == 2  # stopped, as asked, after 2 updates
     assert entry["environment"]["cache_identity"] == meta["cache_identity"]
+
+
+def test_a_part_cut_short_is_refused_and_the_parts_kept(corpus, tmp_path):
+    """A bucket file cut short (an interrupted copy from another node) was read short: the joined cache lacked its
+    tokens, loaded without a word, and the parts that would have shown it were deleted."""
+    src, tok, _ = corpus
+    for i in range(2):
+        prepare(src, tmp_path / "c", tokenizer=str(tok), num_proc=1, part=(i, 2))
+    bucket = sorted((tmp_path / "c.part-1-of-2").glob("bucket-*.bin"))[-1]
+    size = bucket.stat().st_size
+    os.truncate(bucket, size // 4 * 2)
+    with pytest.raises(PrepareError, match=r"the part '.*c\.part-1-of-2' is not whole .*make it again with its "
+                                           r"--shard job"):
+        join(tmp_path / "c")
+    assert not (tmp_path / "c").exists() and (tmp_path / "c.part-0-of-2").is_dir() and bucket.exists()
