@@ -50,7 +50,15 @@ class Comparison:
 
 
 def check_mode(cfg):
-    """Each mode refuses the other's keys (off their defaults), so that no key is silently ignored."""
+    """Each mode refuses the other's keys (off their defaults), so that no key is silently ignored; and the keys
+    compare.py sets itself."""
+    managed = [f"--{k}" for k in ("resume", "overwrite") if cfg[k]]
+    if managed:
+        raise ConfigError(f"{' and '.join(managed)}: compare.py decides them for each run (a run stopped or killed "
+                          f"resumes when the command runs again; --rerun=True trains every run afresh); drop them")
+    if cfg.mode == "matched" and cfg.lm_head_fp8:
+        raise ConfigError("lm_head_fp8 runs inside the fused loss and the matched baseline runs the plain loss "
+                          "(loss_impl=full); compare the two finished runs with --allow_recipe_change=True")
     if cfg.mode == "matched":
         off = off_defaults(cfg, Target)
         if off:

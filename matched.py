@@ -38,7 +38,8 @@ class Matched:
 
 
 # How the baseline executes: the plainest way, whatever the config asks for ("auto" attention can be fa4).
-BASELINE_EXECUTION = {"compile": False, "attention_backend": "sdpa", "loss_impl": "full"}
+BASELINE_EXECUTION = {"compile": False, "attention_backend": "sdpa", "loss_impl": "full", "update_graph": False,
+                      "compile_cache": ""}  # the last two need compile
 # Bulky fields of a run's entry that the comparison leaves out (the run's own entry keeps them).
 BULKY = ("environment", "config", "recipe")
 NOISE_SIGMAS = 3  # standard deviations of a difference of two runs' losses that the tolerance allows (either noise)
@@ -105,7 +106,12 @@ def side_configs(cfg):
         raise CompareError(f"--optimized_overrides={cfg.optimized_overrides!r} does not parse ({exc}); give "
                            f"space-separated --key=value, quoted as a whole") from None
     # The given config's train keys act as the defaults, so a layer can only set train.py's keys.
-    opt = load_config(given, layers)
+    tuned = load_config(given, layers[:1] if cfg.tuned else [])
+    opt = load_config(tuned, layers[1:] if cfg.tuned else layers)
+    managed = [k for k in ("name", "out_dir", "results_file", "resume", "overwrite") if opt[k] != tuned[k]]
+    if managed:
+        raise CompareError(f"--optimized_overrides sets {', '.join(managed)}, which compare.py sets for each run; give "
+                           f"compare.py's own --name, --out_dir or --results_file")
     sides = []
     for side, c in (("baseline", base), ("optimized", opt)):
         # Separate names and folders, or the two runs would overwrite each other's entry and checkpoint.

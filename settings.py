@@ -444,6 +444,13 @@ def _epochs(cfg):
                 "init_from, to evaluate those weights)")
 
 
+@combination("epochs", "full_validation")
+def _evaluation_only(cfg):
+    if cfg.epochs == 0 and not cfg.full_validation:
+        return ("epochs 0 evaluates init_from's weights in the full validation alone, and full_validation is False: "
+                "the run would record no loss as complete; set full_validation=True, or epochs to train")
+
+
 @combination("optimizer", "muon_lr", "muon_momentum", "muon_ns_steps", "muon_adjust_lr")
 def _muon_keys(cfg):
     muon_keys = [k for k in ("muon_lr", "muon_momentum", "muon_ns_steps", "muon_adjust_lr")

@@ -342,7 +342,11 @@ def test_mistakes_are_one_line_errors(tiny, capsys):
     for argv, words in (([f"--results_file={results}", "--baseline=a"], "--optimized"),
                         ([config, f"--results_file={results}", "--tuned=True"], "tune.py"),
                         ([config, "--optimized_overrides=--learnin_rate=1"], "learning_rate"),
-                        ([config, "--full_validation=False"], "full_validation")):
+                        ([config, "--full_validation=False"], "full_validation"),
+                        ([config, "--optimized_overrides=--name=foo --micro_batch_size=2"],
+                         "--optimized_overrides sets name, which compare.py sets for each run"),
+                        ([config, "--overwrite=True"], "--overwrite: compare.py decides them for each run"),
+                        ([config, "--loss_impl=fused", "--lm_head_fp8=True"], "the matched baseline runs the plain")):
         assert compare.main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and words in err and err.count("\n") == 1
@@ -704,3 +708,15 @@ def test_an_older_entry_under_a_renamed_key_is_another_execution(tmp_path, capsy
     code, c = speed_verdict_of(tmp_path, runs)
     assert code == 0 and c["same_execution"] is False and c["execution_differences"] == ["attention_backend"]
     assert c["speed_verdict"] == "faster"
+
+
+def test_the_baseline_drops_what_needs_compile_with_compile(tmp_path):
+    """The baseline runs eager (compile=False) but kept update_graph and compile_cache, which need compile: a
+    compiled config was refused with advice to set compile=True, which it had."""
+    cfg = settings.Config(configurator.load_config(compare.DEFAULTS, [
+        "config/tiny_cpu.py", "--compile=True", "--update_graph=True", f"--compile_cache={tmp_path / 'c.bin'}",
+        f"--results_file={tmp_path / 'r.json'}"]))
+    base, opt = matched.side_configs(cfg)
+    assert (base.compile, base.update_graph, base.compile_cache) == (False, False, "")
+    assert (opt.compile, opt.update_graph) == (True, True)
+    runs_lib.run_plan("baseline", base)  # the settings' checks pass

@@ -70,6 +70,7 @@ COMBINATION_CASES = [
     (dict(tokens_per_update=100), "is not a multiple of seq_len"),
     (dict(micro_batch_size=3), "valid sizes: [1, 2, 4, 8]"),
     (dict(epochs=0), "epochs 0 trains nothing"),
+    (dict(epochs=0, init_from="out/x", full_validation=False), "evaluates init_from's weights in the full validation"),
     (dict(muon_lr=0.05), "muon_lr set but optimizer is 'adamw'"),
     (dict(stop_at_target=True), "stop_at_target needs a target"),
     (dict(cooldown_fraction=0.5), "cooldown_fraction 0.5 is wsd's and lr_schedule is 'cosine'"),
