@@ -56,6 +56,10 @@ def check_mode(cfg):
     if managed:
         raise ConfigError(f"{' and '.join(managed)}: compare.py decides them for each run (a run stopped or killed "
                           f"resumes when the command runs again; --rerun=True trains every run afresh); drop them")
+    more = cfg.seeds - 1 if cfg.mode == "time-to-target" else cfg.noise_seed_runs  # seeds above --seed it trains
+    if cfg.seed + more >= 2 ** 64:
+        raise ConfigError(f"--seed {cfg.seed} and the {more} seeds above it that {cfg.mode} trains pass torch's "
+                          f"largest seed, {2 ** 64 - 1}; give a --seed at most {2 ** 64 - 1 - more}")
     if cfg.mode == "matched" and cfg.lm_head_fp8:
         raise ConfigError("lm_head_fp8 runs inside the fused loss and the matched baseline runs the plain loss "
                           "(loss_impl=full); compare the two finished runs with --allow_recipe_change=True")

@@ -152,6 +152,11 @@ def initial_model_config(cfg, initial):
                     if cfg[k] and cfg[k] != getattr(mcfg, k)]
     contradicted += [f"{k}={cfg[k]} (the weights' model has {getattr(mcfg, k)})" for k, off in model_lib.LEVERS.items()
                      if k in cfg and cfg[k] != off and cfg[k] != getattr(mcfg, k)]
+    if cfg.preset != settings.field_of(settings.ModelShape, "preset").default:  # asked for: its shape, where no key is
+        preset = model_lib.get_preset(cfg.preset, vocab_size=mcfg.vocab_size)
+        contradicted += [f"preset={cfg.preset}'s {k} {getattr(preset, k)} (the weights have {getattr(mcfg, k)})"
+                         for k in settings.MODEL_SHAPE_KEYS[:-1]
+                         if not cfg[k] and getattr(preset, k) != getattr(mcfg, k)]
     if contradicted:
         raise ConfigError(f"init_from {cfg.init_from} fixes the model's shape, which the settings contradict: "
                           f"{', '.join(contradicted)}; leave them at 0 (the levers off) or match the weights")

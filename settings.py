@@ -534,6 +534,13 @@ def _presets(cfg):
                 f"leave them at 0 with presets, or drop presets to time this shape")
 
 
+@combination("presets", "init_from")
+def _presets_from_weights(cfg):
+    if cfg.presets and cfg.init_from:
+        return (f"presets={cfg.presets} times each preset in its own shape, and init_from {cfg.init_from} fixes one "
+                f"shape, the weights'; drop one of them")
+
+
 @combination("scaling_reference")
 def _scaling_reference(cfg):
     if cfg.scaling_reference and int(os.environ.get("WORLD_SIZE", "1")) == 1:

@@ -112,7 +112,9 @@ def test_error_is_recorded_not_lost(tmp_path, text_cache, monkeypatch):
                                          (["--data_mode=synthetic", "--preset=bogus"], ["'bogus'", "20m, 50m, 90m"]),
                                          (["--data_mode=synthetic", "--n_heads=7"], ["64", "7"]),
                                          (["--presets=20m,bogus", "--dim=0", "--n_layers=0", "--n_heads=0",
-                                           "--hidden_dim=0"], ["unknown", "'bogus'"])])
+                                           "--hidden_dim=0"], ["unknown", "'bogus'"]),
+                                         (["--presets=20m,50m", "--dim=0", "--n_layers=0", "--n_heads=0",
+                                           "--hidden_dim=0", "--init_from=out/x"], ["init_from out/x fixes one"])])
 def test_user_mistake_is_one_line_and_no_result(tmp_path, text_cache, capsys, args, words):
     """A bad model shape in synthetic mode was recorded as a failed measurement, with a traceback."""
     code, results = run_bench(tmp_path, text_cache, "--name=bad", *args)

@@ -346,6 +346,7 @@ def test_mistakes_are_one_line_errors(tiny, capsys):
                         ([config, "--optimized_overrides=--name=foo --micro_batch_size=2"],
                          "--optimized_overrides sets name, which compare.py sets for each run"),
                         ([config, "--overwrite=True"], "--overwrite: compare.py decides them for each run"),
+                        ([config, f"--seed={2 ** 64 - 1}"], "give a --seed at most 18446744073709551614"),
                         ([config, "--loss_impl=fused", "--lm_head_fp8=True"], "the matched baseline runs the plain")):
         assert compare.main(argv) == 2
         err = capsys.readouterr().err

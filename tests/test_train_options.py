@@ -71,6 +71,12 @@ def test_init_from_a_checkpoint_takes_its_shape_and_weights_and_names_them_in_th
     assert train.main(cli_args(wrong)) == 2
     one_line_error(capsys, "dim=32 (the weights have 64)", "n_layers=1 (the weights have 2)")
     assert not (tmp_path / "wrong").exists()  # refused before its folder was made
+    # so is a preset asked for (not the default's) whose shape the weights do not have: the weights' was trained
+    shapeless = {k: 0 for k in ("dim", "n_layers", "n_heads", "hidden_dim")}
+    wrong = settings.Config(wrong, preset="90m", **shapeless)
+    assert train.main(cli_args(wrong)) == 2
+    one_line_error(capsys, "preset=90m's dim 768 (the weights have 64)")
+    assert not (tmp_path / "wrong").exists()
     # the preset's shape (0s) or the weights' own is theirs, and 0 epochs keeps them as they are
     cfg = small_config(text_cache, tmp_path, name="from", out_dir=str(tmp_path / "from"), epochs=0,
                        dim=0, n_layers=0, init_from=str(tmp_path / "src"))
