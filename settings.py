@@ -65,9 +65,12 @@ MAX_CONTEXT_STEPS = 4
 
 def schedule_steps(text):
     """A data schedule's steps, ((value, until), ...): the value holds while the run's tokens before an update are
-    below `until` of all its tokens. "" is no schedule; a malformed one is a ValueError saying why."""
+    below `until` of all its tokens. "" is no schedule; a malformed one is a ValueError saying why (an empty step
+    too: "," or "32:0.5," would be a schedule of no step, or the same as another, under another recipe identity)."""
     steps = []
-    for part in filter(None, (p.strip() for p in text.split(","))) if text.strip() else ():
+    for part in (p.strip() for p in text.split(",")) if text else ():
+        if not part:
+            raise ValueError('it has an empty step (a comma too many, or spaces alone); "" is no schedule')
         value, colon, until = part.partition(":")
         try:
             steps.append((int(value), float(until)))

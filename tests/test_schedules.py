@@ -90,6 +90,9 @@ def test_the_context_split_leaves_each_update_s_tokens_and_targets_as_without_it
 
 @pytest.mark.parametrize("change, words", [
     (dict(seq_len_schedule="8-0.2"), "is not VALUE:UNTIL"),
+    (dict(seq_len_schedule=","), "has an empty step"),
+    (dict(seq_len_schedule=" "), "has an empty step"),
+    (dict(seq_len_schedule="8:0.5,"), "has an empty step (a comma too many"),
     (dict(seq_len_schedule="16:0.2,8:0.5"), "must be positive and grow, got 8 after 16"),
     (dict(seq_len_schedule="8:0.5,16:0.2"), "must grow within (0, 1), got 0.2 after 0.5"),
     (dict(seq_len_schedule="8:1.0"), "must grow within (0, 1), got 1"),
