@@ -126,6 +126,11 @@ def lever_choices(cfg, cuda):
     why = attention.fa4_problem(torch.device("cuda" if cuda else "cpu")) if named_fa4 else None
     if why:
         raise ConfigError(f"tune_backends names fa4, but {why}; leave it out")
+    compiled = [m for m in choices["compile_mode"] if m != "eager" and "max-autotune" not in m]
+    asked = [key for key in ("tune_compile_scopes", "tune_activation_memory_budgets") if cfg[key] != DEFAULTS[key]]
+    if asked and not cfg.compile and not compiled:  # search_space tries them under a compiled mode of the list
+        raise ConfigError(f"{' and '.join(asked)} act on a compiled model, and the config is eager with no mode to "
+                          f"compile it in tune_compile_modes (max-autotune aside); add one (default) or drop them")
     return choices
 
 

@@ -190,6 +190,18 @@ def test_fa4_is_a_lever_where_it_can_run_and_named_where_it_cannot_is_refused(mo
         tune.lever_choices(tune_cfg(tune_backends="auto,fa4"), cuda=False)
 
 
+def test_compiled_levers_named_with_no_mode_to_compile_in_are_refused():
+    """An eager config, tune_compile_modes=eager and scopes named: the scopes were dropped without a word (they are
+    tried under a compiled mode of the list, and there was none)."""
+    with pytest.raises(tune.ConfigError, match="tune_compile_scopes act on a compiled model, and the config is eager"):
+        tune.lever_choices(tune_cfg(compile=False, tune_compile_modes="eager", tune_compile_scopes="model"), cuda=True)
+    choices = tune.lever_choices(tune_cfg(compile=False, tune_compile_modes="eager,default",
+                                          tune_compile_scopes="model"), cuda=True)
+    assert {"compile": True, "compile_mode": "default", "compile_scope": "model"}.items() <= dict(
+        next(c for lever, c in tune.search_space(dict(compile=False, compile_mode="default", compile_scope="blocks"),
+                                                 choices) if lever == "compile_scope")).items()
+
+
 # ---------------------------------------------------------------- the sweep
 
 def test_the_incumbent_is_screened_then_measured_with_the_full_protocol_a_large_budget_affords_then_the_rest():
