@@ -203,7 +203,8 @@ def windowed_attention(q, k, v, backends, windows):
     if backends == "fa4" and torch.is_grad_enabled() and q.requires_grad:
         return _windows_op(*(t.reshape(B * T, H, D) for t in (q, k, v)), starts, T)[0].view(B, T, H, D)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(positions)).transpose(1, 2)
+    with sdpa_kernel(backends) if backends not in (None, "fa4") else contextlib.nullcontext():  # a pinned kernel
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(positions)).transpose(1, 2)
 
 
 def causal_attention(q, k, v, backends, windows=None):

@@ -393,3 +393,17 @@ def test_the_first_calls_child_compiles_the_windows_pair_at_the_run_s_shapes(fla
     assert calls == [("forward", (2 * T, 2, 16), torch.bfloat16, starts, T),
                      ("backward", (2 * T, 2, 16), torch.bfloat16, starts, T)]
     assert first_calls.ready_line("attention", capsys.readouterr().out.splitlines()[-1]) is not None
+
+
+def test_a_pinned_sdpa_kernel_runs_the_windows_too():
+    """attention_backend=math (or cudnn) with context windows ran SDPA's own pick of kernel: the pin held for the
+    dense rows only. The same numbers either way; the kernel is what a pin is for."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.nn.attention import SDPBackend
+    from model_kernels.attention import causal_attention
+    q, k, v = (torch.randn(2, T, 2, 16) for _ in range(3))
+    windows = window_tensors(2, T, 8, smallest=8)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        pinned = causal_attention(q, k, v, SDPBackend.MATH, windows)
+    assert "aten::_scaled_dot_product_attention_math" in {e.name for e in prof.events()}
+    assert torch.allclose(pinned, causal_attention(q, k, v, None, windows), atol=1e-5)
