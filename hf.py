@@ -106,8 +106,9 @@ def config_from_hf(hf_cfg):
     rope = getattr(hf_cfg, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(hf_cfg, "rope_theta", 10000.0))
     problems = []
-    if getattr(hf_cfg, "model_type", "llama") not in MODEL_TYPES:
-        problems.append(f"model_type {hf_cfg.model_type!r} (the family is {' or '.join(MODEL_TYPES)})")
+    if getattr(hf_cfg, "model_type", "llama") not in MODEL_TYPES:  # another family's config: its fields differ
+        raise ValueError(f"model_type {hf_cfg.model_type!r} is outside the tiny-llm family "
+                         f"({' or '.join(MODEL_TYPES)})")
     if hf_cfg.num_key_value_heads != hf_cfg.num_attention_heads:
         problems.append("grouped-query attention (num_key_value_heads != num_attention_heads)")
     if head_dim * hf_cfg.num_attention_heads != hf_cfg.hidden_size:

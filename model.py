@@ -67,6 +67,10 @@ class ModelConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"model {field} must be a positive integer, got {value!r}")
+        for field, lowest in (("norm_eps", 0), ("rope_theta", 1e-9)):  # a hand-made or corrupt config: NaN logits
+            value = getattr(self, field)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < lowest:
+                raise ValueError(f"model {field} must be a finite number of at least {lowest:g}, got {value!r}")
         if self.dim % self.n_heads:
             raise ValueError(f"model width {self.dim} is not divisible by the head count {self.n_heads}; "
                              f"choose a width that is a multiple of n_heads (heads of 64: width = 64 x n_heads)")

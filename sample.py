@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -229,7 +230,8 @@ def check_export_folder(folder):
     except OSError as exc:
         raise SampleError(f"--export_hf {folder} cannot be read ({exc.strerror}); give a writable folder") from None
     foreign = [n for n in names if not is_export_file(n)]
-    if not names or (not foreign and _is_llama_config(folder / "config.json") and hf_weight_files(folder)):
+    left = [n for n in names if not n.startswith(EXPORT_STAGING)]  # an export killed before its files were in place
+    if not left or (not foreign and _is_llama_config(folder / "config.json") and hf_weight_files(folder)):
         return
     kind = ": it is a token cache" if {"meta.json", "train.bin"} & set(names) else \
         ": it is a run's folder" if checkpoint.FILE_NAME in names else ""
@@ -266,6 +268,8 @@ def export(model, tokenizer, folder, eot_token_id=None):
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise SampleError(f"--export_hf {folder} cannot be made ({exc.strerror}); give a writable folder") from None
+    for killed in folder.glob(EXPORT_STAGING + "*"):  # what an export killed while it saved left
+        shutil.rmtree(killed, ignore_errors=True)
     with tempfile.TemporaryDirectory(dir=folder, prefix=EXPORT_STAGING) as staging:
         hf.save_pretrained(staging)
         tokenizer.save_pretrained(staging)

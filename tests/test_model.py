@@ -715,3 +715,21 @@ def test_auto_attention_on_the_cpu_computes_what_sdpa_does():
     assert torch.equal(auto(x), sdpa(x))
     for (name, p), q in zip(auto.named_parameters(), sdpa.parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+@pytest.mark.parametrize("change, words", [(dict(rope_theta=0.0), "rope_theta must be a finite number"),
+                                           (dict(rope_theta=-1e4), "rope_theta must be"),
+                                           (dict(norm_eps=-1.0), "norm_eps must be a finite number of at least 0"),
+                                           (dict(norm_eps=float("nan")), "norm_eps must be")])
+def test_a_config_whose_floats_give_nan_logits_is_refused(change, words):
+    """rope_theta 0 or below, or a negative or NaN norm_eps (a hand-made or corrupt Llama config) built a model whose
+    logits were all NaN."""
+    with pytest.raises(ValueError, match=words):
+        model.ModelConfig(**change)
+
+
+def test_another_family_s_config_is_named_not_a_traceback():
+    """GPT-2's config has no num_key_value_heads: reading it after noting the model_type was an AttributeError."""
+    from transformers import GPT2Config
+    with pytest.raises(ValueError, match="model_type 'gpt2' is outside the tiny-llm family"):
+        hf.config_from_hf(GPT2Config())

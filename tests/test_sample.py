@@ -386,3 +386,19 @@ def test_sampling_without_a_device_key_runs_where_the_user_is_and_says_which(tra
     assert sample.main([f"--out_dir={trained['out']}", "--prompt=The", "--max_new_tokens=3"]) == 0
     assert "parameters, cpu;" in capsys.readouterr().err
     assert sample.DEFAULTS["device"] == "auto" and settings.defaults(settings.TrainSettings)["device"] == "cuda"
+
+
+def test_an_export_killed_while_it_saved_does_not_block_the_next(trained, tmp_path):
+    """A first export killed (SIGKILL) before its files were in place left only its staging folder, and every
+    later --export_hf to that folder was refused as "not an earlier export" until it was deleted by hand."""
+    folder = tmp_path / "hf"
+    (folder / f"{sample.EXPORT_STAGING}x1y2" / "nested").mkdir(parents=True)
+    (folder / f"{sample.EXPORT_STAGING}x1y2" / "model.safetensors").write_bytes(b"half")
+    assert sample.main([f"--out_dir={trained['out']}", "--device=cpu", f"--export_hf={folder}"]) == 0
+    names = sorted(p.name for p in folder.iterdir())
+    assert "config.json" in names and not [n for n in names if n.startswith(sample.EXPORT_STAGING)]
+    # staging left beside a user's file is still refused: the folder is not an export's
+    (folder / f"{sample.EXPORT_STAGING}z").mkdir()
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(sample.SampleError, match="holds files that an export does not write \\(notes.txt\\)"):
+        sample.check_export_folder(folder)
