@@ -19,6 +19,8 @@ import torch
 # Kernel-name patterns by category, first match wins (order matters: attention before softmax, etc.).
 CATEGORIES = [
     ("attention", ("flash", "fmha", "attention", "sdpa", "attn")),
+    # CuTe-DSL kernels are all named kernel_cutlass_kernel_<module><class>: quack's loss is no matmul
+    ("cross_entropy", ("cutlass_kernel_quackcross_entropy", "cutlass_kernel_quacklinear_cross_entropy")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
                 "aten::_scaled_mm", "aten::matmul", "aten::linear", "splitkreduce", "sm90_", "sm80_",
                 "triton_tem_")),  # Inductor's Triton matmul templates (max-autotune), whose names hold "add" or "copy"
@@ -28,9 +30,9 @@ CATEGORIES = [
     # cos and sin as words: cub's "SingleTile" kernels (a sort in the embedding's backward) are no rotary
     ("rotary", ("rotary", "rope", "cat_neg", "neg_cat", re.compile(r"(?<![a-z])(cos|sin)(?![a-z])"))),
     ("elementwise", ("triton_poi", "triton_per", "triton_red", "elementwise", "vectorized", "copy", "fill",
-                     "add", "mul", "silu", "swiglu", "sigmoid", "catarray", "aten::cat", "index", "embedding", "reduce")),
+                     "transpose", "add", "mul", "silu", "swiglu", "sigmoid", "catarray", "aten::cat", "index", "embedding", "reduce")),
 ]
-PROFILE_CATEGORIES = [c for c, _ in CATEGORIES] + ["other"]
+PROFILE_CATEGORIES = list(dict.fromkeys(c for c, _ in CATEGORIES)) + ["other"]
 
 
 def categorize(kernel_name):

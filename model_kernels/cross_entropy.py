@@ -120,6 +120,7 @@ def _cross_entropy_rows_triton(logits, targets, write_grad=True, block=None, num
     block = min(triton.next_power_of_2(n_cols), block or ROWS_BLOCK)
     num_warps = num_warps or min(ROWS_NUM_WARPS, max(4, block // 1024))  # a small vocabulary needs fewer threads
     grad = logits if grad is None else grad
+    targets = targets.contiguous()  # the kernel reads a target a row; a (B, 1) slice's flatten is a strided view
     kernel[(n_rows,)](logits, logits.stride(0), targets, losses, grad, grad.stride(0), n_cols,
                       GRAD_SCALE=float(grad_scale), BLOCK=block, ONE_BLOCK=n_cols <= block,
                       WRITE_GRAD=write_grad, num_warps=num_warps)
@@ -193,7 +194,7 @@ def _linear_cross_entropy_losses_op(h: torch.Tensor, weight: torch.Tensor, targe
     w = weight.to(h.dtype)
     rows = _cross_entropy_rows(h.device)
     return torch.cat([rows(h[start:start + chunk_tokens] @ w.t(), targets[start:start + chunk_tokens], write_grad=False)
-                      for start in range(0, h.shape[0], chunk_tokens)])
+                      for start in range(0, h.shape[0], chunk_tokens)] or [h.new_zeros(0, dtype=torch.float32)])
 
 
 @_linear_cross_entropy_losses_op.register_fake

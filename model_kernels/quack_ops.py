@@ -68,6 +68,9 @@ def loss_shape_problem(model_config, cfg):
     if cfg["loss_chunk_tokens"] % ROW_ALIGN:
         return (f"needs loss_chunk_tokens to be a multiple of {ROW_ALIGN} (rows its matmuls load whole), got "
                 f"{cfg['loss_chunk_tokens']}")
+    tokens = cfg["micro_batch_size"] * cfg["seq_len"]  # a micro-step's rows, which quack's loss asserts too
+    if tokens % ROW_ALIGN:
+        return f"needs micro_batch_size x seq_len to be a multiple of {ROW_ALIGN} tokens, got {tokens}"
     if model_config is not None and model_config.dim % WIDTH_MULTIPLE:
         return (f"needs the model's width to be a multiple of {WIDTH_MULTIPLE} (rows of 16 bytes for quack's loads), "
                 f"got {model_config.dim}")

@@ -214,6 +214,10 @@ def test_a_profile_goes_to_its_own_section(tmp_path):
     ("triton_tem_fused__to_copy_mm_t_2", "matmul"),
     ("void cub::DeviceRadixSortSingleTileKernel<...>", "other"),  # "Single" holds no sine
     ("triton_poi_fused_cos_sin_3", "rotary"),
+    # CuTe-DSL kernels (kernel_cutlass_kernel_<module><class>): quack's loss was filed under matmul for "cutlass"
+    ("kernel_cutlass_kernel_quackcross_entropyCrossEntropy_object_at__tensorptrbf16", "cross_entropy"),
+    ("kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_object_at__", "attention"),
+    ("transpose_kernel", "elementwise"),  # the FP8 head's
 ])
 def test_kernel_categories(name, category):
     assert profiling.categorize(name) == category
@@ -323,11 +327,12 @@ def test_each_runs_first_update_records_its_own_compile_not_an_earlier_runs():
 def test_a_preset_after_a_larger_one_records_its_own_cpu_peak(tmp_path, text_cache):
     """On the CPU the peak is the process's RSS high-water mark, which getrusage never resets: a preset timed after a
     larger one in the same process recorded the larger's peak. Each run now starts the mark anew."""
+    trainer_lib.reset_peak_memory("cpu")  # the mark at the memory in use now, whatever earlier tests reached
     big = torch.ones(64 * 2**20)  # 256 MiB, touched
     del big
-    before = trainer_lib.peak_memory_bytes("cpu")
+    with_big = trainer_lib.peak_memory_bytes("cpu")
     trainer_lib.reset_peak_memory("cpu")
-    assert trainer_lib.peak_memory_bytes("cpu") < before - 200 * 2**20
+    assert trainer_lib.peak_memory_bytes("cpu") < with_big - 200 * 2**20
     argv = ["--name=order", "--presets=50m,20m", "--warmup=1", "--steps=1", "--windows=1", "--data_mode=synthetic",
             "--vocab_size=512"]
     base = [a for a in TINY if not a.startswith("--preset=") and a not in SHAPE]

@@ -733,3 +733,31 @@ def test_another_family_s_config_is_named_not_a_traceback():
     from transformers import GPT2Config
     with pytest.raises(ValueError, match="model_type 'gpt2' is outside the tiny-llm family"):
         hf.config_from_hf(GPT2Config())
+
+
+def test_the_fused_loss_reads_strided_targets_and_scores_an_empty_batch(monkeypatch):
+    """The Triton rows kernel read targets as contiguous (a (B, 1) slice's flatten is a strided view: wrong losses
+    and gradients on a GPU); the evaluation op's torch.cat failed on an empty batch, where the plain loss gives 0."""
+    logits = torch.randn(8, 16)
+    targets = torch.randint(0, 16, (8, 2))[:, 1]  # stride 2
+    launched = []
+    monkeypatch.setattr(cross_entropy, "_rows_kernel", lambda: _Launch(launched))
+    monkeypatch.setattr(cross_entropy.first_calls, "wait", lambda kernel: None)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pytest.skip("triton is not installed")
+    cross_entropy._cross_entropy_rows_triton(logits.clone(), targets)
+    assert launched[0].is_contiguous() and torch.equal(launched[0], targets)
+    h, w = torch.zeros(0, 8), torch.randn(16, 8)
+    with torch.no_grad():
+        assert cross_entropy._linear_cross_entropy_losses_op(h, w, torch.zeros(0, dtype=torch.long), 4).shape == (0,)
+
+
+class _Launch:
+    """A stand-in for the Triton kernel: keeps the targets it was given."""
+    def __init__(self, launched):
+        self.launched = launched
+
+    def __getitem__(self, grid):
+        return lambda logits, stride, targets, *args, **kwargs: self.launched.append(targets)

@@ -275,6 +275,10 @@ def test_the_quack_loss_takes_slices_of_rows_its_matmuls_load_whole():
                                           r".*1001$"):
         settings.check(TrainSettings, settings.Config(train.DEFAULTS, loss_impl="quack_chunked", loss_chunk_tokens=1001))
     settings.check(TrainSettings, settings.Config(train.DEFAULTS, loss_impl="quack_chunked", loss_chunk_tokens=1000))
+    # a micro-step's token count too, which quack's loss asserts (a bare AssertionError on the GPU, mid-run)
+    with pytest.raises(ConfigError, match=r"needs micro_batch_size x seq_len to be a multiple of 8 tokens, got 100$"):
+        settings.check(TrainSettings, settings.Config(train.DEFAULTS, loss_impl="quack_chunked", micro_batch_size=1,
+                                                      seq_len=100, tokens_per_update=100))
 
 
 @pytest.mark.parametrize("change, words", [
