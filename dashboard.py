@@ -31,8 +31,9 @@ class Dashboards:
             folder = tensorboard_folder(cfg)
             try:
                 # purge_step: from here on, TensorBoard hides the folder's older events (a run started again under
-                # this name, from update 0; or a killed run's points after the checkpoint a resume starts from)
-                self.tensorboard = SummaryWriter(log_dir=str(folder), purge_step=start_step)
+                # this name, from update 0; or a killed run's points after the checkpoint a resume starts from,
+                # keeping those of the checkpoint's own update, which the resumed process does not log again)
+                self.tensorboard = SummaryWriter(log_dir=str(folder), purge_step=start_step + 1 if start_step else 0)
             except OSError as exc:
                 raise ConfigError(f"tensorboard_dir {cfg.tensorboard_dir!r}: {folder} cannot be written "
                                   f"({exc.strerror}); give a writable folder") from None

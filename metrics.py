@@ -106,6 +106,7 @@ class Metrics:
         self.synchronize()
         self.compile_mark = env.compile_totals()  # the first update's compile is what comes after this
         self.segment_start = self.interval_start = time.time()
+        self.clock_running = True
         self.interval_updates, self.interval_tokens, self.loss_total = 0, 0, None
         kept, self.state.open_interval = self.state.open_interval, None
         if kept:  # its rate: all its tokens over all its training seconds, the earlier process's included
@@ -131,6 +132,7 @@ class Metrics:
         segment = time.time() - self.segment_start
         self.state.training_seconds += segment
         self.state.training_elapsed_seconds += segment
+        self.clock_running = False
         return time.time()
 
     def resume_clock(self, pause_start):
@@ -138,6 +140,18 @@ class Metrics:
         self.state.training_elapsed_seconds += paused
         self.interval_start += paused  # a mid-interval pause is not training time
         self.segment_start = time.time()
+        self.clock_running = True
+
+    def stop_clock(self, quiet=False):
+        """The end of training where no pause followed the last updates (a diverged or failed run): their time is
+        added, once; nothing before the clock started. quiet: a failed run's, whose GPU may fail the synchronize
+        too (the run's own error is what it records)."""
+        if getattr(self, "clock_running", False):
+            try:
+                self.pause_clock()
+            except Exception:
+                if not quiet:
+                    raise
 
     @contextlib.contextmanager
     def paused(self):

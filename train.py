@@ -290,6 +290,7 @@ class Run:
         of a diverged run, whose last finite weights stay the checkpoint. The loss is seen at log lines only, so the
         weights are checked here: where one is not finite the run diverged since. Returns the stop reason."""
         if reason == "diverged":
+            self.metrics.stop_clock()  # the updates since the last pause count, as a stop's checkpoint counts them
             return reason
         with self.metrics.paused() as start:  # the check too: a pause of the training clock, as the checkpoint is
             if not self.metrics.weights_finite(self.trainer.raw_model):
@@ -347,6 +348,7 @@ class Run:
         error = (f"a second signal ended it before its checkpoint; --resume=True continues from "
                  f"{'the last checkpoint' if self.ckpt_path.exists() else 'the start (no checkpoint was written)'}"
                  if aborted else f"{type(exc).__name__}: {exc}")
+        self.metrics.stop_clock(quiet=True)
         self.metrics.record("aborted" if aborted else "failed", error=error)
         self.metrics.close_dashboards()
 

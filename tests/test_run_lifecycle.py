@@ -153,6 +153,26 @@ def test_a_run_whose_loss_is_not_finite_ends_diverged_with_a_nonzero_exit(text_c
     assert entry["status"] == "diverged" and "nan" in entry["error"].lower()
     assert entry["step"] < entry["total_updates"]  # it stopped there, not at the end
     assert "diverged:" in capsys.readouterr().err
+    # its updates are training time (no pause had counted them: 0.0 s and no tokens/s were recorded)
+    assert entry["training_seconds"] > 0 and entry["training_tokens_per_second"] > 0
+
+
+def test_a_failed_run_records_the_training_time_of_its_updates(text_cache, tmp_path, monkeypatch):
+    """A run failing mid-epoch recorded only the time up to its last pause: none, before its first validation."""
+    cfg = small_config(text_cache, tmp_path, epochs=1)
+    update, calls = train.Run.update, []
+
+    def failing(self, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory")
+        time.sleep(0.05)
+        return update(self, *args)
+    monkeypatch.setattr(train.Run, "update", failing)
+    with pytest.raises(RuntimeError):
+        train.main(cli_args(cfg))
+    entry = lookup(cfg.results_file, [cfg.name])
+    assert entry["status"] == "failed" and entry["training_seconds"] >= 0.1
 
 
 @pytest.mark.parametrize("stop", ["stop_after_updates", "checkpoint_minutes"])

@@ -194,6 +194,14 @@ def test_the_entry_holds_the_training_curve_and_the_dashboards_get_it(text_cache
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
         (p["update"], pytest.approx(p["loss"], rel=1e-6)) for p in again["training_curve"]]
+    # stopped and resumed: the points logged at the checkpoint's update stay (the resumed process does not log them
+    # again); a purge from that update on had dropped them
+    stopped = settings.Config(cfg, log_interval=1, epochs=2, wandb_log=False, overwrite=True, stop_after_updates=2)
+    assert train.train(stopped)["status"] == "interrupted"
+    resumed = train.train(settings.Config(stopped, overwrite=False, resume=True, stop_after_updates=0))
+    events = EventAccumulator(str(tmp_path / "tb" / "t"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [p["update"] for p in resumed["training_curve"]]
 
 
 def test_dashboards_that_are_not_installed_are_one_line_before_training(text_cache, tmp_path, capsys, monkeypatch):
