@@ -39,10 +39,10 @@ def losses_of(cfg, mode, micro, updates):
                               micro_batch_size=micro)
     plan = plan_lib.resolve(run_cfg, AccumulationSettings, world=(0, 0, 1))
     data = plan_lib.training_data(plan)
-    trainer = Trainer.from_plan(plan, total_updates=data.updates_per_epoch)
+    trainer = Trainer.from_plan(plan, total_updates=max(updates, data.updates_per_epoch))
     losses = []
-    for u in range(updates):
-        batches, n_tokens = data.micro_batches(0, u, micro)
+    for u in range(updates):  # into the next epochs where updates is more than one (an epoch ended empty batches)
+        batches, n_tokens = data.micro_batches(*divmod(u, data.updates_per_epoch), micro)
         batches = [(x.to(trainer.device), y.to(trainer.device)) for x, y in batches]
         loss_sum, _ = trainer.update(batches, n_tokens)
         losses.append(loss_sum.item() / n_tokens)

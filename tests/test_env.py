@@ -720,3 +720,18 @@ def test_merging_keeps_an_earlier_run_of_the_same_name_in_the_history(tmp_path):
     assert [h["value"] for h in merged["history"]] == [earlier, {"timestamp": 1.0, "loss": 2.0}]
     assert set(merged["lever-screens"]) == {"qk", "relu2"}
     assert merge_results.merge(returned, local) == (0, 2) and len(read_results(local)["history"]) == 2  # once
+
+
+def test_accumulation_check_trains_past_an_epoch(text_cache, tmp_path):
+    """--updates beyond one epoch read epoch 0 past its end: empty batches, a ZeroDivisionError in every variant."""
+    import math
+    import settings
+    from scripts import accumulation_check as script
+    cfg = settings.Config(settings.defaults(script.AccumulationSettings), data_dir=str(text_cache), dim=32,
+                          n_layers=1, n_heads=2, hidden_dim=64, seq_len=32, tokens_per_update=256, micro_batch_size=8,
+                          device="cpu", cpu_threads=1, train_subset_tokens=2_000, eval_interval=0, val_subset_tokens=0,
+                          results_file=str(tmp_path / "r.json"), out_dir=str(tmp_path / "o"))
+    plan = script.plan_lib.resolve(cfg, script.AccumulationSettings, world=(0, 0, 1))
+    per_epoch = script.plan_lib.training_data(plan).updates_per_epoch
+    losses = script.losses_of(cfg, "eager", 8, per_epoch + 2)
+    assert len(losses) == per_epoch + 2 and all(math.isfinite(x) for x in losses)
