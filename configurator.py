@@ -8,7 +8,7 @@ import sys
 import types
 from pathlib import Path
 
-from env import REPO  # where config/ lies, named when a relative path is not found from here
+from env import GENERATED_CONFIG, REPO  # REPO: where config/ lies, named when a relative path is not found
 from results import atomic_write_text
 
 
@@ -221,6 +221,6 @@ def _config_file(arg, config, defaults, kinds, also, also_kinds):
 def write_config_file(path, config, defaults, header="", keep=()):
     """Write the keys of `config` that differ from `defaults`, and those named in `keep` whatever their value, as a
     config file that reproduces it (keep: keys that must hold when the file is layered over another config)."""
-    lines = [f"# {line}" for line in header.splitlines()]
+    lines = [GENERATED_CONFIG.decode()] + [f"# {line}" for line in header.splitlines()]
     lines += [f"{k} = {v!r}" for k, v in config.items() if k in defaults and (v != defaults[k] or k in keep)]
     atomic_write_text(path, "\n".join(lines) + "\n")

@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent
+GENERATED_CONFIG = b"# a config file written by tiny-llm"  # the first line of those the scripts write (no code)
 
 
 # ---------------------------------------------------------------- identities
@@ -33,19 +34,18 @@ def config_identity(config):
 
 
 def source_hash(root=REPO):
-    """Hash of the repository's Python files (path and bytes), so an entry names the code that produced it.
-
-    Tests, scripts and config files are left out: editing them changes no result of a given config (each entry
-    records its config and that config's identity), and a changed hash makes tune.py measure again and
-    compare.py train again; generated folders (out/, caches) are never code."""
-    digest = hashlib.sha256()
+    """Hash of the repository's Python files (path and bytes), so an entry names the code that produced it. Tests,
+    scripts and configs are left out (an entry records its config; a changed hash makes tune.py measure again and
+    compare.py train again), and so are generated folders (out/, caches) and the config files the scripts write
+    wherever their out_dir is (GENERATED_CONFIG first)."""
+    digest, files = hashlib.sha256(), []
     skip = {"venv", "__pycache__", "out", "runs", "cache", "tests", "scripts", "config"}
-    files = []
     for folder, subfolders, names in os.walk(root):
         subfolders[:] = [d for d in subfolders if d not in skip and not d.startswith(".")]  # never .venv
         files += [Path(folder, n) for n in names if n.endswith(".py")]
-    for path in sorted(files):
-        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    for path, data in ((path, path.read_bytes()) for path in sorted(files)):
+        if not data.startswith(GENERATED_CONFIG):
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + data + b"\0")
     return digest.hexdigest()
 
 

@@ -438,6 +438,12 @@ def test_source_hash_follows_python_files_only(tmp_path):
     (root / "notes.txt").write_text("a")
     first = env.source_hash(root)
     assert env.source_hash(root) == first
+    # a config file a script writes (compare.py's, into an out_dir of any name) is no code: it changed the hash, so
+    # the next compare.py trained its complete runs again
+    (root / "experiments" / "seed1337").mkdir(parents=True)
+    configurator.write_config_file(root / "experiments" / "seed1337" / "compare_config.py", {"epochs": 3},
+                                   train.DEFAULTS, header="The run ...")
+    assert env.source_hash(root) == first
     (root / "notes.txt").write_text("b")
     assert env.source_hash(root) == first
     (root / ".venv" / "lib").mkdir(parents=True)
