@@ -14,7 +14,7 @@
 # results/h200-levers.json, cold's, static's and early's into results/h200-cold-start.json). Needs data/cache/gutenberg;
 # requirements-gpu.txt for the fa4 and quack rows, which are skipped without it. The rows of choices no longer in the
 # code (docs/PERFORMANCE.md, "Levers tried and not kept") are measured by this script in the tree that had them,
-# git 8e61ae0.
+# git 8e61ae0. Runs from any folder (a relative RESULTS_FILE from there); exits 1 when a command failed, after the rest.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 PARTS="ceilings current accumulation loss matched tune levers quack push cold static early speedrun all"
@@ -33,6 +33,11 @@ while [ $# -gt 0 ]; do
 done
 [ ${#parts[@]} -gt 0 ] || usage
 mkdir -p "$(dirname "$R")"
+R=$(cd "$(dirname "$R")" && pwd)/$(basename "$R")  # the results file as given from here; the parts run from the root
+cd "$(dirname "$0")/.."
+failed=0
+set -E
+trap 'failed=1' ERR  # a command that fails (outside a test such as `if has_fa4`) fails the script, after the rest
 REF=config/20m_gh200.py
 bench() { timeout 300 python bench.py "$@" --results_file="$R"; }
 has_quack() {  # quack's kernels run here; else why not, on stderr
@@ -309,4 +314,6 @@ for part in "${parts[@]}"; do
     *) echo "=== $part"; $part ;;
   esac
 done
-python scripts/summarize.py "$R"
+python scripts/summarize.py "$R" || failed=1
+[ $failed = 0 ] || echo "=== a command above failed (its output says which); the others ran" >&2
+exit $failed

@@ -741,3 +741,14 @@ def test_accumulation_check_trains_past_an_epoch(text_cache, tmp_path):
     per_epoch = script.plan_lib.training_data(plan).updates_per_epoch
     losses = script.losses_of(cfg, "eager", 8, per_epoch + 2)
     assert len(losses) == per_epoch + 2 and all(math.isfinite(x) for x in losses)
+
+
+def test_reproduce_h200_fails_when_its_commands_fail_from_any_folder(tmp_path):
+    """Every command failing (no GPU here) ended with exit 0, and started from another folder it ran nothing right."""
+    results = tmp_path / "r.json"
+    results.write_text("{}")
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    out = subprocess.run(["bash", str(REPO / "scripts" / "reproduce_h200.sh"), "ceilings", "--", "r.json"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120, env=dict(os.environ, PATH=path))
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "sees no CUDA GPU here" in out.stderr and "a command above failed" in out.stderr
