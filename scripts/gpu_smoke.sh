@@ -75,6 +75,15 @@ stop_running() {  # ends the steps still in flight: their timeout passes the sig
   wait
 }
 
+on_signal() {  # Ctrl-C or a TERM: timeout keeps its step out of the terminal's signals, so they are ended here
+  echo "=== stopped by a signal at step $step"
+  [ -z "$current" ] || kill -TERM "$current" 2> /dev/null
+  stop_running
+  exit 130
+}
+current=""  # the step in flight with JOBS=1: its timeout's pid
+trap on_signal INT TERM
+
 reap() {  # waits until a step in flight ends, then reports it
   local s done_step="" rest=()
   while [ -z "$done_step" ]; do
@@ -97,10 +106,13 @@ run() {  # run LABEL COMMAND...: the command's output, then one line saying it p
   step=$((step + 1))
   if [ "$step" -lt "$FIRST" ] || [ "$step" -gt "$LAST" ]; then echo "=== step $step skipped: $label"; return; fi
   if [ "$JOBS" -eq 1 ]; then
-    local t=$SECONDS
+    local t=$SECONDS status
     echo "=== $(date +%T) step $step, $label: $*"
-    timeout --kill-after=30 "$STEP_LIMIT" "$@"
-    ended "$step" "$label" $? $((SECONDS - t)) "$*"
+    timeout --kill-after=30 "$STEP_LIMIT" "$@" &  # in the background, so that a signal reaches on_signal at once
+    current=$!
+    wait "$current"; status=$?
+    current=""
+    ended "$step" "$label" $status $((SECONDS - t)) "$*"
     return
   fi
   while [ "${#running[@]}" -ge "$JOBS" ]; do reap; done

@@ -155,3 +155,33 @@ def test_steps_that_select_no_command_fail(tmp_path):
     status, out, events = smoke(tmp_path, 25, 30)
     assert status == 2 and events == []
     assert "gpu smoke passed" not in out and "=== gpu smoke ran no command: steps 25 to 30" in out
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+@pytest.mark.parametrize("sig", ["INT", "TERM"])
+def test_a_signal_stops_the_steps_in_flight_and_the_script(tmp_path, jobs, sig):
+    """timeout keeps a step out of the terminal's signals: Ctrl-C let step 1 run to its end and went on to step 2
+    (JOBS=1), or killed the script and left its steps running (JOBS=2)."""
+    import signal
+    import time
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text(STAND_IN)
+    (bin_dir / "python").chmod(0o755)
+    calls = tmp_path / "calls.txt"
+    calls.write_text("")
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", CALLS=str(calls), LONG="--name=smoke",
+               JOBS=str(jobs))
+    proc = subprocess.Popen(["bash", str(SMOKE), str(tmp_path / "smoke" / "results.json")], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 30
+    while "start" not in calls.read_text() and time.time() < deadline:
+        time.sleep(0.05)
+    begin = time.time()
+    proc.send_signal(getattr(signal, f"SIG{sig}"))
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and time.time() - begin < 20, out
+    assert "=== stopped by a signal at step 1" in out and "step 2" not in out
+    started = [line.split()[1] for line in calls.read_text().splitlines() if line.startswith("start")]
+    time.sleep(0.5)
+    assert started and not [pid for pid in started if os.path.exists(f"/proc/{pid}")]  # no step left running
