@@ -103,8 +103,9 @@ def normalize_neurons(updates, second_moments, beta2=NORMUON_BETA2, eps=NORMUON_
     Frobenius norm it had, so that muon_lr and muon_adjust_lr keep their meaning and only the rows' shares
     change."""
     norm = as_pieces(updates, pieces).norm(dim=(-2, -1), keepdim=True)
-    torch._foreach_lerp_(second_moments, updates.square().mean(dim=-1, keepdim=True).unbind(0), 1 - beta2)
-    normalized = as_pieces(updates / (torch.stack(second_moments).sqrt() + eps), pieces)
+    means = updates.square().mean(dim=-1, keepdim=True).to(second_moments[0].dtype)  # the moments are p's dtype
+    torch._foreach_lerp_(second_moments, means.unbind(0), 1 - beta2)
+    normalized = as_pieces(updates / (torch.stack(second_moments).float().sqrt() + eps), pieces)
     return (normalized * (norm / (normalized.norm(dim=(-2, -1), keepdim=True) + eps))).view(updates.shape)
 
 
@@ -220,6 +221,7 @@ class Muon(torch.optim.Optimizer):
     def __setstate__(self, state):
         """A group saved before a lever existed holds no option for it: it ran with it off."""
         super().__setstate__(state)
+        self.__dict__.setdefault("compile", False)  # a copy or a pickle (torch keeps the groups and state only)
         for group in self.param_groups:
             for key, off in self.LEVERS.items():
                 group.setdefault(key, off)

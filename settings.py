@@ -592,8 +592,8 @@ def micro_steps(cfg, world_size=1):
 def doubtful_values(cfg, total_updates):
     """Legal values that are probably not what was meant: one line each, training goes on."""
     lines = []
-    if cfg.warmup_updates >= total_updates > 0:
-        lines.append(f"warmup_updates {cfg.warmup_updates} is not shorter than the run's {total_updates} updates: "
+    if cfg.warmup_updates > total_updates > 0:  # at equal lengths the last update reaches the peak
+        lines.append(f"warmup_updates {cfg.warmup_updates} is longer than the run's {total_updates} updates: "
                      f"the learning rate never reaches its peak {cfg.learning_rate}")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if cfg.cpu_threads > cores:

@@ -316,3 +316,24 @@ def test_all_levers_compile_the_step_once_and_update_as_eager(text_cache, tmp_pa
     assert hasattr(trainer.optimizer_step, "_torchdynamo_orig_callable")
     assert all(getattr(t, "_dynamo_static_input_type", None) is not None for t in trainer.ema.accumulator)
     assert_moves_close(moves, eager, 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_normuon_takes_the_dtypes_muon_takes_and_a_copy_steps(dtype):
+    """NorMuon's second moment is made in the parameter's dtype and the update it is lerped with is float32: any
+    parameter not in float32 failed its first step. A deepcopy (or pickle) lost the compile attribute, and its next
+    step failed."""
+    import copy
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(16, 8, dtype=dtype))
+    ref = torch.nn.Parameter(p.detach().double().clone())
+    opt, ref_opt = optim.Muon([p], lr=0.02, normuon=True), optim.Muon([ref], lr=0.02, normuon=True)
+    for _ in range(2):
+        grad = torch.randn(16, 8, dtype=torch.float64)
+        p.grad, ref.grad = grad.to(dtype), grad.clone()
+        opt.step()
+        ref_opt.step()
+    assert torch.allclose(p.double(), ref, atol=0.05)
+    twin = copy.deepcopy(opt)
+    twin.param_groups[0]["params"][0].grad = p.grad.clone()
+    twin.step()

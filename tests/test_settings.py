@@ -121,9 +121,11 @@ def test_non_finite_numbers_from_the_command_line_and_config_files_are_refused(t
 def test_warnings_for_legal_values_that_are_probably_not_meant():
     cfg = settings.Config(train.DEFAULTS, warmup_updates=500, cpu_threads=10_000)
     lines = settings.doubtful_values(cfg, total_updates=300)
-    assert any("warmup_updates 500 is not shorter than the run's 300 updates" in line for line in lines)
+    assert any("warmup_updates 500 is longer than the run's 300 updates" in line for line in lines)
     assert any("cpu_threads 10000 is more than the" in line for line in lines)
     assert settings.doubtful_values(settings.Config(train.DEFAULTS), total_updates=3000) == []
+    # as long as the run: its last update reaches the peak, which the warning said it never does
+    assert settings.doubtful_values(settings.Config(train.DEFAULTS, warmup_updates=300), total_updates=300) == []
 
 
 def test_compare_and_tune_vary_only_execution_keys():
