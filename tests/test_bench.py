@@ -123,11 +123,14 @@ def test_user_mistake_is_one_line_and_no_result(tmp_path, text_cache, capsys, ar
     assert len(err) == 1 and all(w in err[0] for w in words), err
 
 
-def test_presets_print_before_and_after(tmp_path, text_cache, capsys):
+def test_presets_print_before_and_after(tmp_path, text_cache, capsys, monkeypatch):
     argv = ["--name=reg", "--presets=20m,50m", "--warmup=1", "--steps=1", "--windows=1", "--data_mode=synthetic",
             "--vocab_size=512"]
     base = [a for a in TINY if not a.startswith("--preset=") and a not in SHAPE]  # presets fix the shapes
+    resets, reset = [], bench.reset_peak_memory
+    monkeypatch.setattr(bench, "reset_peak_memory", lambda device: resets.append(str(device)) or reset(device))
     assert run_bench(tmp_path, text_cache, *argv, base=base)[0] == 0
+    assert resets == ["cpu", "cpu"]  # each preset's peak starts anew, before its model is built
     first = read_results(tmp_path / "results.json")["benchmarks"]
     assert set(first) == {"reg-20m", "reg-50m"}
     for name in ("20m", "50m"):
@@ -324,18 +327,13 @@ def test_each_runs_first_update_records_its_own_compile_not_an_earlier_runs():
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="the CPU's peak resets through Linux's /proc")
-def test_a_preset_after_a_larger_one_records_its_own_cpu_peak(tmp_path, text_cache):
+def test_the_cpu_peak_starts_anew():
     """On the CPU the peak is the process's RSS high-water mark, which getrusage never resets: a preset timed after a
-    larger one in the same process recorded the larger's peak. Each run now starts the mark anew."""
+    larger one in the same process recorded the larger's peak. Each run now starts the mark anew (bench.py's
+    presets: test_presets_print_before_and_after)."""
     trainer_lib.reset_peak_memory("cpu")  # the mark at the memory in use now, whatever earlier tests reached
     big = torch.ones(64 * 2**20)  # 256 MiB, touched
     del big
     with_big = trainer_lib.peak_memory_bytes("cpu")
     trainer_lib.reset_peak_memory("cpu")
     assert trainer_lib.peak_memory_bytes("cpu") < with_big - 200 * 2**20
-    argv = ["--name=order", "--presets=50m,20m", "--warmup=1", "--steps=1", "--windows=1", "--data_mode=synthetic",
-            "--vocab_size=512"]
-    base = [a for a in TINY if not a.startswith("--preset=") and a not in SHAPE]
-    assert run_bench(tmp_path, text_cache, *argv, base=base)[0] == 0
-    entries = read_results(tmp_path / "results.json")["benchmarks"]
-    assert entries["order-20m"]["peak_memory_bytes"] < entries["order-50m"]["peak_memory_bytes"]
