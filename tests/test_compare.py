@@ -711,12 +711,14 @@ def test_an_older_entry_under_a_renamed_key_is_another_execution(tmp_path, capsy
     assert c["speed_verdict"] == "faster"
 
 
-def test_the_baseline_drops_what_needs_compile_with_compile(tmp_path):
+def test_the_baseline_drops_what_needs_compile_with_compile(tiny, tmp_path):
     """The baseline runs eager (compile=False) but kept update_graph and compile_cache, which need compile: a
     compiled config was refused with advice to set compile=True, which it had."""
+    config, results = tiny
     cfg = settings.Config(configurator.load_config(compare.DEFAULTS, [
-        "config/tiny_cpu.py", "--compile=True", "--update_graph=True", f"--compile_cache={tmp_path / 'c.bin'}",
-        f"--results_file={tmp_path / 'r.json'}"]))
+        config, "--compile=True", "--update_graph=True", f"--compile_cache={tmp_path / 'c.bin'}",
+        "--baseline_micro_batch_size=4",
+        f"--results_file={results}"]))
     base, opt = matched.side_configs(cfg)
     assert (base.compile, base.update_graph, base.compile_cache) == (False, False, "")
     assert (opt.compile, opt.update_graph) == (True, True)

@@ -172,8 +172,11 @@ def test_a_signal_stops_the_steps_in_flight_and_the_script(tmp_path, jobs, sig):
     calls.write_text("")
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", CALLS=str(calls), LONG="--name=smoke",
                JOBS=str(jobs))
+    # as from a terminal: SIGINT at its default (pytest-xdist's workers ignore it, and a shell cannot trap a signal
+    # ignored when it started)
     proc = subprocess.Popen(["bash", str(SMOKE), str(tmp_path / "smoke" / "results.json")], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 30
     while "start" not in calls.read_text() and time.time() < deadline:
         time.sleep(0.05)
