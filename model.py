@@ -128,8 +128,9 @@ def get_preset(name, **overrides):
     return replace(PRESETS[name], **overrides)
 
 
-def flops_per_token(config, seq_len):
-    """Training FLOPs per token: 6 x matmul parameters (forward 2, backward 4) plus attention scores.
+def flops_per_token(config, seq_len, context_steps=()):
+    """Training FLOPs per token: 6 x matmul parameters (forward 2, backward 4) plus attention scores; context_steps:
+    a seq_len_schedule's ((context, until), ...), whose attention term is each context's by its share of the tokens.
 
     Matmul parameters are the attention and MLP projections plus the LM head (the embedding lookup does
     no multiplication, but the tied matrix is used again as the head). The attention term counts QK^T and
@@ -143,8 +144,11 @@ def flops_per_token(config, seq_len):
     c = config
     per_layer = 4 * c.dim * c.dim + 3 * c.dim * c.hidden_dim
     matmul_params = c.n_layers * per_layer + c.vocab_size * c.dim
-    attention = 12 * c.n_layers * c.dim * seq_len
-    return 6 * matmul_params + attention
+    shares, start = [], 0.0
+    for context, until in context_steps:
+        shares, start = shares + [(context, until - start)], until
+    mean_context = sum(t * share for t, share in shares + [(seq_len, 1 - start)]) if shares else seq_len
+    return 6 * matmul_params + 12 * c.n_layers * c.dim * mean_context
 
 
 def parameter_count(config):

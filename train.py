@@ -137,7 +137,8 @@ class Run:
         plan = self.plan
         gpu = torch.cuda.get_device_name(plan.device) if plan.device.startswith("cuda") else None
         return {"main_process": self.main_process, "world_size": self.world_size, "device": plan.device,
-                "flops": model_lib.flops_per_token(plan.model, self.cfg.seq_len), "gpu_name": gpu,
+                "flops": model_lib.flops_per_token(plan.model, self.cfg.seq_len,
+                                                   settings.schedule_steps(self.cfg.seq_len_schedule)), "gpu_name": gpu,
                 "parameters": sum(p.numel() for p in self.trainer.raw_model.parameters()),
                 "total_updates": self.total_updates, "total_tokens": self.data.tokens_per_epoch * self.cfg.epochs,
                 "recipe": plan.recipe, "recipe_id": plan.recipe_id,

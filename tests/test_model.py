@@ -515,6 +515,16 @@ def test_flops_per_token_counts_every_matmul_and_attention(name, seq_len):
     assert model.flops_per_token(config, seq_len) == full
 
 
+def test_a_context_schedule_counts_each_context_by_its_share_of_the_tokens():
+    """The entry's FLOPs (and so its MFU) counted attention at seq_len for every token of a schedule's run, whose
+    first 30% of the tokens trained at 256 and the next 30% at 512."""
+    config = model.PRESETS["20m"]
+    at = lambda t: model.flops_per_token(config, t)
+    scheduled = model.flops_per_token(config, 1024, ((256, 0.3), (512, 0.6)))
+    assert scheduled == pytest.approx(0.3 * at(256) + 0.3 * at(512) + 0.4 * at(1024))
+    assert model.flops_per_token(config, 1024, ()) == at(1024)
+
+
 # ---------------------------------------------------------------- errors
 
 def test_unknown_preset_lists_the_valid_ones():

@@ -224,6 +224,9 @@ def test_a_run_with_the_schedule_compiles_each_shape_once(text_cache, tmp_path, 
     finally:
         torch._dynamo.reset()
     assert entry["status"] == "complete" and entry["step"] == 6
+    mcfg = model_lib.ModelConfig(**entry["recipe"]["model"])  # its FLOPs: each context by its share of the tokens
+    assert entry["flops_per_token"] == model_lib.flops_per_token(mcfg, T, ((8, 0.3), (16, 0.6)))
+    assert entry["flops_per_token"] < model_lib.flops_per_token(mcfg, T)
     window = lambda c: (2 * T // c, c)
     assert sorted(shapes) == sorted([(window(c),) * 2 for c in (8, 16, 32)] + [((4, T),) * 2])  # each once
 
@@ -308,6 +311,9 @@ def test_context_windows_compile_one_training_shape(text_cache, tmp_path, monkey
     finally:
         torch._dynamo.reset()
     assert entry["status"] == "complete" and entry["step"] == 6
+    mcfg = model_lib.ModelConfig(**entry["recipe"]["model"])  # its FLOPs: each context by its share of the tokens
+    assert entry["flops_per_token"] == model_lib.flops_per_token(mcfg, T, ((8, 0.3), (16, 0.6)))
+    assert entry["flops_per_token"] < model_lib.flops_per_token(mcfg, T)
     assert sorted(shapes) == sorted([((2, T),) * 2, ((4, T),) * 2])  # training's rows, validation's: once each
 
 
