@@ -76,6 +76,7 @@ class Metrics:
         self.diverged = None  # what was not finite, once something is
         self.interval_updates, self.interval_tokens, self.loss_total = 0, 0, None
         self.segment_start = self.interval_start = time.time()
+        self.clock_running = False  # start_clock starts it
         # (tokens, training seconds) after this process's first update, which compiles: the ETA's mean rate since
         self.rate_start = None
         self.compile_mark = None  # what torch.compile had done when the clock started (env.compile_totals)
@@ -146,7 +147,7 @@ class Metrics:
         """The end of training where no pause followed the last updates (a diverged or failed run): their time is
         added, once; nothing before the clock started. quiet: a failed run's, whose GPU may fail the synchronize
         too (the run's own error is what it records)."""
-        if getattr(self, "clock_running", False):
+        if self.clock_running:
             try:
                 self.pause_clock()
             except Exception:

@@ -144,10 +144,10 @@ def flops_per_token(config, seq_len, context_steps=()):
     c = config
     per_layer = 4 * c.dim * c.dim + 3 * c.dim * c.hidden_dim
     matmul_params = c.n_layers * per_layer + c.vocab_size * c.dim
-    shares, start = [], 0.0
+    mean_context, start = 0.0, 0.0
     for context, until in context_steps:
-        shares, start = shares + [(context, until - start)], until
-    mean_context = sum(t * share for t, share in shares + [(seq_len, 1 - start)]) if shares else seq_len
+        mean_context, start = mean_context + context * (until - start), until
+    mean_context = mean_context + seq_len * (1 - start) if context_steps else seq_len  # an int without a schedule
     return 6 * matmul_params + 12 * c.n_layers * c.dim * mean_context
 
 

@@ -30,7 +30,8 @@ CATEGORIES = [
     # cos and sin as words: cub's "SingleTile" kernels (a sort in the embedding's backward) are no rotary
     ("rotary", ("rotary", "rope", "cat_neg", "neg_cat", re.compile(r"(?<![a-z])(cos|sin)(?![a-z])"))),
     ("elementwise", ("triton_poi", "triton_per", "triton_red", "elementwise", "vectorized", "copy", "fill",
-                     "transpose", "add", "mul", "silu", "swiglu", "sigmoid", "catarray", "aten::cat", "index", "embedding", "reduce")),
+                     "transpose", "add", "mul", "silu", "swiglu", "sigmoid", "catarray", "aten::cat", "index",
+                     "embedding", "reduce")),
 ]
 PROFILE_CATEGORIES = list(dict.fromkeys(c for c, _ in CATEGORIES)) + ["other"]
 
