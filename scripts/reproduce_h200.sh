@@ -5,11 +5,12 @@
 # Parts, in the document's order, with their time on one H200 (warm compiler caches; cold adds about 20 s per
 # compiled shape): ceilings (1 min), current (8 min), accumulation (2 min), loss (2 min), matched (5 min, then
 # compare.py with no GPU), tune (15 min), levers (9 min), quack (6 min), push (10 min), cold (10 min; a fresh
-# machine for its first profile), static (5 min), early (6 min), speedrun (about 54 min: docs/TIME_TO_QUALITY.md's
+# machine for its first profile), static (5 min), early (6 min), speedrun (about 62 min: docs/TIME_TO_QUALITY.md's
 # runs, in parts that also run alone: screens, the kept levers' screens; speed, the speed candidate's seeds and
-# verdict; contexts, the contexts in one shape and the verdict with them; quality320, the width 320 quality candidate's
-# seeds beside the recipe before it; quality4, four passes at 32,768 tokens an update and their verdict at 1024
-# throughout; quality, the width 384 candidate's seeds after the reference, each alone), all (about 135 min).
+# verdict; contexts, the contexts in one shape and the verdict with them; quality320, the width 320 quality
+# candidate's seeds beside the recipe before it; quality4, four passes at 32,768 tokens an update and their verdict
+# at 1024 throughout; quality, the width 384 candidate's verdict, then its seeds before muon_split_projections),
+# all (about 143 min).
 # Merge the results file into results/h200.json with scripts/merge_results.py (parts quack's and push's into
 # results/h200-levers.json, cold's, static's and early's into results/h200-cold-start.json). Needs data/cache/gutenberg;
 # requirements-gpu.txt for the fa4 and quack rows, which are skipped without it. The rows of choices no longer in the
@@ -228,7 +229,7 @@ early() {  # docs/COLD_START.md, the helper children started at the process's st
 # config/20m_quality.py (the docs' NARROW; tests/test_settings.py holds the two to one list).
 SPLIT=--context_windows=False
 NARROW="--dim=320 --n_heads=5 --hidden_dim=896 --seq_len_schedule=256:0.3,512:0.6 --tokens_per_update=16384
-  --micro_batch_size=16 --muon_lr=0.003"
+  --micro_batch_size=16 --muon_lr=0.003 --muon_split_projections=False"
 screens() {  # "The speedrun's levers, screened": each kept lever on the shipped recipe, then its cost; the levers not
   # kept left the code, and their rows ran this part at commit 94da7b6
   local recipe=config/20m_muon_wsd.py name args
@@ -295,15 +296,20 @@ quality4() {  # four passes of the width 320 at 32,768 tokens an update, each se
     --target_baseline=config/20m_gh200.py --target_baseline_seeds=2 --name=20m-quality-q4-32k-ctx-none \
     --results_file="$R"
 }
-quality() {  # the candidate (width 384, 24,576 an update, three passes): the reference alone after a short bench that
-  # compiles its graphs, then the candidate's seeds, each alone (the docs' rows ran four at once but the first seed's)
-  local s
-  bench config/20m_gh200.py --warmup=3 --steps=5 --windows=1 --name=warm-reference-graphs
+quality() {  # "The quality candidate": its verdict (width 384, 24,576 an update, three passes, Muon on the projections
+  # apart) beside the reference's two seeds, after short runs that compile each recipe's graphs; then the candidate
+  # before muon_split_projections, its seeds each alone after the reference (the docs' rows ran four at once)
+  local s warm="--epochs=2 --train_subset_tokens=655361 --val_subset_tokens=65536 --overwrite=True"
+  timeout 120 python train.py config/20m_quality.py $warm --name=warm-quality-graphs --results_file="$R"
+  timeout 90 python train.py config/20m_gh200.py $warm --name=warm-reference-graphs --results_file="$R"
+  timeout 900 python compare.py config/20m_quality.py --mode=time-to-target --seeds=5 --target_loss=3.80 \
+    --eval_interval=0 --target_baseline=config/20m_gh200.py --target_baseline_seeds=2 --name=20m-quality-split \
+    --results_file="$R"
   timeout 300 python train.py config/20m_gh200.py --seed=1337 --overwrite=True --name=20m-reference-seed1337-solo \
     --results_file="$R"
   for s in 1337 1338 1339 1340 1341; do
-    timeout 300 python train.py config/20m_quality.py --eval_interval=0 --seed=$s --overwrite=True \
-      --name=20m-quality-seed$s-solo --results_file="$R"
+    timeout 300 python train.py config/20m_quality.py --muon_split_projections=False --eval_interval=0 --seed=$s \
+      --overwrite=True --name=20m-quality-seed$s-solo --results_file="$R"
   done
 }
 speedrun() { screens; speed; contexts; quality320; quality4; quality; }

@@ -159,7 +159,7 @@ def test_the_quality_candidate_is_the_speed_candidate_wider_over_three_passes_re
     assert {k: quality[k] for k in quality if quality[k] != speed[k]} == \
         {"name": "20m-quality", "dim": 384, "n_heads": 6, "hidden_dim": 1024, "train_subset_tokens": 0, "epochs": 3,
          "seq_len_schedule": "", "tokens_per_update": 24576, "micro_batch_size": 24, "muon_lr": 0.0035,
-         "weight_decay": 0.3, "cooldown_fraction": 0.7, "ema": 0.998}
+         "muon_split_projections": True, "weight_decay": 0.3, "cooldown_fraction": 0.7, "ema": 0.998}
 
 
 def test_the_narrow_keys_of_the_docs_and_the_reproduce_script_restore_the_width_320_candidate():
