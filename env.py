@@ -62,45 +62,42 @@ def _run(cmd, cwd=None):
 def package_versions(names=("torch", "triton", "numpy", "datasets", "transformers", "tokenizers")):
     """{distribution name: its installed version, or None}."""
     from importlib import metadata
-    def version(name):
+    versions = {}
+    for name in names:
         try:
-            return metadata.version(name)
+            versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
-            return None
-    return {name: version(name) for name in names}
+            versions[name] = None
+    return versions
 
 
 COMPILER_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE_", "TRITON_")
+
+
 CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR")
 _before_early_fresh = {}  # the variables as they were when fresh_compiler_caches(early=True) replaced them
 
 
 def compiler_cache():
     """The Inductor, Triton and flash-attn-4 cache folders in effect: each library's environment variable, else its
-    default by the library's rule (flash-attn-4's None; Triton's the one Inductor gives it, cache_dir_utils'
-    triton_cache_dir, which pin_triton_cache sets for the whole run), without importing them."""
+    default by the library's rule (flash-attn-4's None), without importing them."""
     try:
         user = getpass.getuser()
     except (KeyError, OSError):
         user = f"uid_{os.getuid()}"
     user = re.sub(r'[\\/:*?"<>|]', "_", user)  # torch._inductor.runtime.cache_dir_utils's default folder
-    inductor = os.path.abspath(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or
-                               os.path.join(tempfile.gettempdir(), f"torchinductor_{user}"))
-    triton = os.path.join(inductor, "triton", os.environ.get("LOCAL_RANK", "0"))  # by the run's device
-    return {"TORCHINDUCTOR_CACHE_DIR": inductor, "TRITON_CACHE_DIR": os.environ.get("TRITON_CACHE_DIR") or triton,
+    inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+    triton_home = os.environ.get("TRITON_HOME") or str(Path.home())  # triton.knobs.cache.dir's default
+    return {"TORCHINDUCTOR_CACHE_DIR": os.path.abspath(inductor),
+            "TRITON_CACHE_DIR": os.environ.get("TRITON_CACHE_DIR") or os.path.join(triton_home, ".triton", "cache"),
             "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR")}
 
 
-def pin_triton_cache():
-    """TRITON_CACHE_DIR, if unset, set to Inductor's folder for it, which Inductor sets at its first kernel: a kernel
-    compiled before (first_calls' helpers, a compile cache's) went to ~/.triton/cache, and compiled again after."""
-    os.environ.setdefault("TRITON_CACHE_DIR", compiler_cache()["TRITON_CACHE_DIR"])
-
-
 def fresh_compiler_caches(early=False):
-    """Point the compiler caches at new, empty folders (a cold compile), before anything imports flash-attn-4 (it reads
-    its folder at import). early: at the process's start (first_calls.start_early), for the helpers started then to
-    inherit; compiler_cache_state() then takes them as the run's, or puts them back if the run is not cold."""
+    """Point the compiler caches at new, empty folders (a cold compile), before anything imports flash-attn-4 (which
+    reads its folder at import). early: at the process's start, before its settings are read (model_kernels/
+    first_calls.start_early), so that the helpers started then inherit them; compiler_cache_state() then takes them as
+    the run's, or puts the variables back when the run turns out not to be cold."""
     if early:
         _before_early_fresh.update({variable: os.environ.get(variable) for variable in CACHE_VARIABLES})
     root = tempfile.mkdtemp(prefix="tiny-llm-cold-")
@@ -112,13 +109,14 @@ def compiler_cache_state(fresh=False):
     """(the compiler caches' folders, whether Inductor's is empty); fresh points them at new, empty folders first
     (a cold compile), or keeps those made at the process's start for it."""
     if _before_early_fresh and not fresh:
-        for variable in _before_early_fresh:  # back as they were
-            os.environ.pop(variable, None)
-        os.environ.update({variable: value for variable, value in _before_early_fresh.items() if value is not None})
+        for variable, value in _before_early_fresh.items():
+            if value is None:
+                os.environ.pop(variable, None)
+            else:
+                os.environ[variable] = value
     elif fresh and not _before_early_fresh:
         fresh_compiler_caches()
     _before_early_fresh.clear()
-    pin_triton_cache()
     return compiler_cache(), inductor_cache_empty()
 
 
@@ -130,8 +128,9 @@ def inductor_cache_empty():
 
 def inductor_graph_counts():
     """{"compiled", "from_cache", "kernels_from_binaries"}: the graphs Inductor has made in this process so far, those
-    of them its FX graph cache held (a warm start compiles none; a cold one takes none from the cache), and the kernels
-    those cached graphs launch from their saved binaries, without Triton (static_launch_user_kernels: SwiGLU's too)."""
+    of them its FX graph cache held (a warm start compiles none; a cold one takes none from the cache), and the
+    kernels those cached graphs launch from their saved binaries, without Triton (static_launch_user_kernels adds
+    the SwiGLU kernel's)."""
     from torch._dynamo.utils import counters
     inductor = counters["inductor"]
     return {"compiled": inductor["fxgraph_cache_miss"], "from_cache": inductor["fxgraph_cache_hit"],
@@ -140,7 +139,7 @@ def inductor_graph_counts():
 
 def compile_totals():
     """What torch.compile has done in this process so far (Inductor's graph counts, Dynamo's timers): a mark for
-    compiled_since (neither is reset between the runs of one process: bench.py's presets)."""
+    compiled_since, since neither is reset between the runs of one process (bench.py's presets)."""
     from torch._dynamo.utils import calculate_time_spent
     return inductor_graph_counts(), calculate_time_spent()
 
@@ -149,8 +148,8 @@ def compiled_since(mark=None):
     """(graphs, seconds) that torch.compile made and spent since mark (compile_totals(); None: since the process
     began). graphs as inductor_graph_counts'; seconds by phase from Dynamo's timers: Dynamo's tracing, AOTAutograd
     (and, warm, the caches' loads), Inductor's code generation, the wait for Triton's compiles (or loads), and their
-    total. Around a run's first update, what of it went to compiling; the rest is the kernels' first calls, the
-    graphs' capture and the update itself."""
+    total. Around a run's first update, what of it went to compiling, cold or warm; the rest is the kernels' first
+    calls, the graphs' capture and the update itself."""
     graphs_before, spent_before = mark or ({}, {})
     graphs, spent = compile_totals()
     took = lambda name: spent.get(name, 0.0) - spent_before.get(name, 0.0)
@@ -270,7 +269,8 @@ def peak_flops(device_name):
 
 def portable_traceback(limit=8):
     """The exception being handled, as traceback.format_exc writes it, without this machine's paths: repository
-    files relative to the repository, installed packages from site-packages on, the standard library as stdlib/."""
+    files relative to the repository, installed packages from site-packages on, the standard library as stdlib/.
+    The results file is shared."""
     text = traceback.format_exc(limit=limit).replace(f'"{REPO}{os.sep}', '"')
     text = text.replace(f'"{sysconfig.get_paths()["stdlib"]}{os.sep}', '"stdlib/')
     return re.sub(r'"[^"\n]*?[/\\]((?:site|dist)-packages[/\\])', r'"\1', text)

@@ -87,13 +87,10 @@ def kernels_of(job):
 def start_early(argv, fresh=False, command=None, gpu=None):
     """At a train.py or bench.py process's start, before it imports torch (argv: its arguments): when the machine has
     an NVIDIA GPU (gpu, by default its device node) and Inductor's cache is empty, a child per kernel, each importing
-    until prestart keeps or ends it. Triton's cache folder is pinned first (env.pin_triton_cache), for the children
-    and the run alike. fresh (bench.py's cold=True among argv's overrides): new, empty cache folders first, which the
-    children inherit and the run then takes as its own (env.fresh_compiler_caches). command as start()'s."""
-    if "-h" in argv or "--help" in argv:
-        return
-    env.pin_triton_cache()  # the children's folder for Triton's kernels and the run's
-    if not (_has_nvidia_gpu() if gpu is None else gpu):
+    until prestart keeps or ends it. fresh (bench.py's cold=True among argv's overrides): new, empty cache folders
+    first, which the children inherit and the run then takes as its own (env.fresh_compiler_caches). command as
+    start()'s."""
+    if "-h" in argv or "--help" in argv or not (_has_nvidia_gpu() if gpu is None else gpu):
         return
     if fresh:
         env.fresh_compiler_caches(early=True)

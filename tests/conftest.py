@@ -1,9 +1,7 @@
-"""Shared test fixtures: small token caches in the format data/prepare.py writes; each test's TRITON_CACHE_DIR put
-back."""
+"""Shared test fixtures: small token caches in the format data/prepare.py writes."""
 import hashlib
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -14,17 +12,6 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 SHARED_CORPUS = REPO.parent / "shared" / "data" / "gutenberg"
-
-
-@pytest.fixture(autouse=True)
-def triton_cache_dir_as_it_was():
-    """A run in a test's process pins TRITON_CACHE_DIR (env.pin_triton_cache), often into the test's own folders,
-    which monkeypatch does not know of: each test ends with the variable as it began."""
-    before = os.environ.get("TRITON_CACHE_DIR")
-    yield
-    os.environ.pop("TRITON_CACHE_DIR", None)
-    if before is not None:
-        os.environ["TRITON_CACHE_DIR"] = before
 
 
 def assert_loss_and_gradients_match_cross_entropy(loss_of, h, w, targets):

@@ -542,33 +542,6 @@ def test_early_children_start_on_a_cold_gpu_machine_only_and_the_plan_keeps_thos
         first_calls.stop()
 
 
-def test_the_run_and_its_helpers_compile_triton_kernels_into_the_folder_inductor_gives_triton(tmp_path, monkeypatch):
-    """Inductor sets TRITON_CACHE_DIR at its first kernel, where unset, to a folder in its own cache; a kernel compiled
-    before that (the loss's helper child, started at the process's start) went to Triton's default, ~/.triton/cache,
-    and the run's own first call, after Inductor's kernels, looked in Inductor's folder and compiled it again. The
-    start pins the variable to Inductor's folder, so the helpers inherit the one the run's kernels use throughout."""
-    from torch._inductor.runtime import cache_dir_utils
-    from model_kernels import first_calls
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # empty: a cold run, helpers start
-    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    inductors = cache_dir_utils.triton_cache_dir(0)  # what Inductor would set at its first kernel on cuda:0
-    assert env.compiler_cache()["TRITON_CACHE_DIR"] == inductors
-    seen = tmp_path / "seen"
-    write = f"import os\nopen({str(seen)!r}, 'w').write(os.environ.get('TRITON_CACHE_DIR', 'unset'))"
-    try:
-        first_calls.start_early([], command=stand_in_children({"loss": write}), gpu=True)
-        assert os.environ["TRITON_CACHE_DIR"] == inductors  # Inductor keeps a set variable
-        first_calls._children["loss"]["process"].stdin.close()
-        first_calls._children["loss"]["process"].wait(timeout=60)
-        assert seen.read_text() == inductors
-    finally:
-        first_calls.stop()
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))  # the user's own is kept
-    env.compiler_cache_state()
-    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
-
-
 @pytest.mark.parametrize("cold_run", [True, False])
 def test_bench_cold_folders_made_at_the_start_are_the_runs_and_put_back_when_it_is_not_cold(tmp_path, monkeypatch,
                                                                                          cold_run):
