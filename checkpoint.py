@@ -96,7 +96,10 @@ def load_model(path):
     ckpt = read(path)
     try:
         model = Transformer(ModelConfig.from_dict(ckpt["model_config"]))
-        model.load_state_dict(ckpt["model"])
+        loaded = model.load_state_dict(ckpt["model"], strict=False)  # checked here, for a one-line message
+        if loaded.missing_keys or loaded.unexpected_keys:
+            raise KeyError(f"its weights lack {loaded.missing_keys[0]}" if loaded.missing_keys else
+                           f"its weights hold {loaded.unexpected_keys[0]}, which the model lacks")
         if ckpt.get("ema"):  # its names are the model's parameters (the tied head is the embedding's)
             unknown = model.load_state_dict(averaged_weights(ckpt["ema"], ckpt["step"]), strict=False).unexpected_keys
             if unknown:

@@ -61,8 +61,8 @@ EvaluateSettings = settings.compose(
     settings.pick(ModelShape, "seq_len"), settings.pick(Execution, "device", "eval_batch_size"),
     init_from=setting("", "the weights: a train.py checkpoint (ckpt.pt or its run folder) or a transformers Llama "
                           "folder (sample.py --export_hf's)", WEIGHTS),
-    data_dir=setting(DEFAULT_DATA_DIR, "the token cache: its validation split, and its tokenizer (at this default, a "
-                                       "checkpoint's own cache)", RUN),
+    data_dir=setting("", f"the token cache: its validation split, and its tokenizer (\"\": a checkpoint's own cache; "
+                         f"for a transformers folder, which records none, {DEFAULT_DATA_DIR})", RUN),
     name=setting("", "the entry's name under evaluation. in the results file (\"\": init_from, and :TEXT with a "
                      "text file)", RUN),
     seq_len=setting(0, "tokens per scored window (0: the context the weights were trained with)", MODEL,
@@ -96,17 +96,18 @@ def load_weights(cfg):
 
 
 def data_folder(cfg, initial):
-    """The cache: data_dir when set, else a checkpoint's own (as recorded, found from here); an export records
-    none, so data_dir at its default must hold one."""
-    at_default = cfg.data_dir == DEFAULT_DATA_DIR
-    if not at_default or initial.data_dir is None:
-        folder = Path(cfg.data_dir)
-        if at_default and not (folder / "meta.json").is_file():
-            raise ConfigError(f"init_from {initial.path} is a transformers folder, which records no token cache, and "
-                              f"data_dir {folder} (the default) holds none; pass --data_dir=FOLDER, a cache prepared "
-                              f"with its tokenizer")
-        return folder
-    return initial.data_dir
+    """The cache: data_dir when given (even at train.py's default path), else a checkpoint's own (as recorded,
+    found from here); an export records none, so then train.py's default, which must hold one."""
+    if cfg.data_dir:
+        return Path(cfg.data_dir)
+    if initial.data_dir is not None:
+        return initial.data_dir
+    folder = Path(DEFAULT_DATA_DIR)
+    if not (folder / "meta.json").is_file():
+        raise ConfigError(f"init_from {initial.path} is a transformers folder, which records no token cache, and "
+                          f"{folder} (train.py's default cache) holds none; pass --data_dir=FOLDER, a cache prepared "
+                          f"with its tokenizer")
+    return folder
 
 
 def open_data(cfg, initial):

@@ -21,10 +21,15 @@ MODEL_TYPES = ("llama", "qwen3")  # what an export's config.json is, and what fr
 NOT_EXPORTED = ("value_embeddings",)
 
 
+def unexported_levers(config):
+    """The levers of NOT_EXPORTED that our ModelConfig has on, as KEY=VALUE."""
+    return [f"{k}={getattr(config, k)}" for k in NOT_EXPORTED if getattr(config, k) != LEVERS[k]]
+
+
 def export_problem(config):
     """Why our ModelConfig has no transformers class that computes its function (a lever in NOT_EXPORTED is on),
     as one line, or None."""
-    on = [f"{k}={getattr(config, k)}" for k in NOT_EXPORTED if getattr(config, k) != LEVERS[k]]
+    on = unexported_levers(config)
     if on:
         return (f"--export_hf cannot export {', '.join(on)}: neither transformers' LlamaForCausalLM nor "
                 f"Qwen3ForCausalLM computes it; export a model trained without it")

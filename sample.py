@@ -22,16 +22,17 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 import checkpoint
 import plan as plan_lib
 import results
 import settings
 from configurator import ConfigError
-from settings import Execution, Paths, Recipe, setting
+from settings import RUN, Execution, Paths, Recipe, setting
 from data.loader import CacheError, TokenCache, prepare_command
 from data.parts import encode_text
-from hf import MODEL_TYPES as hf_model_types, export_problem, to_hf, weight_files as hf_weight_files
+from hf import export_problem, to_hf
 
 # ---------------------------------------------------------------- settings (sampling's; name, out_dir, data_dir,
 # device and seed mean what they mean in train.py, whose other keys a config file may set and sampling ignores)
@@ -94,7 +95,9 @@ SampleSettings = settings.compose(
     "SampleSettings", Sampling, settings.pick(Paths, "name", "out_dir", "data_dir"),
     settings.pick(Execution, "device", device=setting("auto", "auto (a GPU if there is one, else the CPU), cuda or "
                                                               "cpu", choices=settings.DEVICES)),
-    settings.pick(Recipe, "seed"))
+    settings.pick(Recipe, "seed"),
+    data_dir=setting("", "the token cache whose tokenizer encodes and decodes (\"\": the run's own; another one must "
+                         "hold the same tokenizer)", RUN))
 SampleSettings.rules = staticmethod(lambda cfg: check_export_folder(Path(cfg.export_hf)) if cfg.export_hf else None)
 DEFAULTS = settings.defaults(SampleSettings)
 
@@ -126,15 +129,15 @@ def load_tokenizer(data_dir, vocab_size=0):
     from transformers import AutoTokenizer
     try:
         return AutoTokenizer.from_pretrained(str(folder))
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # a damaged file fails with whatever the parser meets (a KeyError, a TypeError)
         raise SampleError(f"the tokenizer in {folder} could not be loaded ({exc}); prepare the cache again") from None
 
 
 def tokenizer_folder(cfg, ckpt):
-    """The token cache folder whose tokenizer encodes and decodes: data_dir when it is set to another folder
-    than the run's (a cache moved or copied, say), else the one the run trained on. A data_dir at its default,
-    or as the checkpoint records it, is the run's own (found from here as checkpoint.run_data_dir says)."""
-    if cfg.data_dir not in (ckpt["config"]["data_dir"], DEFAULTS["data_dir"]):
+    """The token cache folder whose tokenizer encodes and decodes: data_dir when it names another folder than the
+    run's (a cache moved or copied, say), else the one the run trained on. A data_dir unset, or as the checkpoint
+    records it (a config file's), is the run's own (found from here as checkpoint.run_data_dir says)."""
+    if cfg.data_dir not in (ckpt["config"]["data_dir"], ""):
         return Path(cfg.data_dir)
     return checkpoint.run_data_dir(ckpt)
 
@@ -203,9 +206,10 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0, generator=Non
     return idx
 
 
-# What an export writes (sample.export: transformers' save_pretrained of the model and of the tokenizer), the
-# files a transformers version may add to them, and export()'s staging folders that a killed export leaves.
-EXPORT_FILES = {"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+# What an export writes (sample.export: its mark, transformers' save_pretrained of the model and of the tokenizer),
+# the files a transformers version may add to them, and export()'s staging folders that a killed export leaves.
+EXPORT_MARK = "tiny_llm_export.json"  # written first into each export: what --export_hf may replace
+EXPORT_FILES = {EXPORT_MARK, "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
                 "pytorch_model.bin", "pytorch_model.bin.index.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt",
                 "tokenizer.model"}
@@ -218,9 +222,10 @@ def is_export_file(name):
 
 
 def check_export_folder(folder):
-    """--export_hf replaces the files of an export: the folder must be new, empty, or an earlier export (a
-    Llama config.json beside its weights, and nothing else than an export writes). A token cache there would
-    get another tokenizer under its recorded hash; a run's folder would mix its checkpoint with an export."""
+    """--export_hf replaces the files of an export: the folder must be new, empty, or an earlier export (its mark,
+    and nothing else than an export writes). A token cache there would get another tokenizer under its recorded
+    hash; a run's folder would mix its checkpoint with an export; a transformers folder of the user's own (without
+    the mark) would be replaced without being asked."""
     if not folder.exists():
         return
     if not folder.is_dir():
@@ -231,31 +236,25 @@ def check_export_folder(folder):
         raise SampleError(f"--export_hf {folder} cannot be read ({exc.strerror}); give a writable folder") from None
     foreign = [n for n in names if not is_export_file(n)]
     left = [n for n in names if not n.startswith(EXPORT_STAGING)]  # an export killed before its files were in place
-    if not left or (not foreign and _is_llama_config(folder / "config.json") and hf_weight_files(folder)):
+    if not left or (not foreign and EXPORT_MARK in names):
         return
     kind = ": it is a token cache" if {"meta.json", "train.bin"} & set(names) else \
         ": it is a run's folder" if checkpoint.FILE_NAME in names else ""
     listed = ", ".join(foreign[:4] + ["..."] * (len(foreign) > 4))
     what = (f"holds files that an export does not write ({listed}){kind}" if foreign
-            else "is not an earlier export (no Llama config.json beside weights)")
+            else f"is not an earlier export of sample.py (it has no {EXPORT_MARK})")
     raise SampleError(f"--export_hf {folder} {what}, and the export would replace its files; give a new or empty "
                       f"folder, or an earlier export")
-
-
-def _is_llama_config(path):
-    """An export's config.json: Llama's, or Qwen3's (qk_norm's)."""
-    try:
-        return json.loads(path.read_text()).get("model_type") in hf_model_types
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def export(model, tokenizer, folder, eot_token_id=None):
     """Save transformers' LlamaForCausalLM of this model and the tokenizer into folder; generate() stops at
     eot_token_id.
 
-    Both are written into a temporary folder inside it, and each file is then renamed into place: a crash
-    leaves the folder's files whole, old or new, never half a weights file."""
+    Both are written into a temporary folder inside it, then renamed into place file by file, the earlier
+    config.json removed first and the new one renamed last: a crash leaves whole files and no config.json (which
+    transformers refuses to load, rather than load old weights with a new config) until the next export. Files of
+    the earlier export that this one does not write (another transformers version's) are removed."""
     # Documents are joined by end-of-text, so that token is also what precedes each one: bos as well as eos, and
     # generate() without a prompt starts from it as an empty --prompt does. No pad id: Llama makes pad_token_id
     # its embedding's padding_idx, whose lookups pass no gradient, and this id is a real token of every document;
@@ -270,12 +269,22 @@ def export(model, tokenizer, folder, eot_token_id=None):
         raise SampleError(f"--export_hf {folder} cannot be made ({exc.strerror}); give a writable folder") from None
     for killed in folder.glob(EXPORT_STAGING + "*"):  # what an export killed while it saved left
         shutil.rmtree(killed, ignore_errors=True)
-    with tempfile.TemporaryDirectory(dir=folder, prefix=EXPORT_STAGING) as staging:
-        hf.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        for written in Path(staging).iterdir():
-            os.chmod(written, results.new_file_mode())  # safetensors writes its file owner-only; the rest get this
-            os.replace(written, folder / written.name)
+    try:
+        with tempfile.TemporaryDirectory(dir=folder, prefix=EXPORT_STAGING) as staging:
+            hf.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            written = sorted(Path(staging).iterdir(), key=lambda p: p.name == "config.json")  # config.json last
+            results.atomic_write_text(folder / EXPORT_MARK, json.dumps({"written_by": "tiny-llm sample.py"}) + "\n")
+            for old in [folder / "config.json"] + [p for p in folder.iterdir() if is_export_file(p.name)
+                                                   and p.name not in {EXPORT_MARK, *(w.name for w in written)}
+                                                   and not p.name.startswith(EXPORT_STAGING)]:
+                old.unlink(missing_ok=True)
+            for path in written:
+                os.chmod(path, results.new_file_mode())  # safetensors writes its file owner-only; the rest get this
+                os.replace(path, folder / path.name)
+    except (OSError, SafetensorError) as exc:  # a full disk: safetensors' own error, not an OSError
+        raise SampleError(f"--export_hf {folder} could not be written ({exc}); free space or give another folder, "
+                          f"and export again") from None
     print(f"exported {folder}: load it with transformers.AutoModelForCausalLM.from_pretrained({str(folder)!r}) "
           f"and AutoTokenizer.from_pretrained({str(folder)!r})", file=sys.stderr)
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import checkpoint  # noqa: E402
 from data.loader import CacheError, TokenCache  # noqa: E402
-from hf import hf_named_tensors, to_hf  # noqa: E402
+from hf import hf_named_tensors, to_hf, unexported_levers  # noqa: E402
 from model import Transformer, get_preset  # noqa: E402
 from results import ResultsFileError, append, read_results  # noqa: E402
 from scripts.common import positive_int  # noqa: E402
@@ -72,6 +72,10 @@ def main(argv):
             tokens = torch.from_numpy(TokenCache(checkpoint.run_data_dir(ckpt), verify=False).val[:args.tokens + 1]
                                       .astype("int64"))
             preset = ckpt["config"].get("preset")
+            if len(tokens) < args.tokens + 1:
+                raise ValueError(f"--tokens {args.tokens:,} is more than the validation split of "
+                                 f"{checkpoint.run_data_dir(ckpt)} holds ({len(tokens) - 1:,} after its first); give "
+                                 f"at most that")
         else:
             model, preset = Transformer(get_preset(args.preset)), args.preset
             tokens = torch.randint(0, model.config.vocab_size, (args.tokens + 1,),
@@ -79,6 +83,10 @@ def main(argv):
         if args.seq_len > model.config.max_seq_len:
             raise ValueError(f"--seq_len {args.seq_len} is longer than the model's context of "
                              f"{model.config.max_seq_len} tokens; give at most {model.config.max_seq_len}")
+        if unexported_levers(model.config):
+            raise ValueError(f"checkpoint {args.checkpoint} has {', '.join(unexported_levers(model.config))}, which "
+                             f"neither transformers' LlamaForCausalLM nor Qwen3ForCausalLM computes: there is no "
+                             f"parity to check")
     except (ValueError, CacheError, ResultsFileError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

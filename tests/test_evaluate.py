@@ -178,6 +178,23 @@ def test_a_cache_of_another_tokenizer_is_refused_for_a_checkpoint_and_an_export(
     one_line_error(capsys, [*base, f"--init_from={run['export']}"], "tokenizer that differs", "evaluate on")
 
 
+
+def test_a_data_dir_given_at_the_default_path_is_the_cache_evaluated(run, tmp_path, monkeypatch, capsys):
+    """--data_dir=data/cache/gutenberg (train.py's default) was taken for "not given": a checkpoint was evaluated
+    on its own cache, unsaid, and a cache with another tokenizer at that path was not refused; an export, which
+    records no cache, still takes that default path when --data_dir is not given."""
+    import shutil
+    other = bpe_tokenizer(" ".join(run["val_pages"]), 280)
+    prepared_cache(tmp_path / "data" / "cache" / "gutenberg", other, run["val_pages"][:1], run["val_pages"][1:])
+    monkeypatch.chdir(tmp_path)
+    base = [f"--results_file={tmp_path / 'results.json'}", "--device=cpu"]
+    one_line_error(capsys, [*base, f"--init_from={run['out']}", "--data_dir=data/cache/gutenberg"],
+                   "tokenizer differs")
+    one_line_error(capsys, [*base, f"--init_from={run['export']}"], "tokenizer that differs")
+    shutil.rmtree(tmp_path / "data" / "cache" / "gutenberg")
+    shutil.copytree(run["cache"], tmp_path / "data" / "cache" / "gutenberg")
+    assert evaluated(run, f"--init_from={run['export']}")["loss"] == pytest.approx(run["final"]["loss"], abs=1e-4)
+
 def test_merging_results_files_keeps_each_evaluation_entry(tmp_path):
     """scripts/merge_results.py merges evaluation.NAME entry by entry, as it does benchmarks.NAME."""
     import importlib.util

@@ -85,14 +85,15 @@ def test_qk_norm_matches_transformers_qwen3():
 
 
 def test_an_export_with_qk_norm_loads_in_transformers_and_comes_back_through_init_from(tmp_path):
-    """save_pretrained's folder: AutoModelForCausalLM's logits are ours; read as init_from reads one, the same
-    lever and every weight."""
+    """sample.export's folder: AutoModelForCausalLM's logits are ours; read as init_from reads one, the same lever
+    and every weight."""
     import checkpoint
     import sample
     from transformers import AutoModelForCausalLM
     config = tiny_config(qk_norm=True)
     ours = seeded_model(config).eval()
-    hf.to_hf(ours).save_pretrained(tmp_path / "hf")
+    no_tokenizer = type("NoTokenizer", (), {"save_pretrained": lambda self, folder: None})()
+    sample.export(ours, no_tokenizer, tmp_path / "hf")  # --export_hf's, but for the tokenizer
     x, _ = random_batch(config, 2, 40)
     with torch.no_grad():
         loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()

@@ -181,9 +181,100 @@ def test_a_failed_export_leaves_the_folder_as_it_was(trained, tmp_path, monkeypa
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", disk_full)
     monkeypatch.setattr(sample, "to_hf", lambda m, _to_hf=hf.to_hf, **ids: _perturbed(_to_hf(m, **ids)))
-    with pytest.raises(OSError, match="No space left"):
-        sample.main([f"--out_dir={trained['out']}", "--device=cpu", f"--export_hf={folder}"])
+    with pytest.raises(sample.SampleError, match=f"--export_hf {folder} could not be written .*No space left"):
+        sample.sample(config(trained, f"--export_hf={folder}"))
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+def test_an_export_stopped_among_its_renames_leaves_no_loadable_mixture_and_the_next_export_mends_it(
+        trained, tmp_path, monkeypatch):
+    """Files were renamed into place one by one, config.json among them, so a failure midway left new weights beside
+    the earlier config.json, a folder transformers loaded as neither export. The earlier config.json goes first now
+    and the new one comes last; files of the earlier export that the new one does not write go too."""
+    import os
+    from transformers import AutoModelForCausalLM
+    folder = tmp_path / "hf"
+    assert sample.main([f"--out_dir={trained['out']}", "--device=cpu", f"--export_hf={folder}"]) == 0
+    (folder / "model-00001-of-00002.safetensors").write_bytes(b"a shard of another transformers version's export")
+    replace = os.replace
+
+    def fails_at_the_weights(src, dst):
+        if str(dst).endswith("model.safetensors"):
+            raise OSError(5, "Input/output error")
+        replace(src, dst)
+    monkeypatch.setattr(sample.os, "replace", fails_at_the_weights)
+    with pytest.raises(sample.SampleError, match="could not be written"):
+        sample.sample(config(trained, f"--export_hf={folder}"))
+    assert not (folder / "config.json").exists() and (folder / sample.EXPORT_MARK).is_file()
+    with pytest.raises((OSError, ValueError)):  # transformers: no config.json, no model
+        AutoModelForCausalLM.from_pretrained(folder)
+    monkeypatch.setattr(sample.os, "replace", replace)
+    assert sample.main([f"--out_dir={trained['out']}", "--device=cpu", f"--export_hf={folder}"]) == 0
+    assert not (folder / "model-00001-of-00002.safetensors").exists()
+    model, _ = sample.load_checkpoint(trained["out"], "cpu")
+    ids = torch.tensor([trained["tokenizer"].encode(PROMPT)])
+    with torch.no_grad():
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(folder).eval()(ids).logits, model(ids),
+                                   atol=1e-4, rtol=0)
+
+
+def test_export_refuses_a_transformers_folder_of_the_users_own(trained, tmp_path, capsys):
+    """Any Llama folder that save_pretrained wrote passed for an earlier export and was replaced unasked."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    folder = tmp_path / "mine"
+    LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(folder)
+    trained["tokenizer"].save_pretrained(folder)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert sample.main([f"--out_dir={trained['out']}", "--device=cpu", f"--export_hf={folder}"]) == 2
+    one_line(capsys, f"--export_hf {folder} is not an earlier export of sample.py", sample.EXPORT_MARK)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+def test_a_data_dir_given_at_the_default_path_is_the_folder_given(trained, tmp_path, monkeypatch, capsys):
+    """--data_dir=data/cache/gutenberg (the training default) was taken for "not given": the run's own cache
+    decoded, and a cache with another tokenizer at that path was not refused."""
+    other = tokenized_cache(tmp_path / "data" / "cache" / "gutenberg", bpe_tokenizer(trained["text"][8_000:16_000],
+                                                                                     280), trained["text"][:20_000])
+    monkeypatch.chdir(tmp_path)
+    assert other.resolve() == (tmp_path / settings.defaults(settings.TrainSettings)["data_dir"]).resolve()
+    assert sample.main([f"--out_dir={trained['out']}", "--device=cpu", "--data_dir=data/cache/gutenberg"]) == 2
+    one_line(capsys, "whose tokenizer differs from the one in data/cache/gutenberg")
+
+
+def test_a_damaged_tokenizer_is_one_line(trained, tmp_path, capsys):
+    import shutil
+    cache = shutil.copytree(trained["cache"], tmp_path / "cache")
+    (cache / "tokenizer.json").write_text('{"version": "1.0", "model": 5}')
+    assert sample.main([f"--out_dir={trained['out']}", "--device=cpu", f"--data_dir={cache}"]) == 2
+    one_line(capsys, f"the tokenizer in {cache} could not be loaded")
+
+
+class FixedLogits(torch.nn.Module):
+    """A model whose next-token logits are always `logits`, for generate()."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.logits = torch.tensor(logits)
+        self.config = type("Config", (), {"max_seq_len": 8})()
+
+    def forward(self, idx):
+        return self.logits.expand(idx.shape[0], idx.shape[1], -1)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_tokens_are_drawn_from_the_softmax_of_the_logits_over_the_temperature(temperature):
+    logits = [0.0, 1.0, 2.0, -1.0]
+    rows = 20_000
+    out = sample.generate(FixedLogits(logits), torch.zeros(rows, 1, dtype=torch.long), 1, temperature, top_k=0,
+                          generator=torch.Generator().manual_seed(0))
+    seen = torch.bincount(out[:, 1], minlength=4).float() / rows
+    expected = torch.softmax(torch.tensor(logits) / temperature, dim=0)
+    torch.testing.assert_close(seen, expected, atol=0.015, rtol=0)  # about 4 standard errors at 20,000 rows
+    top2 = sample.generate(FixedLogits(logits), torch.zeros(rows, 1, dtype=torch.long), 1, temperature, top_k=2,
+                           generator=torch.Generator().manual_seed(0))
+    assert set(top2[:, 1].tolist()) == {1, 2}
 
 
 def test_an_export_folder_that_cannot_be_made_is_one_line(trained, tmp_path, capsys):
@@ -402,3 +493,41 @@ def test_an_export_killed_while_it_saved_does_not_block_the_next(trained, tmp_pa
     (folder / "notes.txt").write_text("mine")
     with pytest.raises(sample.SampleError, match="holds files that an export does not write \\(notes.txt\\)"):
         sample.check_export_folder(folder)
+
+
+def test_parity_mistakes_with_a_checkpoint_are_one_line(trained, tmp_path, capsys):
+    """More tokens than the validation split holds failed in view(); a model that no transformers class computes
+    (value embeddings) failed in to_hf with a sentence about sample.py's --export_hf."""
+    from scripts import parity
+    base = ["--device=cpu", "--seq_len=64", f"--results_file={tmp_path / 'r.json'}"]
+    assert parity.main([f"--checkpoint={trained['out'] / 'ckpt.pt'}", "--tokens=10000000", *base]) == 2
+    one_line(capsys, "--tokens 10,000,000 is more than the validation split", "give at most that")
+    out = tmp_path / "ve"
+    assert train.main([f"--data_dir={trained['cache']}", f"--out_dir={out}", f"--results_file={tmp_path / 't.json'}",
+                       "--name=ve", "--dim=64", "--n_layers=2", "--n_heads=2", "--hidden_dim=128", "--seq_len=64",
+                       "--device=cpu", "--epochs=1", "--train_subset_tokens=1024", "--tokens_per_update=512",
+                       "--micro_batch_size=8", "--val_subset_tokens=512", "--full_validation=False",
+                       "--value_embeddings=1"]) == 0
+    capsys.readouterr()
+    assert parity.main([f"--checkpoint={out / 'ckpt.pt'}", "--tokens=128", *base]) == 2
+    err = one_line(capsys, "value_embeddings=1", "there is no parity to check")
+    assert "--export_hf" not in err and not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("change", ["lacks a tensor", "has one more", "averages a tensor the model lacks"])
+def test_a_checkpoint_whose_weights_are_not_its_models_is_refused_in_one_line(trained, tmp_path, capsys, change):
+    """The weights load strictly: a missing tensor would keep its random initial values, an extra one would be
+    dropped, each unsaid."""
+    ckpt = torch.load(trained["out"] / "ckpt.pt", weights_only=False)
+    name = next(iter(ckpt["model"]))
+    if change == "lacks a tensor":
+        del ckpt["model"][name]
+    elif change == "has one more":
+        ckpt["model"]["extra.weight"] = torch.zeros(2)
+    else:
+        ckpt["ema"] = {"decay": 0.9, "accumulator": {"extra.weight": torch.zeros(2)}}
+    (tmp_path / "run").mkdir()
+    torch.save(ckpt, tmp_path / "run" / "ckpt.pt")
+    assert sample.main([f"--out_dir={tmp_path / 'run'}", "--device=cpu", "--max_new_tokens=2"]) == 2
+    one_line(capsys, f"checkpoint {tmp_path / 'run' / 'ckpt.pt'} could not be loaded",
+             "extra.weight" if change != "lacks a tensor" else name)
