@@ -94,8 +94,10 @@ def side_configs(cfg):
     if cfg.tuned:
         path = lookup(cfg.results_file, ["tuning", "selected", "config_path"])
         if not path or not isinstance(path, str):
-            raise CompareError(f"--tuned=True but results file {cfg.results_file} has no tuning.selected.config_path; "
-                               f"run tune.py first, or drop --tuned")
+            last = "its last tune.py sweep was interrupted before it selected" if lookup(
+                cfg.results_file, ["tuning", "interrupted"]) else "it has no tuning.selected.config_path"
+            raise CompareError(f"--tuned=True but in results file {cfg.results_file} {last}; run tune.py (again: it "
+                               f"reuses what it measured), or drop --tuned")
         if not Path(path).is_file():
             raise CompareError(f"the tuned config {path} (tuning.selected.config_path in {cfg.results_file}) "
                                f"does not exist; run tune.py again, or drop --tuned")

@@ -79,6 +79,12 @@ class Sweep:
     def left(self):
         return self.budget_seconds - self.elapsed()
 
+    def left_as_measured(self):
+        """The time left had the measurements reused cost their own wall time again: what sets the protocol, so that
+        a rerun with the budget of the sweep it repeats asks for the protocol that sweep measured (and reuses it)."""
+        return self.left() - sum(res.get("wall_seconds") or 0.0 for t in self.trials for res in t.results.values()
+                                 if res.get("reused"))
+
     def run(self):
         """The selected trial, or None."""
         for trial in self.trials:  # the incumbent's screen first: no estimate yet, it may take the whole budget
@@ -94,7 +100,7 @@ class Sweep:
     def choose_protocol(self, trial):
         """Every confirmation's protocol: the ladder's largest whose estimate for trial (the incumbent) fits in
         INCUMBENT_SHARE of the time left, else its smallest (which runs only where it fits what is left)."""
-        rungs, room = ladder(self.full, self.protocols["screen"]), INCUMBENT_SHARE * self.left()
+        rungs, room = ladder(self.full, self.protocols["screen"]), INCUMBENT_SHARE * self.left_as_measured()
         fits = [p for p in rungs if self.estimate(trial, "confirm", p) <= room]
         self.protocols["confirm"], self.chosen = dict(fits[0] if fits else rungs[-1]), True
         why = "the full protocol" if fits and fits[0] == self.full else \

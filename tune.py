@@ -13,6 +13,7 @@ value that cannot run here is skipped with one line. docs/TUNING.md: the levers,
 """
 import dataclasses
 import math
+import signal
 import subprocess
 import sys
 import time
@@ -81,6 +82,8 @@ LEVER_KEYS = ("compile", *LISTS.values())  # the train.py keys a candidate may c
 # Only keys that change how the math runs, never what it is: a lever outside them would change the recipe.
 assert set(LEVER_KEYS) <= settings.execution_keys(), set(LEVER_KEYS) - settings.execution_keys()
 WHERE_KEYS = ("results_file", "out_dir")  # where a run writes: its caller's choice, not a setting to reproduce
+MACHINE_KEYS = ("gpu", "gpu_count", "cpu_model", "cpu_affinity", "versions", "cuda", "cudnn",
+                "compiler_settings")  # env.fingerprint()'s fields that a measurement depends on
 
 
 def mode_of(candidate):
@@ -179,10 +182,14 @@ def why_not(cfg, candidate, device):
 
 
 def plan(cfg, choices, device):
-    """The incumbent, the candidates, and those left out, with one printed line each (why_not)."""
+    """The incumbent, the candidates, and those left out, with one printed line each (why_not, or a backend that
+    runs what a candidate kept before runs: "auto" and "sdpa" where fa4 cannot run, say)."""
     incumbent, space, refused = {k: cfg[k] for k in LEVER_KEYS}, [], []
+    runs = lambda c: dict(c, attention_backend=attention.resolve_backend(c["attention_backend"], device)[0])
     for lever, candidate in search_space(incumbent, choices):
-        why = why_not(cfg, candidate, device)
+        why = why_not(cfg, candidate, device) or next((
+            f"what {describe(other, incumbent)} runs here" for _, other in space
+            if not cfg.tune_backends.strip() and runs(other) == runs(candidate)), None)
         if why:
             print(f"skipping {describe(candidate, incumbent)}: {why}")
             refused.append({"change": describe(candidate, incumbent), "error": why, **candidate})
@@ -213,6 +220,12 @@ def reusable(res):
                     for m in windows))
 
 
+def bench_entry(results_file, name):
+    """benchmarks.NAME of the results file: {} for none, or for one edited by hand into something else."""
+    entry = results.lookup(results_file, ["benchmarks", name])
+    return entry if isinstance(entry, dict) else {}
+
+
 class BenchRunner:
     """measure() for the Sweep: writes the candidate's config and runs bench.py on it in its own process, or
     returns an earlier sweep's measurement of the same thing (a rerun with a larger budget costs only what is new)."""
@@ -225,23 +238,32 @@ class BenchRunner:
             raise ConfigError(f"tuned_dir {cfg.tuned_dir!r} cannot be made ({exc.strerror}); give a writable "
                               f"folder") from None
         self.tracked = tracked_files(self.tuned_dir)
-        try:  # what a measurement depends on besides its settings: the GPU, the CPU (eager is launch-bound), the data
-            cache = TokenCache(cfg.data_dir, verify=False).identity if cfg.data_mode == "real" else None
+        try:  # the data (synthetic data too: the model's vocabulary follows the cache at data_dir)
+            cache = TokenCache(cfg.data_dir, verify=False).identity
         except CacheError:
             cache = None
-        self.where = {"gpu": env.gpu_model(), "cpu": env.cpu_model(), "cache_identity": cache}
+        # what a measurement depends on besides its settings: the GPU, the CPU (eager is launch-bound) and its
+        # threads, the packages and the compiler's environment, as the fingerprint states them; and the data
+        fingerprint = env.fingerprint()
+        self.where = dict({k: fingerprint[k] for k in MACHINE_KEYS}, cache_identity=cache)
+        # each base config its own candidates' files: another sweep's selection is not overwritten
+        self.base = env.hash_json({k: v for k, v in cfg.items() if k in TRAIN_DEFAULTS
+                                   and k not in ("name", *WHERE_KEYS, *LEVER_KEYS)})[:8]
         # only successes, from the same code: an error may have been the budget's cut or a passing fault; each
         # stage its own (a screen and a confirmation of one protocol would otherwise stand in for each other, and a
         # rerun would rank the screens by another measurement than the sweep it repeats)
-        tuning, self.previous = results.lookup(cfg.results_file, ["tuning"]), {}
-        tuning = tuning if isinstance(tuning, dict) else {}  # none, or a section edited by hand: nothing to reuse
-        records = tuning.get("candidates") if isinstance(tuning.get("candidates"), list) else []
-        for stage, res in [(s, record.get(s)) for record in records if isinstance(record, dict) for s in STAGES]:
-            if reusable(res) and res.get("source_hash") == self.source:
-                self.previous[res.get("candidate_identity"), stage] = with_environment(res, tuning.get("environment"))
+        data, self.previous = results.read_results(cfg.results_file), {}
+        history = data.get("history") if isinstance(data.get("history"), list) else []
+        sweeps = [h.get("value") for h in history if isinstance(h, dict) and h.get("path") == ["tuning"]]
+        for tuning in [t for t in sweeps + [data.get("tuning")] if isinstance(t, dict)]:  # the latest last
+            records = tuning.get("candidates") if isinstance(tuning.get("candidates"), list) else []
+            for stage, res in [(s, record.get(s)) for record in records if isinstance(record, dict) for s in STAGES]:
+                if reusable(res) and res.get("source_hash") == self.source and \
+                        isinstance(res.get("candidate_identity"), str):
+                    self.previous[res["candidate_identity"], stage] = with_environment(res, tuning.get("environment"))
 
     def config_path(self, candidate):
-        path = self.tuned_dir / f"{candidate_name(candidate)}.py"
+        path = self.tuned_dir / f"{candidate_name(candidate)}-{self.base}.py"
         if path.resolve() in self.tracked:
             raise ConfigError(f"tuned_dir {self.cfg.tuned_dir!r} holds {path}, a file git tracks; give a folder "
                               f"git ignores, such as the default out/tuned")
@@ -269,10 +291,10 @@ class BenchRunner:
         command = [sys.executable, str(env.REPO / "bench.py"), str(path), f"--name={bench_name}",
                    f"--results_file={cfg.results_file}"] + [f"--{k}={v}" for k, v in protocol.items()]
         start = time.time()
-        before = (results.lookup(cfg.results_file, ["benchmarks", bench_name]) or {}).get("run_id")
+        before = bench_entry(cfg.results_file, bench_name).get("run_id")
         try:
             proc = subprocess.run(command, capture_output=True, text=True, timeout=max(1.0, timeout))
-            entry = results.lookup(cfg.results_file, ["benchmarks", bench_name])
+            entry = bench_entry(cfg.results_file, bench_name)
             if not entry or entry.get("run_id") == before:  # the process died before recording
                 tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
                 entry = {"status": "error", "error": f"exit code {proc.returncode}: " + " | ".join(tail)}
@@ -415,20 +437,34 @@ def tune(cfg):
     sweep = Sweep(incumbent, space, runner, cfg.budget * 60, {"screen": screen, "confirm": confirm},
                   candidate_timeout=cfg.candidate_timeout * 60, confirm=cfg.tune_confirm,
                   screen_noise=cfg.tune_screen_noise, noise=cfg.tune_noise, say=lambda text: print(text, flush=True))
-    selected = sweep.run()
+    try:
+        selected = sweep.run()
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (main): what was measured is recorded, for a rerun to reuse
+        results.record(cfg.results_file, ["tuning"],
+                       dict(tuning_record(cfg, sweep, None, refused, runner.source), interrupted=True))
+        raise
     tuning = tuning_record(cfg, sweep, selected, refused, runner.source)
     results.record(cfg.results_file, ["tuning"], tuning)
     print_report(tuning)
     return tuning
 
 
+def interrupt(signum, frame):
+    raise KeyboardInterrupt  # a scheduler's SIGTERM, as Ctrl-C: the sweep records what it measured
+
+
 def main(argv):
+    signal.signal(signal.SIGTERM, interrupt)
     try:
         cfg = settings.load(TuneSettings, argv)  # tune() checks it
         tuning = tune(cfg)
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: the runs measured so far are recorded under tuning (interrupted), and a rerun reuses "
+              "them", file=sys.stderr)
+        return 130
     return 0 if tuning["selected"] else 1
 
 

@@ -164,6 +164,18 @@ def test_what_cannot_run_here_is_skipped_with_one_line_each(capsys):
     assert dict(incumbent, micro_batch_size=4) in [c for _, c in space]
 
 
+def test_two_candidates_that_run_one_backend_are_not_both_screened(capsys):
+    """With the incumbent on math on the CPU, auto and sdpa both run SDPA: both were screened, a duplicate screen
+    that could take two of the confirmations."""
+    cfg = tune_cfg(device="cpu", tokens_per_update=8 * 1024, micro_batch_size=8, attention_backend="math")
+    choices = dict(CHOICES, attention_backend=["auto", "sdpa", "cudnn", "math", "fa4"], compile_mode=["eager"],
+                   micro_batch_size=[], loss_impl=[], compile_scope=[], activation_memory_budget=[])
+    incumbent, space, refused = tune.plan(cfg, choices, torch.device("cpu"))
+    assert [c["attention_backend"] for _, c in space] == ["auto"]
+    assert {"change": "attention_backend=sdpa", "error": "what attention_backend=auto runs here"}.items() <= \
+        next(r for r in refused if r["change"] == "attention_backend=sdpa").items()
+
+
 @pytest.mark.parametrize("fa4_runs, incumbent, left_out", [(True, "auto", "fa4"), (False, "auto", "sdpa"),
                                                              (True, "fa4", "auto"), (False, "sdpa", "auto")])
 def test_the_backend_the_incumbent_runs_is_not_screened_again(monkeypatch, capsys, flash_attn_4_stand_in, fa4_runs,
@@ -476,3 +488,32 @@ def test_a_15_minute_gpu_sweep_screens_every_cheap_lever_and_confirms_the_best()
     assert {"attention_backend=fa4", "loss_impl=full", "loss_impl=quack_chunked", "compile_scope=blocks"} <= changes
     assert all(sweep_lib.rate(t.confirm) for t in sweep.best_screened())
     assert selected.candidate == dict(GPU, attention_backend="fa4")  # +2.8%, beyond the 1% noise
+
+
+def test_a_rerun_with_the_same_budget_asks_for_the_protocol_it_measured_and_reuses_it():
+    """A reused incumbent screen cost no time, so the rerun had the whole budget for its protocol, chose a larger
+    rung than the sweep it repeated, and measured the incumbent's confirmation again."""
+    store = {}
+
+    def reusing(bench):
+        def measure(candidate, stage, protocol, timeout):
+            key = (tune.candidate_name(candidate), stage, tuple(sorted(protocol.items())))
+            if key in store:
+                return dict(store[key], reused=True)
+            start = bench.clock.now
+            res = dict(bench(candidate, stage, protocol, timeout), wall_seconds=None)
+            res["wall_seconds"] = bench.clock.now - start
+            store[key] = res
+            return res
+        return measure
+
+    protocols, runs = [], []
+    for _ in range(2):
+        bench = FakeBench(FakeClock(), GPU)
+        sweep = sweep_of(bench, budget=130, space=[])
+        sweep.measure = reusing(bench)
+        sweep.run()
+        protocols.append(sweep.protocols["confirm"])
+        runs.append(len(bench.runs))
+    assert protocols[0] == protocols[1] != sweep_lib.PROTOCOLS["confirm"]  # a smaller rung, the same one again
+    assert runs == [2, 0]  # the rerun measured nothing
