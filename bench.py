@@ -94,6 +94,8 @@ def timed_windows(cfg, trainer, batches, entry, world_size):
         trainer.update(*next(batches))
     sync()
     entry["warmup_seconds"] = time.perf_counter() - start
+    if trainer.compile_cache_due():  # after the warmup's time: writing the file is no update
+        trainer.save_compile_cache()
     device_peaks, measurements = [device_used_bytes(dev)], []
     for w in range(cfg.windows):
         loss_total = torch.zeros((), device=dev)

@@ -33,11 +33,18 @@ def check_path(path, option="--out"):
     path = Path(path)
     if path.suffix.lower() not in PLOT_SUFFIXES:
         raise PlotError(f"{option} {path} must end in {', '.join(PLOT_SUFFIXES)}")
-    if path.exists() and not path.is_file():  # a folder named runs.png: the rename over it fails after the work
-        raise PlotError(f"{option} {path} exists and is not a file (a folder, say); give a file's path")
-    folder = next((p for p in [path.parent, *path.parent.parents] if p.exists()), Path("."))
+    try:
+        if path.exists() and not path.is_file():  # a folder named runs.png: the rename over it fails after the work
+            raise PlotError(f"{option} {path} exists and is not a file (a folder, say); give a file's path")
+        folder = next((p for p in [path.parent, *path.parent.parents] if p.exists()), Path("."))
+        longest = os.pathconf(folder, "PC_NAME_MAX") if folder.is_dir() else 255
+    except OSError as exc:  # a name too long for the file system, say
+        raise PlotError(f"{option} {path}: {exc.strerror}; give another path") from None
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         raise PlotError(f"{option} {path}: cannot create or write into {folder}")
+    if len(f".{path.name}.XXXXXXXX.tmp".encode()) > longest:  # atomic_write's temporary file beside it
+        raise PlotError(f"{option} {path}: its name is too long for its file system (at most {longest - 14} bytes "
+                        f"here); give a shorter one")
 
 
 def training_runs(results):
@@ -113,7 +120,8 @@ def runs_figure(runs, x="both", title=None):
                 xs, ys = points(entry, curve, field)
                 if xs:
                     # a curve of one point is a line of no length: drawn without a marker it is not there at all
-                    ax.plot(xs, ys, marker=marker or ("o" if len(xs) == 1 else None), color=f"C{i % 10}", label=name)
+                    ax.plot(xs, ys, marker=marker or ("o" if len(xs) == 1 else None), label=name,
+                            **line_style(i, len(runs)))
                     continue
                 if any(p.get(field) is not None for p in entry.get(curve) or []):
                     why = "no finite loss"  # points on this axis, none with a finite loss: diverged
@@ -128,6 +136,15 @@ def runs_figure(runs, x="both", title=None):
                 ax.legend(handles=ax.lines + absent, fontsize=8)
     fig.suptitle(title or " vs ".join(name for name, _ in runs))
     return fig
+
+
+def line_style(i, n):
+    """The ith of n runs' colour and line: matplotlib's ten colours for up to ten runs, else n colours of a colour
+    map with the line style cycling, so that no two runs of a figure look alike (C0 was run 1's and run 11's)."""
+    if n <= 10:
+        return {"color": f"C{i}"}
+    import matplotlib  # here, as runs_figure's: importing plots imports no matplotlib
+    return {"color": matplotlib.colormaps["turbo"](i / (n - 1)), "linestyle": ("-", "--", ":", "-.")[i % 4]}
 
 
 def extend_legend(ax, *artists):

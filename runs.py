@@ -175,8 +175,10 @@ def checkpoint_run_id(path):
 
 def resumable(old, ckpt):
     """Whether the checkpoint ckpt continues the recorded run old, which did not complete: stopped (interrupted),
-    killed (SIGKILL, out of memory: still running), or ended by a second signal or an error (aborted, failed)."""
-    return bool(old and old.get("status") != "complete" and old.get("run_id")
+    killed (SIGKILL, out of memory: still running), or ended by a second signal or an error (aborted, failed). Not
+    a diverged run: its outcome is final, and resumed from its last finite weights it could complete on a GPU (whose
+    kernels are not deterministic) and drop the divergence from the verdict; it trains again as it first did."""
+    return bool(old and old.get("status") not in ("complete", "diverged") and old.get("run_id")
                 and checkpoint_run_id(ckpt) == old["run_id"])
 
 

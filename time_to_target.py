@@ -10,6 +10,7 @@ validation-subset loss against training seconds.
 import dataclasses
 import math
 import statistics
+import sys
 from pathlib import Path
 
 import env
@@ -360,8 +361,13 @@ def time_to_target_mode(cfg):
     record(cfg.results_file, ["time-to-target", cfg.name], section)
     print("\n".join(table(section)))
     runs = [(c.name, {} if c.name in failed else results.get(c.name) or {}) for c in candidates + baselines]
-    save_figure(plot, runs, cfg.target_loss,
-                               f"{cfg.name}: validation-subset loss against training time, target {cfg.target_loss:g}")
+    try:
+        save_figure(plot, runs, cfg.target_loss,
+                    f"{cfg.name}: validation-subset loss against training time, target {cfg.target_loss:g}")
+    except OSError as exc:  # after every run: the verdict stands recorded, only its figure is missing
+        print(f"recorded time-to-target.{cfg.name} in {cfg.results_file}; the plot {plot} could not be written "
+              f"({exc.strerror or exc})", file=sys.stderr)
+        return section
     print(f"recorded time-to-target.{cfg.name} in {cfg.results_file}; plot {plot}")
     return section
 

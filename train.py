@@ -207,6 +207,9 @@ class Run:
         """One optimizer update, counted; the log line every log_interval updates and at an epoch's end."""
         loss_sum, grad_norm = self.trainer.update(micro_batches, n_tokens)
         self.metrics.count(loss_sum, n_tokens)
+        if self.trainer.compile_cache_due():
+            with self.metrics.paused():  # writing the file is no training
+                self.trainer.save_compile_cache()
         self.session_updates += 1
         if self.trainer.step % self.cfg.log_interval == 0 or self.epoch_done():
             self.metrics.log(grad_norm)

@@ -188,14 +188,17 @@ class Trainer:
         self.graphs_in_compile_cache = env.inductor_graph_counts()["compiled"] if loaded else -1
         return path if main else None
 
-    def save_compile_cache_if_new(self):
-        """After an update: write the compile cache when this process has compiled graphs it does not hold."""
+    def compile_cache_due(self):
+        """After an update: whether this process saves the compile cache and has compiled graphs it does not hold
+        (the first update's, a schedule's new shape). The caller saves it out of its clock (save_compile_cache)."""
+        return bool(self.compile_cache) and env.inductor_graph_counts()["compiled"] > self.graphs_in_compile_cache
+
+    def save_compile_cache(self):
         compiled = env.inductor_graph_counts()["compiled"]
-        if compiled > self.graphs_in_compile_cache:
-            line = compile_cache.save(self.compile_cache, self.device)
-            if line:
-                print(line, flush=True)
-            self.graphs_in_compile_cache = compiled
+        line = compile_cache.save(self.compile_cache, self.device)
+        if line:
+            print(line, flush=True)
+        self.graphs_in_compile_cache = compiled
 
     def allocate_gradients(self):
         """Give every parameter a zeroed .grad that the optimizer step keeps (zero_grad without set_to_none).
@@ -286,8 +289,6 @@ class Trainer:
         step = self.captured or self.update_step
         loss_sum, grad_norm = step(micro_batches, scale)
         self.step += 1
-        if self.compile_cache:
-            self.save_compile_cache_if_new()
         return loss_sum, grad_norm
 
     def update_step(self, micro_batches, scale):

@@ -39,7 +39,7 @@ def parse(argv):
 def selected_runs(path, names):
     """[(name, entry)] of the named runs (default: all) of the results file at path."""
     if not Path(path).is_file():
-        raise plots.PlotError(f"results file {path} does not exist")
+        raise plots.PlotError(f"results file {path} " + ("is not a file" if Path(path).exists() else "does not exist"))
     results = read_results(path)
     available = plots.training_runs(results)
     if not available:
@@ -73,6 +73,10 @@ def main(argv):
         fig = plots.save_plot(args.out, runs, args.x, title)
     except (plots.PlotError, ResultsFileError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2, None
+    except OSError as exc:  # the write itself: a full disk, say
+        print(f"error: --out {args.out} could not be written ({exc.strerror or exc}); give another path",
+              file=sys.stderr)
         return 2, None
     if empty:  # their panels say so too, but a figure is easy to misread as the run not being there
         print(f"note: no finite loss in {', '.join(empty)} (every loss NaN, infinite or null: diverged); "

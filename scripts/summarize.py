@@ -20,7 +20,7 @@ def benchmark_lines(name, e, width):
     tps = fmt(e.get("tokens_per_second"), ",.0f")
     windows = " / ".join(fmt(m.get("tokens_per_second"), ",.0f") for m in e.get("measurements", []))
     first = fmt(e.get("first_update_seconds"), "5.1f", "s")
-    lines = [f"{name:<{width}}{e.get('status', '-'):>6}{tps:>12}  first {first:>6}"
+    lines = [f"{name:<{width}}{e.get('status') or '-':>6}{tps:>12}  first {first:>6}"
              f"  peak {gib(e.get('peak_memory_bytes'))}  dev {gib(e.get('device_peak_used_bytes'))} GiB"
              f"  windows {windows or '-'}  eff {fmt(e.get('scaling_efficiency'), '.2f')}  {(e.get('error') or '')[:90]}"
              .rstrip()]
@@ -35,7 +35,9 @@ def profile_lines(name, p):
     if not isinstance(n, int) or n < 1 or not isinstance(p.get("kernel_ms_by_category"), dict):
         return [f"{name}: a partial profile (no profiled_updates or kernel_ms_by_category), left out"]
     categories = ", ".join(f"{c} {fmt(ms / n, '.2f')}" for c, ms in p["kernel_ms_by_category"].items() if ms)
-    lines = [f"{name}: {fmt(p.get('kernel_ms', 0) / n, '.2f')} ms of kernels per update ({categories})"]
+    kernel_ms = p.get("kernel_ms")
+    lines = [f"{name}: {fmt(kernel_ms / n if finite_number(kernel_ms) else None, '.2f')} ms of kernels per update "
+             f"({categories})"]
     for k in p.get("top_kernels", [])[:12]:
         lines.append(f"  {fmt(k['ms'] / n, '7.3f')} ms  x{k['count'] // n:<4} {k['category']:<14}{k['name'][:100]}")
     return lines
@@ -50,7 +52,7 @@ def run_line(name, run, width):
 
 def main(path, prefixes):
     if not Path(path).is_file():
-        raise ResultsFileError(f"{path} does not exist")
+        raise ResultsFileError(f"{path} " + ("is not a file" if Path(path).exists() else "does not exist"))
     data = read_results(path)
     wanted = lambda name: not prefixes or name.startswith(tuple(prefixes))
     benchmarks = {n: e for n, e in data.get("benchmarks", {}).items() if wanted(n)}
@@ -61,6 +63,8 @@ def main(path, prefixes):
     lines += [run_line(name, run, max(width, 30)) for name, run in runs.items()]
     if lines:
         print("\n".join(lines))
+    elif prefixes:
+        print(f"no entry of {path} starts with {', '.join(prefixes)}", file=sys.stderr)
 
 if __name__ == "__main__":
     if len(sys.argv) < 2:

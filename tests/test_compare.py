@@ -302,6 +302,13 @@ def test_a_run_killed_or_failed_with_its_checkpoint_resumes_from_it(tiny, monkey
     assert "baseline: resuming the stopped run k" in capsys.readouterr().out
 
 
+def test_a_diverged_run_trains_again_rather_than_resuming_from_its_last_finite_weights(tiny, monkeypatch):
+    """A rerun resumed a diverged seed from its last finite checkpoint; on a GPU it could then complete and count in
+    the verdict, the divergence gone from it. It trains again as it first did."""
+    first, second = launch(tiny, monkeypatch, FakeTrainPy("diverged"))
+    assert "--resume=True" not in second and second[-1] == "--overwrite=True"
+
+
 def test_a_checkpoint_of_another_run_is_replaced_not_resumed(tiny, monkeypatch):
     class Replaced(FakeTrainPy):  # the checkpoint left in the folder is not the recorded run's
         def __call__(self, side, cmd, signals):

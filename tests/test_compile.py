@@ -358,12 +358,35 @@ def test_the_cache_is_written_after_the_first_update_and_again_only_when_graphs_
         trainer.compile_cache = trainer_lib.Trainer.load_compile_cache(trainer, tmp_path / "run.compile")
         for graphs in graphs_after_each_update:
             compiled[0] = graphs
-            trainer_lib.Trainer.save_compile_cache_if_new(trainer)
+            if trainer_lib.Trainer.compile_cache_due(trainer):
+                trainer_lib.Trainer.save_compile_cache(trainer)
         return saved
 
     assert run(False, [2, 2, 3, 3]) == [2, 3]  # cold: after the first update, and after the new shape's
     assert run(True, [0, 0]) == []  # warm: nothing compiled, nothing written
     assert run(True, [0, 1]) == [1]  # warm, then a shape the file did not hold
+
+
+def test_writing_the_compile_cache_is_out_of_the_training_clock(text_cache, tmp_path, monkeypatch):
+    """The file was written inside the update, so its write counted in the first update's seconds and the training
+    time (and again at a schedule's new shape)."""
+    import time
+    import metrics
+    import train
+    import trainer as trainer_lib
+    from tests.test_train import small_config
+    events, save, pause, resume = [], trainer_lib.compile_cache.save, metrics.Metrics.pause_clock, \
+        metrics.Metrics.resume_clock
+    monkeypatch.setattr(trainer_lib.compile_cache, "save", lambda *a: events.append(("save", time.time())) or save(*a))
+    monkeypatch.setattr(metrics.Metrics, "pause_clock", lambda self: events.append(("pause", time.time())) or
+                        pause(self))
+    monkeypatch.setattr(metrics.Metrics, "resume_clock", lambda self, start: events.append(("resume", time.time()))
+                        or resume(self, start))
+    cfg = small_config(text_cache, tmp_path, compile=True, epochs=1, compile_cache=str(tmp_path / "c.bin"))
+    assert train.train(cfg)["status"] == "complete" and (tmp_path / "c.bin").is_file()
+    kinds = [kind for kind, _ in events]
+    at = kinds.index("save")
+    assert kinds[at - 1] == "pause" and kinds[at + 1] == "resume"  # the clock paused around the write
 
 
 @pytest.mark.parametrize("compiled, words", [(True, "is not a compile cache this project wrote"),

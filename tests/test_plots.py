@@ -86,6 +86,9 @@ def test_named_runs_against_one_axis(results, tmp_path):
     (["{tmp}/broken.json"], ["not valid JSON"]),
     (["{tmp}/empty.json"], ["holds no training runs"]),
     (["{tmp}/hand.json"], ["run x's training_curve is not a list of points"]),
+    (["{tmp}"], ["is not a file"]),
+    (["{results}", "--out={tmp}/" + "a" * 260 + ".png"], ["--out", "File name too long"]),  # a traceback, before
+    (["{results}", "--out={tmp}/" + "a" * 246 + ".png"], ["--out", "its name is too long"]),  # failed after the work
 ])
 def test_mistakes_are_one_line_errors(results, tmp_path, monkeypatch, capsys, args, words):
     monkeypatch.chdir(tmp_path)  # where the default --out would go
@@ -201,3 +204,12 @@ def test_runs_with_nothing_to_draw_are_a_mistake_and_wrote_names_only_the_drawn(
     assert not (tmp_path / "none.png").exists()
     assert plot_runs.main([str(results), "a", "failed", f"--out={tmp_path / 'a.png'}"])[0] == 0
     assert capsys.readouterr().out.strip().endswith("a.png: a")
+
+
+def test_eleven_runs_are_eleven_lines_that_look_unlike():
+    """Colours were C0 to C9 by the run's index: the 11th run (a time-to-target verdict's baseline beside ten seeds)
+    was drawn as the first."""
+    runs = [(f"run{i}", run_entry(i / 10)) for i in range(11)]
+    ax = plots.runs_figure(runs, x="tokens").axes[0]
+    looks = [(str(line.get_color()), line.get_linestyle()) for line in ax.lines]
+    assert len(looks) == 11 and len(set(looks)) == 11
