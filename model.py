@@ -230,6 +230,8 @@ class FeedForward(nn.Module):
         self.w13 = nn.Linear(config.dim, 2 * config.hidden_dim, bias=False)  # [gate; up]
         self.w2 = nn.Linear(config.hidden_dim, config.dim, bias=False)
         self.impl, self._forward = impl, MLP[impl].forward  # how it runs (model_kernels/registry.py), same math
+        if MLP[impl].load:
+            MLP[impl].load()  # a missing package fails here, not in the first forward
 
     def forward(self, x):
         return self._forward(x, self.w13.weight, self.w2.weight)
@@ -257,6 +259,8 @@ class Transformer(nn.Module):
         self.config = config
         self.set_attention_backend(attention_backend)
         loss = LOSS[loss_impl]  # an unknown name is a ValueError listing the valid ones (the MLP's: FeedForward)
+        if loss.load:
+            loss.load()  # a missing package fails here, not in the first forward
         if lm_head_fp8 and loss.fp8 is None:
             raise ValueError(f"lm_head_fp8 runs inside a loss with an FP8 form; loss_impl {loss_impl!r} has none")
         if residual_dtype not in RESIDUAL_DTYPES:
@@ -317,6 +321,9 @@ class Transformer(nn.Module):
         """
         if idx.dim() != 2:
             raise ValueError(f"model input must be (batch, sequence) token ids, got shape {tuple(idx.shape)}")
+        if idx.dtype not in (torch.int64, torch.int32) or targets is not None and targets.dtype != torch.int64:
+            raise ValueError(f"token ids must be int64 or int32 and targets int64, got {idx.dtype}"
+                             + (f" and {targets.dtype}" if targets is not None else ""))
         if idx.shape[1] > self.config.max_seq_len:
             raise ValueError(f"sequence length {idx.shape[1]} is longer than the model's context "
                              f"{self.config.max_seq_len}; use at most max_seq_len tokens")

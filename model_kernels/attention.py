@@ -47,11 +47,13 @@ def flash_attn_4_problem():
     os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
     try:
         interface = importlib.import_module("flash_attn.cute.interface")
-    except ImportError as error:
-        return f"needs the flash-attn-4 package (pip install flash-attn-4), which did not import: {error}"
-    if not hasattr(interface, "_flash_attn_bwd"):
-        return ("needs a flash-attn-4 with _flash_attn_bwd, and this one has no _flash_attn_bwd; 4.0.0b36 is the "
-                "version measured (pip install flash-attn-4==4.0.0b36)")
+    except Exception as error:  # noqa: BLE001 - it loads the CUTLASS DSL as it imports: a clash there is any error
+        return (f"needs the flash-attn-4 package (pip install flash-attn-4), which did not import "
+                f"({type(error).__name__}: {error})")
+    missing = [f for f in ("_flash_attn_fwd", "_flash_attn_bwd") if not hasattr(interface, f)]  # what we call
+    if missing:
+        return (f"needs a flash-attn-4 with _flash_attn_fwd and _flash_attn_bwd, and this one has no "
+                f"{' or '.join(missing)}; 4.0.0b36 is the version measured (pip install flash-attn-4==4.0.0b36)")
     return None
 
 

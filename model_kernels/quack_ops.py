@@ -45,6 +45,17 @@ def quack_problem(device):
     return None
 
 
+def load():
+    """The quack-kernels modules the choices call, when a model takes one (model.py): a ValueError, in one
+    sentence, where they do not import, rather than a ModuleNotFoundError in the first forward."""
+    try:
+        import quack.linear_cross_entropy  # noqa: F401
+        import quack.mlp  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - as quack_problem's
+        raise ValueError(f"quack-kernels did not import ({type(exc).__name__}: {exc}){install_hint(exc)}; pip "
+                         f"install -r requirements-gpu.txt on a Hopper GPU") from None
+
+
 def install_hint(exc):
     """What to do about an import failure that comes from where quack was installed, else "". quack 0.6.5 keys
     its compiled kernels by fingerprints of the functions they use, and takes every function outside a

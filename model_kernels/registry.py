@@ -155,7 +155,7 @@ LOSS = Registry(
     LossChoice(name="quack_chunked", help="fused's slices through quack-kernels' cross-entropy and autotuned weight "
                                           "gradient (Hopper), with a higher peak memory (docs/PERFORMANCE.md)",
                train=quack_ops.linear_cross_entropy, losses_only=True, device_problem=quack_ops.device_problem,
-               shape_problem=quack_ops.loss_shape_problem),
+               shape_problem=quack_ops.loss_shape_problem, load=quack_ops.load),
 )
 
 MLP = Registry(
@@ -166,7 +166,7 @@ MLP = Registry(
     MLPChoice(name="quack", help="quack-kernels' gated matmuls, SwiGLU in their epilogues (Hopper, "
                                  "model_kernels/quack_ops.py)",
               forward=quack_ops.swiglu_mlp, device_problem=quack_ops.device_problem,
-              shape_problem=quack_ops.mlp_shape_problem),
+              shape_problem=quack_ops.mlp_shape_problem, load=quack_ops.load),
 )
 
 ATTENTION = Registry(

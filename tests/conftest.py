@@ -99,6 +99,10 @@ def attention_backward_by_hand(q, k, v, out, dout, lse, causal, dq, dk, dv, **un
     return dq, dk, dv
 
 
+def unset_varlen_forward(*args, **kwargs):
+    raise AssertionError("the stand-in's variable-length forward is not set: the test must set it")
+
+
 @pytest.fixture
 def flash_attn_4_stand_in(monkeypatch):
     """The fa4 backend's two kernels written out in plain torch: cuDNN's forward with its log-sum-exp (the aten
@@ -110,6 +114,7 @@ def flash_attn_4_stand_in(monkeypatch):
     from model_kernels import attention
     interface = types.ModuleType("flash_attn.cute.interface")
     interface._flash_attn_bwd = attention_backward_by_hand
+    interface._flash_attn_fwd = unset_varlen_forward  # tests of the windows set theirs (tests/test_schedules.py)
     for name in ("flash_attn", "flash_attn.cute"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)

@@ -591,10 +591,47 @@ def test_fa4_backend_without_flash_attn_4_is_a_clear_error():
     assert m.attention_backend == "auto"
 
 
-def test_fa4_with_a_flash_attn_4_lacking_its_functions_is_a_clear_error(flash_attn_4_stand_in, monkeypatch):
-    monkeypatch.delattr(flash_attn_4_stand_in, "_flash_attn_bwd")
-    with pytest.raises(ValueError, match=r"no _flash_attn_bwd; 4.0.0b36 is the version measured"):
+@pytest.mark.parametrize("lacking", ["_flash_attn_bwd", "_flash_attn_fwd"])
+def test_fa4_with_a_flash_attn_4_lacking_its_functions_is_a_clear_error(flash_attn_4_stand_in, monkeypatch, lacking):
+    """The check named the backward only; one without the variable-length forward (context_windows') passed every
+    check and failed at the first update."""
+    monkeypatch.delattr(flash_attn_4_stand_in, lacking)
+    with pytest.raises(ValueError, match=rf"no {lacking}; 4.0.0b36 is the version measured"):
         model.Transformer(tiny_config(), attention_backend="fa4")
+
+
+def test_a_flash_attn_4_that_fails_as_it_imports_leaves_auto_on_sdpa_and_refuses_fa4(monkeypatch):
+    """It loads the CUTLASS DSL as it imports, so a version clash there is a RuntimeError, say, not an ImportError:
+    the default (auto), which the user never pointed at fa4, failed with a traceback."""
+    import importlib
+    real = importlib.import_module
+
+    def clash(name, *args, **kwargs):
+        if name == "flash_attn.cute.interface":
+            raise RuntimeError("nvidia-cutlass-dsl 4.1 is not supported; need >= 4.2")
+        return real(name, *args, **kwargs)
+    monkeypatch.setattr(attention.importlib, "import_module", clash)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    backend, why = attention.resolve_backend("auto", "cuda")
+    assert backend == "sdpa" and "did not import (RuntimeError: nvidia-cutlass-dsl 4.1" in why
+    with pytest.raises(ValueError, match="did not import"):
+        model.Transformer(tiny_config(), attention_backend="fa4")
+
+
+@pytest.mark.parametrize("choice", [dict(loss_impl="quack_chunked"), dict(mlp_impl="quack")])
+def test_a_quack_choice_without_quack_fails_at_construction_in_one_sentence(monkeypatch, choice):
+    """They had no load: the model was built, and the first forward failed with a ModuleNotFoundError."""
+    monkeypatch.setitem(sys.modules, "quack", None)
+    with pytest.raises(ValueError, match="quack-kernels did not import"):
+        model.Transformer(tiny_config(), **choice)
+
+
+def test_token_ids_of_another_dtype_are_one_clear_error():
+    m = model.Transformer(tiny_config())
+    x = torch.randint(0, 10, (2, 8))
+    for idx, targets in ((x.float(), None), (x.bool(), None), (x, x.int())):
+        with pytest.raises(ValueError, match="token ids must be int64 or int32 and targets int64"):
+            m(idx, targets)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
