@@ -334,10 +334,12 @@ def test_wsd_warms_up_holds_then_decays_linearly_to_min_lr():
     assert optim.lr_at(60, 50, 1e-3, 1e-4, 5, schedule="wsd") == 1e-4  # and past it
 
 
-@pytest.mark.parametrize("fraction, first_decayed", [(0.1, 45), (0.25, 38), (0.5, 25), (0.9, 5), (1.0, 5)])
-def test_wsd_cooldown_starts_where_the_fraction_says(fraction, first_decayed):
-    """The last round(fraction x total) updates decay; never into the warmup (1.0: from its end)."""
-    curve = wsd(total=50, warmup=5, fraction=fraction)
+@pytest.mark.parametrize("fraction, first_decayed, total", [(0.1, 45, 50), (0.25, 38, 50), (0.5, 25, 50),
+                                                             (0.9, 5, 50), (1.0, 5, 50), (0.2, 26, 33)])
+def test_wsd_cooldown_starts_where_the_fraction_says(fraction, first_decayed, total):
+    """The last round(fraction x total) updates decay (0.2 of 33: 7, where int() would give 6); never into the
+    warmup (1.0: from its end)."""
+    curve = wsd(total=total, warmup=5, fraction=fraction)
     assert curve[first_decayed - 1] == 1e-3 > curve[first_decayed]
     assert curve[-1] == 1e-4
 
