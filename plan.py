@@ -55,7 +55,7 @@ def resolve(cfg, cls=settings.TrainSettings, world=None, synthetic=False, presta
     train: once the device is known, start what a cold first update would wait for (first_calls.prestart), so that
     it readies while the checks import the attention's package and the data and the model are made."""
     settings.check(cls, cfg)
-    rank, local_rank, world_size = world or distributed()
+    rank, local_rank, world_size = world or distributed(cfg.get("device"))
     sequences = settings.sequences_per_update(cfg, world_size)
     device = resolve_device(cfg, local_rank if world is None else None)
     if prestart:

@@ -228,7 +228,7 @@ class Execution:
                                            "every context is one shape, compiled and captured once: the same math")
     activation_memory_budget: float = setting(1.0, "compiled only: the share of the compiler's activation memory to "
                                                    "keep; below 1 it recomputes cheap ops in backward", bounds="(0, 1]")
-    cpu_threads: int = setting(0, "0: PyTorch's default", bounds=">= 0")
+    cpu_threads: int = setting(0, "0: PyTorch's default; at most 1,024 (thousands crash PyTorch)", bounds="[0, 1024]")
     ddp_bucket_mb: int = setting(100, "DistributedDataParallel gradient bucket, MB (docs/PERFORMANCE.md, levers)",
                                  bounds="> 0")
     eval_batch_size: int = setting(32, "sequences per validation batch", bounds="> 0")

@@ -44,8 +44,8 @@ class StopRequest:
 
     SAME_STOP_SECONDS = process_guard.SAME_STOP_SECONDS  # a scheduler may signal the process, and its parent too
 
-    def __init__(self):
-        self.signal, self.signalled_at = None, None
+    def __init__(self, when="at the next update"):
+        self.signal, self.signalled_at, self.when = None, None, when
         self.previous = process_guard.install(self._handle)  # not a SIGHUP that nohup ignores
 
     def _handle(self, signum, frame):
@@ -55,7 +55,7 @@ class StopRequest:
             signal.signal(signum, self.previous[signum])
             raise KeyboardInterrupt
         self.signal, self.signalled_at = signum, time.monotonic()
-        process_guard.stop_requested(f"{signal.Signals(signum).name} received: stopping at the next update with a "
+        process_guard.stop_requested(f"{signal.Signals(signum).name} received: stopping {self.when} with a "
                                      f"checkpoint (a second one stops at once, without one)\n")
 
     def restore(self):
@@ -85,11 +85,14 @@ def prepare_out_dir(cfg, main_process=True):
     lock = FileLock(str(out / "run.lock"), timeout=0)
     try:
         lock.acquire()
+        if cfg.overwrite:
+            ckpt.unlink(missing_ok=True)
     except Timeout:
         raise ConfigError(f"another train.py is running {cfg.name!r} in {out} now; wait for it, or choose another "
                           f"--name") from None
-    if cfg.overwrite:
-        ckpt.unlink(missing_ok=True)
+    except OSError as exc:  # a folder of another user's, or read-only
+        lock.release()
+        raise ConfigError(f"out_dir {str(out)!r} cannot be written ({exc.strerror}); give a writable folder") from None
     return ckpt, lock
 
 
@@ -239,12 +242,12 @@ class Run:
             return "diverged"
         if self.signalled():
             return "signal"
-        limit = self.cfg.stop_after_updates
-        if limit and self.session_updates >= limit:
-            return "stop_after_updates"
         if self.cfg.stop_at_target and self.state.target_reached:
             return "target"
-        return "end" if self.state.epoch >= self.cfg.epochs else None
+        if self.state.epoch >= self.cfg.epochs:  # before the limit: a run with every epoch done finishes
+            return "end"
+        limit = self.cfg.stop_after_updates
+        return "stop_after_updates" if limit and self.session_updates >= limit else None
 
     def signalled(self):
         """Whether a signal came (on any rank); time_due: whether checkpoint_minutes have passed by rank 0's clock
@@ -368,7 +371,9 @@ def train(cfg):
     try:
         run.resume_or_start()
         run.announce()
-        run.stop = StopRequest()       # before the "running" entry, so that no signal can leave it standing
+        # before the "running" entry, so that no signal can leave it standing; under DDP the ranks agree at log lines
+        run.stop = StopRequest("at the next update" if run.world_size == 1 else
+                               f"at the next log line (every {cfg.log_interval} updates, where the ranks agree)")
         run.metrics.record("running")
         try:
             status = run.finish(loop(run))

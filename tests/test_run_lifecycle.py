@@ -260,3 +260,51 @@ def test_an_evaluation_batch_larger_than_the_subset_holds_only_the_rows_it_score
     assert entry["status"] == "complete" and sizes[0] == -(-(cfg.val_subset_tokens - 1) // cfg.seq_len)
     assert sizes[-1] == whole and max(sizes) == whole
     assert entry["best_subset_loss"] == pytest.approx(straight["best_subset_loss"], abs=1e-6)
+
+
+def test_a_limit_that_falls_on_the_runs_last_update_finishes_the_run(text_cache, tmp_path):
+    """stop_after_updates was checked before the run's end: a run with every update and epoch validation done
+    stopped "interrupted" without its full validation, and needed one more job for that pass."""
+    cfg = small_config(text_cache, tmp_path, epochs=1)
+    total = train.train(settings.Config(cfg, name="whole", out_dir=str(tmp_path / "whole")))["total_updates"]
+    entry = train.train(settings.Config(cfg, stop_after_updates=total))
+    assert entry["status"] == "complete" and entry["final_validation"]
+
+
+def test_an_out_dir_the_lock_cannot_be_made_in_is_one_line(text_cache, tmp_path, monkeypatch, capsys):
+    import filelock
+    def refused(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(filelock.FileLock, "acquire", refused)
+    assert train.main(cli_args(small_config(text_cache, tmp_path))) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot be written (Permission denied); give a writable folder" in err[0], err
+
+
+def test_a_world_size_without_torchrun_is_one_line(text_cache, tmp_path, monkeypatch, capsys):
+    """A WORLD_SIZE left in the environment, without torchrun's RANK and rendezvous, was torch's traceback."""
+    for variable in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert train.main(cli_args(small_config(text_cache, tmp_path))) == 2
+    assert "WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT not: launch with torchrun" in \
+        capsys.readouterr().err
+
+
+def test_a_cpu_run_under_torchrun_takes_gloo_on_a_machine_with_a_gpu(monkeypatch):
+    """The backend followed the machine: torchrun of a CPU config on a GPU machine started NCCL, which fails on
+    CPU tensors."""
+    import torch
+    import torch.distributed as dist
+    import distributed
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend: chosen.append(backend))
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for variable, value in (("RANK", "0"), ("MASTER_ADDR", "localhost"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(variable, value)
+    distributed.distributed("cpu")
+    distributed.distributed("cuda")
+    assert chosen == ["gloo", "nccl"]

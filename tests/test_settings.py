@@ -180,3 +180,11 @@ def test_the_narrow_keys_of_the_docs_and_the_reproduce_script_restore_the_width_
     assert {k: narrow[k] for k in narrow if narrow[k] != speed[k]} == \
         {"name": "20m-quality", **shape, "train_subset_tokens": 0, "epochs": 3, "weight_decay": 0.3,
          "cooldown_fraction": 0.7, "ema": 0.998}
+
+
+def test_thousands_of_cpu_threads_are_refused_before_pytorch_crashes_on_them():
+    """cpu_threads=5000 passed the check (>= 0), and the run died in a segmentation fault."""
+    cfg = settings.Config(settings.defaults(TrainSettings), cpu_threads=5000)
+    with pytest.raises(ConfigError, match="cpu_threads"):
+        settings.check(TrainSettings, cfg)
+    settings.check(TrainSettings, settings.Config(cfg, cpu_threads=1024))
