@@ -242,8 +242,8 @@ class BenchRunner:
             cache = TokenCache(cfg.data_dir, verify=False).identity
         except CacheError:
             cache = None
-        # what a measurement depends on besides its settings: the GPU, the CPU (eager is launch-bound) and its
-        # threads, the packages and the compiler's environment, as the fingerprint states them; and the data
+        # what a measurement depends on besides its settings: the GPU, the CPU (eager is launch-bound) and the cores
+        # it may use, the packages and the compiler's environment, as the fingerprint states them; and the data
         fingerprint = env.fingerprint()
         self.where = dict({k: fingerprint[k] for k in MACHINE_KEYS}, cache_identity=cache)
         # each base config its own candidates' files: another sweep's selection is not overwritten
