@@ -371,8 +371,7 @@ def train(cfg):
     try:
         run.resume_or_start()
         run.announce()
-        # before the "running" entry, so that no signal can leave it standing; under DDP the ranks agree at log lines
-        run.stop = StopRequest("at the next update" if run.world_size == 1 else
+        run.stop = StopRequest("at the next update" if run.world_size == 1 else  # before the "running" entry
                                f"at the next log line (every {cfg.log_interval} updates, where the ranks agree)")
         run.metrics.record("running")
         try:
@@ -392,6 +391,8 @@ def loop(run):
     run.metrics.start_clock()
     updates = run.updates()
     reason = run.stop_reason()         # a resumed run may have nothing left to train
+    if reason in INTERRUPTING:         # a signal before the first update: interrupted means checkpointed
+        reason = run.checkpoint(reason)
     while reason is None:
         if not run.validation_due(run.epoch_done()):  # else resumed where a stop cut its validation short
             run.update(*next(updates))

@@ -308,3 +308,22 @@ def test_a_cpu_run_under_torchrun_takes_gloo_on_a_machine_with_a_gpu(monkeypatch
     distributed.distributed("cpu")
     distributed.distributed("cuda")
     assert chosen == ["gloo", "nccl"]
+
+
+def test_a_signal_before_the_first_update_checkpoints_the_run_it_calls_interrupted(text_cache, tmp_path, monkeypatch):
+    """A SIGTERM as the run started exited 3 (interrupted: checkpointed) with no checkpoint, so --resume=True
+    found nothing to continue."""
+    import metrics
+    record = metrics.Metrics.record
+
+    def signalled_at_the_start(self, status, **kwargs):
+        if status == "running" and not getattr(self, "signalled_once", False):
+            self.signalled_once = True
+            os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's, as the run starts
+        return record(self, status, **kwargs)
+    monkeypatch.setattr(metrics.Metrics, "record", signalled_at_the_start)
+    cfg = small_config(text_cache, tmp_path, epochs=1)
+    assert train.main(cli_args(cfg)) == train.EXIT_INTERRUPTED
+    assert (tmp_path / "out" / "ckpt.pt").is_file()
+    monkeypatch.setattr(metrics.Metrics, "record", record)
+    assert train.train(settings.Config(cfg, resume=True))["status"] == "complete"
