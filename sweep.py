@@ -64,14 +64,16 @@ class Sweep:
     peak_memory_bytes, wall_seconds (a reused measurement's own), error. say(text) prints progress."""
 
     def __init__(self, incumbent, space, measure, budget_seconds, protocols=PROTOCOLS, clock=time.monotonic,
-                 candidate_timeout=math.inf, confirm=4, screen_noise=0.03, noise=0.01, say=lambda text: None):
+                 candidate_timeout=math.inf, confirm=4, screen_noise=0.03, noise=0.01, say=lambda text: None,
+                 started=None):
         self.incumbent = Trial(incumbent, "incumbent")
         self.trials = [self.incumbent] + [Trial(c, lever) for lever, c in space]
         self.measure, self.budget_seconds, self.clock, self.say = measure, budget_seconds, clock, say
         self.protocols = {stage: dict(p) for stage, p in protocols.items()}
         self.full, self.chosen = dict(self.protocols["confirm"]), False  # the confirmations' until chosen
         self.candidate_timeout, self.confirm = candidate_timeout, confirm
-        self.screen_noise, self.noise, self.start_time = screen_noise, noise, clock()
+        # started: when the budget began by clock (tune.py's checks and plan come out of it too), else now
+        self.screen_noise, self.noise, self.start_time = screen_noise, noise, clock() if started is None else started
 
     def elapsed(self):
         return self.clock() - self.start_time

@@ -422,6 +422,7 @@ def print_selection(tuning):
 
 def tune(cfg):
     """Every check first (a mistake that would fail every candidate is one line, not a sweep), then the sweep."""
+    started = time.monotonic()  # the budget's start: the checks, the plan and the machine's fingerprint count
     run_plan = plan_lib.resolve(cfg, TuneSettings, world=(0, 0, 1), synthetic=cfg.data_mode == "synthetic")
     results.check_writable(cfg.results_file, sections=["tuning", "benchmarks"])  # where the sweep records
     device = torch.device(run_plan.device)
@@ -436,7 +437,8 @@ def tune(cfg):
           f"or less, as the budget affords after the incumbent's screen", flush=True)
     sweep = Sweep(incumbent, space, runner, cfg.budget * 60, {"screen": screen, "confirm": confirm},
                   candidate_timeout=cfg.candidate_timeout * 60, confirm=cfg.tune_confirm,
-                  screen_noise=cfg.tune_screen_noise, noise=cfg.tune_noise, say=lambda text: print(text, flush=True))
+                  screen_noise=cfg.tune_screen_noise, noise=cfg.tune_noise, say=lambda text: print(text, flush=True),
+                  started=started)
     try:
         selected = sweep.run()
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (main): what was measured is recorded, for a rerun to reuse

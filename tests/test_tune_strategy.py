@@ -517,3 +517,11 @@ def test_a_rerun_with_the_same_budget_asks_for_the_protocol_it_measured_and_reus
         runs.append(len(bench.runs))
     assert protocols[0] == protocols[1] != sweep_lib.PROTOCOLS["confirm"]  # a smaller rung, the same one again
     assert runs == [2, 0]  # the rerun measured nothing
+
+
+def test_the_budget_counts_from_when_the_sweep_was_asked_for():
+    """The Sweep's clock started after tune.py's checks, plan and fingerprint: a 15 s budget took 18 s."""
+    bench = FakeBench(FakeClock(), GPU)
+    bench.clock.now = 100.0
+    sweep = sweep_of(bench, budget=60, space=[], started=90.0)
+    assert sweep.elapsed() == 10.0 and sweep.left() == 50.0
