@@ -13,6 +13,7 @@ value that cannot run here is skipped with one line. docs/TUNING.md: the levers,
 """
 import dataclasses
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -220,6 +221,20 @@ def reusable(res):
                     for m in windows))
 
 
+def run_whole(command, timeout):
+    """subprocess.run's result for command, run in a process group of its own that a timeout or an interrupt ends
+    whole: bench.py's compile workers with it (left running, they would share the next candidate's GPU and CPU)."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except BaseException:  # the timeout, or Ctrl-C and SIGTERM (main): the whole group, then the pipes drained
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
 def bench_entry(results_file, name):
     """benchmarks.NAME of the results file: {} for none, or for one edited by hand into something else."""
     entry = results.lookup(results_file, ["benchmarks", name])
@@ -293,7 +308,7 @@ class BenchRunner:
         start = time.time()
         before = bench_entry(cfg.results_file, bench_name).get("run_id")
         try:
-            proc = subprocess.run(command, capture_output=True, text=True, timeout=max(1.0, timeout))
+            proc = run_whole(command, timeout=max(1.0, timeout))
             entry = bench_entry(cfg.results_file, bench_name)
             if not entry or entry.get("run_id") == before:  # the process died before recording
                 tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]

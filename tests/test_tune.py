@@ -1,6 +1,7 @@
 """tune.py end to end: a real sweep of bench.py processes on the CPU, and the settings refused before any run.
 The strategy's rules, with a fake clock and fake measurements, are in test_tune_strategy.py."""
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -344,3 +345,28 @@ def test_what_a_measurement_depends_on_names_it_and_each_base_config_has_its_own
     assert identity(cfg) != first
     wider = settings.Config(cfg, dim=128)
     assert tune.BenchRunner(wider).config_path(candidate) != tune.BenchRunner(cfg).config_path(candidate)
+
+
+def test_a_timed_out_run_ends_with_its_children(tmp_path):
+    """subprocess.run's timeout killed bench.py alone: its compile workers went on, sharing the next candidate's
+    GPU and CPU."""
+    import os
+    import time
+    pid_file = tmp_path / "grandchild"
+    script = (f"import subprocess, sys, time\nchild = subprocess.Popen([sys.executable, '-c', 'import time; "
+              f"time.sleep(60)'])\nopen({str(pid_file)!r}, 'w').write(str(child.pid))\ntime.sleep(60)\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        tune.run_whole([sys.executable, "-c", script], timeout=3)
+    grandchild = int(pid_file.read_text())
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            state = Path(f"/proc/{grandchild}/status").read_text()
+        except FileNotFoundError:
+            break
+        if "\nState:\tZ" in state:  # killed, not yet reaped by its new parent
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the run's child {grandchild} still runs after the timeout")
+    assert tune.run_whole([sys.executable, "-c", "print('ok')"], timeout=30).stdout == "ok\n"
