@@ -11,6 +11,7 @@
 Each run is bench.py in its own process, so an out-of-memory error, a crash or a hang ends that candidate only; a
 value that cannot run here is skipped with one line. docs/TUNING.md: the levers, their order, what they cost.
 """
+import contextlib
 import dataclasses
 import math
 import os
@@ -229,7 +230,8 @@ def run_whole(command, timeout):
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except BaseException:  # the timeout, or Ctrl-C and SIGTERM (main): the whole group, then the pipes drained
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # a group that ended just then
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         raise
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)

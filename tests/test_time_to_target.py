@@ -8,6 +8,7 @@ import torch
 from scipy import stats
 
 import compare
+import time_to_target
 import settings
 from results import lookup, read_results
 from tests.test_compare import PNG_MAGIC, TINY
@@ -288,3 +289,17 @@ def test_the_mode_end_to_end_misses_an_unreachable_target_and_reaches_a_reachabl
     assert compare.main(reach) == 0
     out = capsys.readouterr().out
     assert out.count("reusing the complete run") == 3 and "[candidate] " not in out and "[target baseline] " not in out
+
+
+def test_a_plot_that_cannot_be_written_after_the_runs_leaves_the_verdict_recorded(tiny, monkeypatch, capsys):
+    """The figure is written after every run has trained: a full disk there was a traceback over the verdict."""
+    config, results = tiny
+    monkeypatch.setattr(time_to_target, "train_all", lambda cfg, runs, keep_going: {})  # nothing to train here
+    def disk_full(*args):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(time_to_target, "save_figure", disk_full)
+    compare.main([config, "--name=tt", f"--results_file={results}", "--mode=time-to-target", "--seeds=2",
+                  "--target_loss=3"])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "could not be written (No space left on device)" in err
+    assert "tt" in read_results(results)["time-to-target"]
