@@ -27,7 +27,6 @@ them too.
     {"device": "cuda:0", "attention": [[B, T, H, D], ...], "windows": [[ROWS, T, H, D, SMALLEST]], "vocab_size": V}
 """
 import atexit
-import importlib.util
 import json
 import os
 import re
@@ -41,7 +40,6 @@ from pathlib import Path
 import env
 
 KERNELS = ("loss", "attention")
-LIBRARIES = ("libcublasLt", "libcublas", "libcudnn", "libnvrtc", "libnvJitLink", "libtorch_cuda", "libtriton")
 NUMBER = r"\d+(?:\.\d+)?"
 WAIT_LIMIT_S = 300  # a first call's wait for a child, which takes 2 to 25 s (docs/COLD_START.md)
 _children = {}  # kernel -> {"process", "log", "folders"} while its child runs
@@ -94,51 +92,11 @@ def start_early(argv, fresh=False, command=None, gpu=None):
     start()'s."""
     if "-h" in argv or "--help" in argv or not (_has_nvidia_gpu() if gpu is None else gpu):
         return
-    prefetch_libraries()
     if fresh:
         env.fresh_compiler_caches(early=True)
     if env.inductor_cache_empty():
         for kernel in KERNELS:
             _spawn(kernel, command)
-
-
-def library_files(roots=None):
-    """The shared libraries a first update on a GPU loads, in LIBRARIES' order: cuBLAS, cuDNN, NVRTC, nvJitLink,
-    torch's CUDA library and Triton's, found under the installed torch, nvidia and triton packages (roots: the
-    folders to search instead), without importing them."""
-    if roots is None:
-        roots = []
-        for package, sub in (("torch", "lib"), ("nvidia", ""), ("triton", "_C")):
-            spec = importlib.util.find_spec(package)
-            roots += [Path(folder) / sub for folder in (spec.submodule_search_locations or [])] if spec else []
-    found = []
-    for root in roots:
-        for folder, _, names in os.walk(root):
-            for name in names:
-                rank = next((i for i, lib in enumerate(LIBRARIES) if re.match(rf"{lib}[._-]", name)), None)
-                if rank is not None and ".so" in name:
-                    found.append((rank, name, os.path.join(folder, name)))
-    return [path for _, _, path in sorted(found)]
-
-
-def prefetch_libraries(files=None):
-    """A thread that asks the kernel to read `files` (library_files()) into the page cache. On a machine's first
-    process their pages are still on disk: without it the first update faulted cuBLAS's, cuDNN's and the rest in as
-    its first matmul, attention and compile touched them, beside the imports of the process and its helpers
-    (docs/COLD_START.md). Where they are cached already it costs a system call a file. Returns the thread."""
-    def read_ahead():
-        for path in library_files() if files is None else files:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-                finally:
-                    os.close(fd)
-            except (OSError, AttributeError):  # a file gone, or a system without posix_fadvise: nothing to gain
-                pass
-    thread = threading.Thread(target=read_ahead, name="prefetch-libraries", daemon=True)
-    thread.start()
-    return thread
 
 
 def _has_nvidia_gpu():
