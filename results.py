@@ -125,6 +125,14 @@ def dumps(value, indent=0):
     return "[\n" + ",\n".join(pad + dumps(v, indent + 2) for v in value) + "\n" + " " * indent + "]"
 
 
+def read_existing_results(path):
+    """read_results of a file that a report reads (plots, summaries): one that does not exist, or a folder, is an
+    error, not an empty file."""
+    if not Path(path).is_file():
+        raise ResultsFileError(f"results file {path} " + ("is not a file" if Path(path).exists() else "does not exist"))
+    return read_results(path)
+
+
 def read_results(path):
     """The results file as a dict ({} when it does not exist yet); a file that does not parse, is not UTF-8 or is
     not a regular file is an error."""

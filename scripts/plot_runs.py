@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's modules, run as a script too
 import plots  # noqa: E402
-from results import ResultsFileError, read_results  # noqa: E402
+from results import ResultsFileError, read_existing_results  # noqa: E402
 
 
 class Parser(argparse.ArgumentParser):
@@ -38,9 +38,7 @@ def parse(argv):
 
 def selected_runs(path, names):
     """[(name, entry)] of the named runs (default: all) of the results file at path."""
-    if not Path(path).is_file():
-        raise plots.PlotError(f"results file {path} " + ("is not a file" if Path(path).exists() else "does not exist"))
-    results = read_results(path)
+    results = read_existing_results(path)
     available = plots.training_runs(results)
     if not available:
         raise plots.PlotError(f"results file {path} holds no training runs (top-level entries with a recipe_identity)")

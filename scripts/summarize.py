@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from plots import finite_number, fmt  # noqa: E402
-from results import ResultsFileError, read_results  # noqa: E402
+from results import ResultsFileError, read_existing_results  # noqa: E402
 
 
 def gib(n_bytes):
@@ -51,9 +51,7 @@ def run_line(name, run, width):
 
 
 def main(path, prefixes):
-    if not Path(path).is_file():
-        raise ResultsFileError(f"{path} " + ("is not a file" if Path(path).exists() else "does not exist"))
-    data = read_results(path)
+    data = read_existing_results(path)
     wanted = lambda name: not prefixes or name.startswith(tuple(prefixes))
     benchmarks = {n: e for n, e in data.get("benchmarks", {}).items() if wanted(n)}
     runs = {n: r for n, r in data.items() if isinstance(r, dict) and "final_validation" in r and wanted(n)}
