@@ -161,18 +161,26 @@ class Sweep:
         return sorted(close, key=lambda t: -rate(t.screen))[:self.confirm]
 
     def measured_by(self, trial):
-        """The stage whose rate stands for trial: its confirmation; the incumbent's screen where it has none."""
-        return "confirm" if rate(trial.confirm) else "screen" if trial is self.incumbent and rate(trial.screen) \
-            else None
+        """The stage whose rate stands for trial, as the incumbent is measured: the incumbent's confirmation, else its
+        screen; a confirmed candidate's confirmation, or its screen where the incumbent stands by its screen (its
+        confirmation failed or did not fit), so the two compare under one protocol; None for the others."""
+        if trial is self.incumbent:
+            return "confirm" if rate(trial.confirm) else "screen" if rate(trial.screen) else None
+        if not rate(trial.confirm):  # only a confirmation selects
+            return None
+        return "screen" if self.measured_by(self.incumbent) == "screen" and rate(trial.screen) else "confirm"
 
     def selection(self):
-        """The fastest candidate confirmed with the protocol the incumbent was measured with, if faster than it by
-        more than noise, else the incumbent; where the incumbent could not be measured, the fastest confirmed."""
+        """The fastest candidate measured as the incumbent (measured_by: the same stage and protocol), if faster than
+        it by more than noise (tune_screen_noise between screens), else the incumbent; where the incumbent could not
+        be measured, the fastest confirmed."""
         inc, stage = self.incumbent, self.measured_by(self.incumbent)
-        same = [t for t in self.trials[1:] if rate(t.confirm)
-                and (stage is None or t.protocols["confirm"] == inc.protocols[stage])]
-        best = max(same, key=lambda t: rate(t.confirm), default=None)
-        if stage and not (best and rate(best.confirm) > rate(inc.results[stage]) * (1 + self.noise)):
+        alike = [t for t in self.trials[1:] if self.measured_by(t)
+                 and (stage is None or t.protocols[self.measured_by(t)] == inc.protocols[stage])]
+        measured = lambda t: rate(t.results[self.measured_by(t)])
+        best = max(alike, key=measured, default=None)
+        noise = self.screen_noise if stage == "screen" else self.noise
+        if stage and not (best and measured(best) > rate(inc.results[stage]) * (1 + noise)):
             return inc
         return best
 

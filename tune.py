@@ -5,8 +5,9 @@
 2. Screen every candidate (the incumbent with one lever changed) briefly, leaving time to confirm the best.
 3. Confirm the best tune_confirm screens (none below the incumbent's by more than tune_screen_noise), best first.
 4. Stop when the budget runs out: no run starts unless its estimate fits; each ends by candidate_timeout at most.
-5. Select the fastest run confirmed with the incumbent's protocol if faster by more than tune_noise, else the
-   incumbent, measured as the budget allowed (its screen at least): any budget that fits a screen answers.
+5. Select the fastest confirmed run, set against the incumbent as the incumbent was measured (its confirmation, or
+   its screen against the runs' screens where its confirmation failed or did not fit), if faster by more than
+   tune_noise (tune_screen_noise between screens), else the incumbent: any budget that fits a screen answers.
 
 Each run is bench.py in its own process, so an out-of-memory error, a crash or a hang ends that candidate only; a
 value that cannot run here is skipped with one line. docs/TUNING.md: the levers, their order, what they cost.
@@ -344,7 +345,7 @@ def with_environment(run, shared):
 
 def trial_record(sweep, trial, selected):
     """A candidate's entry: its settings, both stages' results, its config file, its status, and the rate that
-    stands for it (its confirmation's, or the incumbent's screen's) with the stage and protocol it was measured by."""
+    stands for it (sweep.measured_by: as the incumbent was measured) with the stage and protocol it was measured by."""
     runs, stage = [res for res in (trial.screen, trial.confirm) if res], sweep.measured_by(trial)
     firsts = [res["first_update_seconds"] for res in runs if res.get("first_update_seconds") is not None]
     peaks = [res["peak_memory_bytes"] for res in runs if res.get("peak_memory_bytes")]
@@ -430,7 +431,9 @@ def print_selection(tuning):
           f"{said(sel['protocol'])} (its {stage}) -> python train.py {sel['config_path']}")
     if sel["lever"] == "incumbent" and any((c["tokens_per_second"] or 0) > inc and c["protocol"] == inc_protocol
                                            for c in tuning["candidates"]):
-        print(f"  kept: confirmed candidates measured faster, none by more than tune_noise ({tuning['noise']:.1%})")
+        noise = "tune_screen_noise" if tuning["incumbent"]["measured_by"] == "screen" else "tune_noise"
+        print(f"  kept: confirmed candidates measured faster, none by more than {noise} "
+              f"({tuning[noise.removeprefix('tune_')]:.1%})")
     if sel["config_path"] and Path(sel["config_path"]).is_file():
         print(Path(sel["config_path"]).read_text().rstrip())
 
