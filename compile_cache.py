@@ -67,7 +67,8 @@ def check_path(path):
 
 
 def read(path):
-    """(key, artefacts) of a cache file; None when there is no file. CompileCacheError for another kind of file."""
+    """(key, artefacts) of a cache file, the key None where its header is damaged (a copy cut inside it); None when
+    there is no file. CompileCacheError for another kind of file."""
     check_path(path)
     path = Path(path)
     if not path.exists():
@@ -77,9 +78,7 @@ def read(path):
         stored = json.loads(header)
     except ValueError:
         stored = None
-    if not isinstance(stored, dict):
-        raise CompileCacheError(f"compile_cache {path} has a damaged header; delete it and it is made again")
-    return stored, artefacts
+    return (stored if isinstance(stored, dict) else None), artefacts
 
 
 def kernel_folder():
@@ -187,6 +186,9 @@ def load(path, device):
     if found is None:
         return False, f"compile cache {path}: none yet; compiling, then saving it there after the first update"
     stored, artefacts = found
+    if stored is None:  # cut inside its header (an interrupted copy), or edited
+        return False, (f"compile cache {path} is damaged (its header does not read); compiling, and it is written "
+                       f"again after the first update")
     changed = differences(stored, key(device))
     if changed:
         return False, f"compile cache {path} ignored, made for other code or machine ({'; '.join(changed)}); compiling"

@@ -3,6 +3,7 @@ order (the settings' values and combinations, the processes, the device and what
 data cache, the initial weights, the model's shape), so that a refused run has done no work and left nothing behind.
 train.py, bench.py, tune.py, compare.py and sample.py take the record it returns."""
 import dataclasses
+import tempfile
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ from configurator import ConfigError
 from data.loader import CacheError, TokenCache, TrainData
 from distributed import distributed
 from model_kernels import first_calls, registry
-from results import ResultsFileError, check_writable
+from results import ResultsFileError, check_writable, real_path
 
 USER_ERRORS = (ConfigError, ResultsFileError, CacheError, checkpoint.CheckpointError)  # one line, never a traceback
 EXIT_INTERRUPTED = 3  # train.py's exit status for a run stopped by a signal or stop_after_updates, checkpointed
@@ -103,12 +104,19 @@ def check_device(cfg, device):
 
 
 def check_compile_cache(cfg):
-    """A compile_cache path that holds another kind of file is refused before any work (it is never written over)."""
+    """A compile_cache path that holds another kind of file (it is never written over), or in a folder this process
+    cannot write (the file is written after the first update), is refused before any work."""
     if cfg.get("compile_cache"):
         try:
             compile_cache.check_path(cfg.compile_cache)
+            folder = real_path(cfg.compile_cache).parent
+            folder.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=folder).close()
         except compile_cache.CompileCacheError as exc:
             raise ConfigError(str(exc)) from None
+        except OSError as exc:
+            raise ConfigError(f"compile_cache {cfg.compile_cache} cannot be written there ({exc.strerror or exc}); "
+                              f"give a path in a folder this user can write") from None
 
 
 # ---------------------------------------------------------------- the data, the weights and the model

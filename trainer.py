@@ -194,8 +194,13 @@ class Trainer:
         return bool(self.compile_cache) and env.inductor_graph_counts()["compiled"] > self.graphs_in_compile_cache
 
     def save_compile_cache(self):
+        """Save it; a write that fails (a full disk) costs the run nothing but the file: one line, and no more tries."""
         compiled = env.inductor_graph_counts()["compiled"]
-        line = compile_cache.save(self.compile_cache, self.device)
+        try:
+            line = compile_cache.save(self.compile_cache, self.device)
+        except OSError as exc:
+            line, self.compile_cache = (f"compile cache {self.compile_cache} not saved ({exc.strerror or exc}); the "
+                                        f"run goes on without it"), None
         if line:
             print(line, flush=True)
         self.graphs_in_compile_cache = compiled

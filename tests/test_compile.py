@@ -322,7 +322,7 @@ def test_a_path_that_is_not_a_compile_cache_is_refused_and_kept(tmp_path):
 def test_a_cache_cut_short_or_with_a_header_not_its_own_is_not_loaded(tmp_path, monkeypatch):
     """A copy to another node interrupted: the kernels' archive cut short raised tarfile's ReadError in every later
     run, the torch part cut short loaded nothing and said it had loaded; now the run compiles and writes it again.
-    A header that is JSON but not the key's object is the damaged header's one line, not an AttributeError."""
+    A header cut short or that is JSON but not the key's object is compiled afresh too, not a traceback."""
     monkeypatch.setattr(compile_cache.torch.compiler, "save_cache_artifacts", lambda: (b"t" * 1000, None))
     monkeypatch.setattr(compile_cache, "kernel_files", lambda: b"k" * 500)
     loaded = []
@@ -338,12 +338,15 @@ def test_a_cache_cut_short_or_with_a_header_not_its_own_is_not_loaded(tmp_path, 
     monkeypatch.setattr(compile_cache, "unpack_kernel_files", lambda data: None)
     path.write_bytes(whole)
     assert compile_cache.load(path, "cpu")[0] and loaded == [b"t" * 1000]
-    path.write_bytes(compile_cache.MAGIC + b"[1]\n" + b"t" * 10)
-    with pytest.raises(compile_cache.CompileCacheError, match="has a damaged header; delete it and it is made again"):
-        compile_cache.load(path, "cpu")
+    for header in (b"[1]\n", b'{"format": 2, "dev'):  # JSON but not the key's object; a copy cut inside the header
+        path.write_bytes(compile_cache.MAGIC + header + b"t" * 10 * (header == b"[1]\n"))
+        ok, line = compile_cache.load(path, "cpu")
+        assert not ok and "is damaged (its header does not read); compiling, and it is written again" in line
+    assert loaded == [b"t" * 1000]
 
 
-def test_the_cache_is_written_after_the_first_update_and_again_only_when_graphs_were_compiled(tmp_path, monkeypatch):
+def test_the_cache_is_written_after_the_first_update_and_again_only_when_graphs_were_compiled(tmp_path, monkeypatch,
+                                                                                              capsys):
     """A warm start that compiles nothing writes nothing; a schedule's new shape, compiled later, is saved too."""
     import trainer as trainer_lib
     compiled, saved = [0], []
@@ -365,6 +368,13 @@ def test_the_cache_is_written_after_the_first_update_and_again_only_when_graphs_
     assert run(False, [2, 2, 3, 3]) == [2, 3]  # cold: after the first update, and after the new shape's
     assert run(True, [0, 0]) == []  # warm: nothing compiled, nothing written
     assert run(True, [0, 1]) == [1]  # warm, then a shape the file did not hold
+
+    def full(path, device):
+        saved.append("tried")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(trainer_lib.compile_cache, "save", full)  # a failed write: one line, no more tries
+    assert run(False, [2, 3]) == ["tried"] and "not saved (No space left on device); the run goes on" in \
+        capsys.readouterr().out
 
 
 def test_writing_the_compile_cache_is_out_of_the_training_clock(text_cache, tmp_path, monkeypatch):
@@ -389,15 +399,20 @@ def test_writing_the_compile_cache_is_out_of_the_training_clock(text_cache, tmp_
     assert kinds[at - 1] == "pause" and kinds[at + 1] == "resume"  # the clock paused around the write
 
 
-@pytest.mark.parametrize("compiled, words", [(True, "is not a compile cache this project wrote"),
-                                             (False, "this run compiles nothing; set compile=True")])
+@pytest.mark.parametrize("compiled, where, words", [
+    (True, "notes.txt", "is not a compile cache this project wrote"),
+    (False, "notes.txt", "this run compiles nothing; set compile=True"),
+    (True, "notes.txt/run.compile", "cannot be written there"),  # a folder that cannot be made: the file's there
+])
 def test_a_compile_cache_path_of_a_users_file_or_without_compile_is_one_line_before_any_work(text_cache, tmp_path,
-                                                                                           capsys, compiled, words):
+                                                                                           capsys, compiled, where,
+                                                                                           words):
+    """Each before any work: the file is written after the first update, which an unwritable folder failed."""
     import train
     from tests.test_train import cli_args, small_config
     mine = tmp_path / "notes.txt"
     mine.write_bytes(b"a user's file")
-    cfg = small_config(text_cache, tmp_path, compile=compiled, compile_cache=str(mine))
+    cfg = small_config(text_cache, tmp_path, compile=compiled, compile_cache=str(tmp_path / where))
     assert train.main(cli_args(cfg)) == 2
     err = capsys.readouterr().err.strip()
     assert words in err and len(err.splitlines()) == 1 and "Traceback" not in err
