@@ -77,6 +77,9 @@ def check_mode(cfg):
     if cfg.stop_at_target:
         raise ConfigError("stop_at_target is refused with --mode=time-to-target: a seed's time is its whole "
                           "recipe's training time, as a record's is (the baseline alone stops at the target)")
+    if cfg.target_baseline_seeds != 1 and not cfg.target_baseline:
+        raise ConfigError(f"--target_baseline_seeds={cfg.target_baseline_seeds} needs --target_baseline (the "
+                          f"baseline recipe's config) to train; give it, or drop --target_baseline_seeds")
 
 
 def off_defaults(cfg, group):

@@ -38,8 +38,8 @@ class Matched:
 
 
 # How the baseline executes: the plainest way, whatever the config asks for ("auto" attention can be fa4).
-BASELINE_EXECUTION = {"compile": False, "attention_backend": "sdpa", "loss_impl": "full", "update_graph": False,
-                      "compile_cache": ""}  # the last two need compile
+BASELINE_EXECUTION = {"compile": False, "attention_backend": "sdpa", "loss_impl": "full", "mlp_impl": "torch",
+                      "update_graph": False, "compile_cache": ""}  # the last two need compile
 # Bulky fields of a run's entry that the comparison leaves out (the run's own entry keeps them).
 BULKY = ("environment", "config", "recipe")
 NOISE_SIGMAS = 3  # standard deviations of a difference of two runs' losses that the tolerance allows (either noise)

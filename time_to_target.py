@@ -337,7 +337,9 @@ def target_section(cfg, results, candidates, baselines, failed, plot):
         to_target = {n: o["seconds_to_target"] if o["status"] == "complete" else None for n, o in base_runs.items()}
         trained = {n: o["training_seconds"] for n, o in base_runs.items() if o["status"] == "complete"}
         section["speedup"] = speedup(to_target, times, trained, {n: o["status"] for n, o in base_runs.items()})
-        recipes = [(results.get(c.name) or {}).get("recipe") for c in (candidates[0], baselines[0])]
+        # each side's first finished run (a failed run's entry may be an older run's)
+        recipes = [next(((results.get(n) or {}).get("recipe") for n, o in outcomes.items()
+                         if o["status"] == "complete"), None) for outcomes in (runs, base_runs)]
         if all(recipes):  # what makes the candidate another recipe than the baseline (the seed aside)
             section["recipe_differences"] = [k for k in settings.recipe_differences(*recipes) if k != "seed"]
     section["verdict"] = verdict_line(section)

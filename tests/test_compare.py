@@ -601,6 +601,17 @@ def test_a_tuned_config_path_that_is_not_a_path_is_one_line(tmp_path):
         matched.side_configs(cfg)
 
 
+def test_the_matched_baseline_runs_every_kernel_concern_plainly(tmp_path):
+    """Each registry concern (attention, loss, MLP) has its plain choice in the baseline: mlp_impl, added to the
+    registry later, was left as the config's, so --mlp_impl=quack ran quack's kernels on both sides."""
+    from model_kernels import registry
+    assert {r.key for r in registry.REGISTRIES} <= set(matched.BASELINE_EXECUTION)
+    argv = ["config/tiny_cpu.py", f"--results_file={tmp_path / 'r.json'}", "--mlp_impl=quack"]
+    cfg = settings.Config(configurator.load_config(compare.DEFAULTS, argv))
+    base, optimized = matched.side_configs(cfg)
+    assert base["mlp_impl"] == "torch" and optimized["mlp_impl"] == "quack"
+
+
 # ---------------------------------------------------------------- the speed verdict
 
 BASE_EXECUTION = dict({k: train.DEFAULTS[k] for k in settings.execution_keys()}, device="cpu",

@@ -140,6 +140,21 @@ def test_a_failed_baseline_run_is_named_as_failed_not_as_one_that_never_reached_
     assert "r-target-baseline-seed2 failed" in "\n".join(table(section))
 
 
+def test_the_recipe_differences_come_from_finished_runs_not_a_failed_seeds_older_entry(tmp_path):
+    """A failed seed's entry may be an older run's (another recipe): the differences were read from it."""
+    cfg = settings.Config(target_loss=TARGET, eval_interval=10, target_baseline="base.py")
+    candidates = [settings.Config(name=f"r-seed{s}", seed=s) for s in (1, 2)]
+    baselines = [settings.Config(name="r-target-baseline-seed1", seed=1)]
+    adamw, muon = {"optimizer": "adamw", "learning_rate": 3e-3}, {"optimizer": "muon", "learning_rate": 3e-3}
+    results = {"r-seed1": dict(entry([3.2]), recipe=dict(adamw, learning_rate=9.9)),  # an older run's entry
+               "r-seed2": dict(entry([3.1]), recipe=muon),
+               "r-target-baseline-seed1": dict(entry([3.5], seconds=90.0), recipe=adamw)}
+    failed = {"r-seed1": "the run r-seed1 exited with status 1"}
+    section = target_section(cfg, results, candidates, baselines, failed, tmp_path / "p.png")
+    assert section["candidate_runs"]["r-seed1"]["status"] == "failed"
+    assert section["recipe_differences"] == ["optimizer"]
+
+
 def test_the_run_summary_reads_the_final_loss_the_training_seconds_and_the_target():
     reached = {"update": 20, "tokens": 2000, "training_seconds": 31.5, "loss": 3.27, "epoch": 1}
     o = run_outcome(entry([3.6, 3.27, 3.21], seconds=61.0, reached=reached, seed=7))
@@ -221,6 +236,8 @@ def test_the_mode_refuses_mistakes_in_one_line(tiny, tmp_path, capsys):
                          "--tuned, --noise_seed_runs belong to --mode=matched"),
                         ([config, "--seeds=3"], "--seeds belong to --mode=time-to-target"),
                         (mode + ["--target_loss=3", "--stop_at_target=True"], "stop_at_target is refused"),
+                        (mode + ["--target_loss=3", "--target_baseline_seeds=3"],  # trained no baseline, said nothing
+                         "--target_baseline_seeds=3 needs --target_baseline"),
                         (mode + ["--target_loss=3", "--seeds=1"], "the t-test needs at least 2 runs"),
                         (mode + ["--target_loss=3", "--target_baseline=nope.py"], "nope.py is not a file"),
                         (mode + ["--target_loss=3", f"--target_baseline={other_tokens}"],
