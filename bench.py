@@ -146,6 +146,8 @@ def run_protocol(cfg):
         trainer = Trainer.from_plan(plan, total)
         entry["parameters"] = sum(p.numel() for p in trainer.raw_model.parameters())
         entry["attention"] = trainer.attention  # what "auto" ran as here
+        if trainer.compile_cache_loaded:  # a --compile_cache put into the empty caches: not a cold start
+            entry["cache_was_cold"] = False
         say(cfg, f"attention {trainer.attention} ({trainer.attention_reason})")
         batches = batch_stream(make, plan.device, total)
         measurements, device_peaks = timed_windows(cfg, trainer, batches, entry, plan.world_size)

@@ -179,9 +179,11 @@ class Trainer:
         it to (None: no file, or another process of the run saves it). The file is written after the first update
         and again after any update that compiled graphs since (a schedule's new shape), never when nothing new was
         compiled (a warm start)."""
+        self.compile_cache_loaded = False
         if not path:
             return None
         loaded, line = compile_cache.load(path, self.device)
+        self.compile_cache_loaded = loaded
         main = int(os.environ.get("RANK", "0")) == 0
         if main:
             print(line, flush=True)

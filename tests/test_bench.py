@@ -340,3 +340,18 @@ def test_the_cpu_peak_starts_anew():
     trainer_lib.reset_peak_memory("cpu")
     in_use = int(re.search(r"VmRSS:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
     assert trainer_lib.peak_memory_bytes("cpu") <= in_use + 32 * 2**20  # the mark starts at the memory in use now
+
+
+def test_a_loaded_compile_cache_is_not_recorded_as_a_cold_start(tmp_path, text_cache, monkeypatch):
+    """--cold=True with a --compile_cache that loads: the new folders were empty, but the file filled them before
+    the first update, which the entry called cold."""
+    from_plan = bench.Trainer.from_plan
+
+    def loaded(*args, **kwargs):
+        trainer = from_plan(*args, **kwargs)
+        trainer.compile_cache_loaded = True  # as Trainer.load_compile_cache sets it when the file's key matched
+        return trainer
+    monkeypatch.setattr(bench.Trainer, "from_plan", loaded)
+    monkeypatch.setattr(bench.env, "compiler_cache_state", lambda fresh=False: ({}, True))
+    code, results = run_bench(tmp_path, text_cache, "--name=loaded", "--warmup=1", "--steps=1", "--windows=1")
+    assert code == 0 and results["benchmarks"]["loaded"]["cache_was_cold"] is False
