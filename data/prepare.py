@@ -201,7 +201,7 @@ def prepare(source, out, tokenizer=None, vocab_size=VOCAB_SIZE, val_fraction=VAL
             return meta
         tmp = sources.aside(target, "tmp")
         try:
-            tmp.mkdir()
+            sources.start_build(tmp)
             meta = build(source, read(tmp), tok, tok_name, vocab_size, rule, tmp, opts)
             meta.update(source_sha256=source_sha, inputs_identity=identity)
             swap_in(tmp, target, meta if job else finished(meta, t0))
@@ -243,7 +243,7 @@ def recover_or_find(out, identity, job=None):
         shutil.rmtree(p, ignore_errors=True)
     olds = sources.left_aside(out, "old")
     if not out.exists() and olds and (olds[-1] / "meta.json").exists():
-        os.rename(olds.pop(), out)  # killed between the two renames: the old cache is whole, put it back
+        sources.move_in(olds.pop(), out)  # killed between the two renames: the old cache is whole, put it back
     if not (out / "meta.json").exists():
         return None
     for p in olds:
@@ -256,18 +256,9 @@ def swap_in(tmp, out, meta):
     again here: what a user put into a new --out while it was built is never replaced."""
     diagnose.check_still_replaceable(out)
     atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=1, sort_keys=True) + "\n")
-    old = move_aside(out)
-    os.rename(tmp, out)
+    old = sources.move_aside(out)
+    sources.move_in(tmp, out)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def move_aside(out):
-    """Rename the previous cache, if any, to DIR.old-<pid>: a run killed before the next rename leaves it
-    there whole, and the next run puts it back."""
-    old = sources.aside(out, "old")
-    if out.exists():
-        os.rename(out, old)
-    return old
 
 
 def up_to_date(out, identity, job=None):
@@ -303,7 +294,7 @@ def join(out):
         if meta is None:
             tmp = sources.aside(out, "tmp")
             try:
-                tmp.mkdir()
+                sources.start_build(tmp)
                 parts.copy_tokenizer(folders[0], tmp)
                 index = [parts.load_index(f) for f in folders]
                 is_val = parts.held_out(np.concatenate(index), first["read"], first["val_fraction"],

@@ -17,6 +17,7 @@ from data.loader import sha256_file
 
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # datasets builders
 ASIDE_KINDS = ("tmp", "old")  # aside(): a cache's build, and the old copy it replaces
+ASIDE_MARK = ".prepare-aside"  # in each folder aside() names while it is set aside: no user folder is taken for one
 
 
 def find_source(source, streaming, max_documents, hub_reachable):
@@ -55,13 +56,36 @@ def aside(out, kind, pid=None):
 
 
 def aside_of(path):
-    """(the cache out, kind) when `path` is aside(out, kind, PID) for some process, else None (a user's
-    DIR.old-backup, say, is no build of prepare's)."""
+    """(the cache out, kind) when `path` is aside(out, kind, PID) for some process and carries ASIDE_MARK, else None
+    (a user's DIR.old-backup, or DIR.old-2024, is no build of prepare's)."""
     for kind in ASIDE_KINDS:
         stem, _, pid = path.name.rpartition(f".{kind}-")
-        if stem and pid.isascii() and pid.isdigit() and path == aside(path.parent / stem, kind, pid):
+        if stem and pid.isascii() and pid.isdigit() and path == aside(path.parent / stem, kind, pid) \
+                and (path / ASIDE_MARK).is_file():
             return path.parent / stem, kind
     return None
+
+
+def start_build(tmp):
+    """Make the build folder aside(out, "tmp"), marked as prepare's."""
+    tmp.mkdir()
+    (tmp / ASIDE_MARK).touch()
+
+
+def move_aside(out):
+    """Rename the previous cache, if any, to DIR.old-<pid>, marked as prepare's: a run killed before the next rename
+    leaves it there whole, and the next run puts it back (move_in)."""
+    old = aside(out, "old")
+    if out.exists():
+        (out / ASIDE_MARK).touch()
+        os.rename(out, old)
+    return old
+
+
+def move_in(folder, out):
+    """Rename a build or an old copy to `out`, without its mark (a copy a user makes of the cache is no old copy)."""
+    (folder / ASIDE_MARK).unlink(missing_ok=True)
+    os.rename(folder, out)
 
 
 def left_aside(out, kind):

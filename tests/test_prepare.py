@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data import parts
+from data import parts, sources
 from data import prepare as prep
 from data.prepare import PrepareError, prepare
 from data.prepare import main as prepare_main
@@ -241,11 +241,30 @@ def test_killed_run_leaves_old_cache_or_none(books, tmp_path, monkeypatch):
     assert killed_after(monkeypatch, *after_shards, src, out, vocab_size=VOCAB + 64, num_proc=1) == KILLED
     assert (out / "meta.json").read_text() == meta_text
     # killed between moving the old cache aside and moving the new one in: the next run puts the old one back
-    assert killed_after(monkeypatch, prep, "move_aside", lambda out: True, src, out, vocab_size=VOCAB + 64, num_proc=1) == KILLED
+    assert killed_after(monkeypatch, sources, "move_aside", lambda out: True, src, out, vocab_size=VOCAB + 64, num_proc=1) == KILLED
     assert not out.exists() and list(tmp_path.glob("cache.old-*"))
     assert prepare(src, out, vocab_size=VOCAB, num_proc=1) == meta  # recovered, up to date, no work done
     assert (out / "meta.json").read_text() == meta_text and (out / "train-000000.bin").stat().st_mtime_ns == mtime
     assert not list(tmp_path.glob("cache.tmp-*")) and not list(tmp_path.glob("cache.old-*"))
+
+
+def test_a_users_folders_named_like_prepares_leftovers_are_left_alone(books, tmp_path):
+    """DIR.old-2024 and DIR.old-1 (a user's notes, a user's backup of the cache) were taken for prepare's old copies:
+    deleted by an up-to-date run, or the backup renamed over DIR. Only a folder that prepare marked is its own."""
+    src, _ = books
+    out = tmp_path / "cache"
+    prepare(src, out, vocab_size=VOCAB, num_proc=1)
+    notes, backup, build = tmp_path / "cache.old-2024", tmp_path / "cache.old-1", tmp_path / "cache.tmp-7"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine")
+    shutil.copytree(out, backup)
+    build.mkdir()
+    meta = prepare(src, out, vocab_size=VOCAB, num_proc=1)  # up to date
+    shutil.rmtree(out)
+    again = prepare(src, out, vocab_size=VOCAB, num_proc=1)  # built again, not the backup renamed back
+    assert again["cache_identity"] == meta["cache_identity"]
+    assert (notes / "notes.txt").read_text() == "mine" and (backup / "meta.json").is_file() and build.is_dir()
+    assert not (out / sources.ASIDE_MARK).exists()
 
 
 def blank_corpus(tmp_path):
