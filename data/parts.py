@@ -241,15 +241,19 @@ def save_part(folder, index, meta):
 
 
 def part_is_whole(folder, meta):
-    return (folder / "index.npy").is_file() and all((folder / name).stat().st_size == size
-                                                    for name, size in meta["bucket_bytes"].items())
+    """Every bucket file there at its size, and an index of the part's documents that reads."""
+    try:
+        return all((folder / name).stat().st_size == size for name, size in meta["bucket_bytes"].items()) \
+            and len(load_index(folder)) == meta["documents"]
+    except (OSError, ValueError):  # a file missing, or an index cut short
+        return False
 
 
 def check_whole(out, folders, metas):
     """Refuse to join parts of which one is cut short (an interrupted copy from another node): its buckets would be
     read short, the cache made short and the parts deleted."""
     for folder, meta in zip(folders, metas):
-        if not part_is_whole(folder, meta) or len(load_index(folder)) != meta["documents"]:
+        if not part_is_whole(folder, meta):
             raise PrepareError(f"--join {out}: the part {str(folder)!r} is not whole (a bucket file shorter than its "
                                f"meta.json records, or its index of another length); make it again with its --shard "
                                f"job, then join")
