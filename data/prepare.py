@@ -267,7 +267,7 @@ def up_to_date(out, identity, job=None):
     try:
         meta = json.loads((out / "meta.json").read_text())
         if meta.get("inputs_identity") != identity or meta.get("part") != (list(job) if job else None) \
-                or not (out / "tokenizer_config.json").exists():
+                or not (out / "tokenizer_config.json").exists() or not (out / "tokenizer.json").exists():
             return None
         if job:
             return meta if parts.part_is_whole(out, meta) else None

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script too
-from data.loader import CacheError, TokenCache  # noqa: E402
+from data.loader import CacheError, TokenCache, tokenizer_size  # noqa: E402
 
 CHUNK = 1 << 24  # bytes hashed at a time: bounded memory for shards of any size
 
@@ -26,6 +26,9 @@ def verify(path):
     """Check the cache at `path` whole; returns {"shards", "tokens", "seconds"}, or raises CacheError."""
     t0 = time.time()
     cache = TokenCache(path)
+    if tokenizer_size(cache.path) is None:  # TokenCache allows none (a cache written by hand); a copy must hold it
+        raise CacheError(f"{cache.path / 'tokenizer.json'} is missing or does not load: the cache cannot be decoded "
+                         f"without it; copy it from the cache's source, or prepare the cache again")
     eot = cache.meta.get("eot_token_id")
     shards = tokens = 0
     for split in ("train", "val"):

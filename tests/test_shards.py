@@ -214,12 +214,16 @@ def damage(cache, how):
         shard.unlink()
     elif how == "meta edited":
         (cache / "meta.json").write_text(json.dumps(dict(meta, train_sha256="0" * 64)))
+    elif how == "no tokenizer":
+        (cache / "tokenizer.json").unlink()
+        return "tokenizer.json"
     return shard.name
 
 
 @pytest.mark.parametrize("how, at_start", [("changed", None), ("truncated", "truncated or foreign"),
                                            ("grown", "truncated or foreign"), ("missing", "has no train-000001.bin"),
-                                           ("meta edited", "cache_identity is not the one its recorded hashes give")])
+                                           ("meta edited", "cache_identity is not the one its recorded hashes give"),
+                                           ("no tokenizer", None)])  # verify said whole, prepare up to date
 def test_a_damaged_shard_is_refused_at_start_cheaply_or_by_the_explicit_check(corpus, tmp_path, capsys, how, at_start):
     src, tok, _ = corpus
     prepare(src, tmp_path / "whole", tokenizer=str(tok), num_proc=1, shard_tokens=1_000)
@@ -237,12 +241,19 @@ def test_a_damaged_shard_is_refused_at_start_cheaply_or_by_the_explicit_check(co
     assert err.startswith("error: ") and err.count("\n") == 1 and (how == "meta edited" or name in err), err
     if how == "changed":
         assert "does not match its sha256 in meta.json" in err
+    if how == "no tokenizer":  # and the same prepare builds it again rather than finding it up to date
+        prepare(src, cache, tokenizer=str(tok), num_proc=1, shard_tokens=1_000)
+        assert "wrote " in capsys.readouterr().out and verify.main([str(cache)]) == 0
 
 
 def test_the_explicit_check_reads_a_one_file_cache_whole_too(text_cache, tmp_path):
     """A byte of a format-1 cache's val.bin changed at the same size: a start no longer hashes it; verify does."""
+    from tokenizers import Tokenizer, models
     cache = tmp_path / "copy"
     shutil.copytree(text_cache, cache)
+    with pytest.raises(CacheError, match="tokenizer.json is missing or does not load"):  # a hand-written cache's
+        verify.verify(cache)
+    Tokenizer(models.WordLevel({f"<{i}>": i for i in range(256)}, unk_token="<0>")).save(str(cache / "tokenizer.json"))
     assert verify.verify(cache)["tokens"] == len(TokenCache(cache).train) + len(TokenCache(cache).val)
     (cache / "val.bin").write_bytes(b"\x01\x00" + (cache / "val.bin").read_bytes()[2:])
     TokenCache(cache)
