@@ -180,9 +180,10 @@ def find_local(source):
 
 
 def split_folders(path):
-    """({split: [files]}, split rule or None) of a source folder: its train/ and val/ (or validation/) folders, with
-    a note naming the data files elsewhere in it, which are then left out; else the whole folder, held out by hash."""
-    val_dir = next((path / v for v in ("val", "validation") if (path / v).is_dir()), None)
+    """({split: [files]}, split rule or None) of a source folder: its train/ and val/ (or validation/, or test/, as a
+    hub dataset's splits are taken) folders, with a note naming the data files elsewhere in it, which are then left
+    out; else the whole folder, held out by hash."""
+    val_dir = next((path / v for v in ("val", "validation", "test") if (path / v).is_dir()), None)
     if not (path / "train").is_dir() or val_dir is None:
         return {"corpus": data_files_in(path)}, None
     split_files = {"train": data_files_in(path / "train"), "val": data_files_in(val_dir)}

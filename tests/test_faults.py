@@ -389,15 +389,19 @@ def test_a_json_file_with_no_rows_is_named_in_one_line(tmp_path, name, content):
 def test_files_and_options_that_train_and_val_folders_leave_out_are_noted(tmp_path, capsys):
     from data.prepare import main as prepare_main
     src = tmp_path / "src"
-    for split in ("train", "val", "validation"):
+    for split in ("train", "val", "validation", "test"):
         jsonl_source(src / split, n=3)
     (src / "extra.jsonl").write_text((src / "train" / "docs.jsonl").read_text())
     prepare_main(["--source", str(src), "--out", str(tmp_path / "cache"), "--vocab_size", "300", "--num_proc", "1",
                   "--val_fraction", "0.2", "--seed", "3"])
     out = capsys.readouterr().out
-    assert "note: 2 data files of" in out and "left out (extra.jsonl, validation/docs.jsonl)" in out
+    assert "note: 3 data files of" in out and "left out (extra.jsonl, test/docs.jsonl, validation/docs.jsonl)" in out
     assert "note: --val_fraction 0.2 was ignored: the split is the source's own (folders train/ and val/)" in out
     assert "note: --seed 3 was ignored" in out
+    for other in ("val", "validation"):  # train/ and test/: the test documents were pooled into training, unsaid
+        shutil.rmtree(src / other)
+    prepare_main(["--source", str(src), "--out", str(tmp_path / "tt"), "--vocab_size", "300", "--num_proc", "1"])
+    assert json.loads((tmp_path / "tt" / "meta.json").read_text())["split_rule"] == "folders train/ and test/"
 
 
 def test_a_config_file_with_a_utf8_bom_is_read_as_python_reads_it(tmp_path):
