@@ -19,7 +19,8 @@ import numpy as np
 COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma", ".zst": "zstandard"}
 SUPPORTED = (f".txt, .jsonl or .json, each optionally compressed as {', '.join(list(COMPRESSIONS)[:-1])} or "
              f"{list(COMPRESSIONS)[-1]}, or .parquet")
-JSON_TYPES = {bool: "a boolean", int: "a number", float: "a number", list: "an array", dict: "an object"}
+JSON_TYPES = {bool: "a boolean", int: "a number", float: "a number", list: "an array", dict: "an object",
+              str: "a string", type(None): "null"}
 CACHE_KEYS = ("format", "tokenizer", "vocab_size", "dtype", "eot_token_id")  # in every meta.json prepare writes
 
 
@@ -198,14 +199,18 @@ def check_file_text(builder, path):
     if builder == "json" and holds_no_text(path):
         raise PrepareError(f"--source file {str(path)!r} holds no rows (it is empty or blank); give it rows with a "
                            f"'text', or remove it from the source")
-    found = first_non_string_parquet(path) if builder == "parquet" else first_non_string_json(path)
+    if builder == "parquet":
+        found = first_non_string_parquet(path)
+        found = found and (found[0], f"has a 'text' that is {found[1]}, not a string")
+    else:
+        found = first_bad_json_row(path)
     if found is not None:
         where, what = found
         if what is None:
             raise PrepareError(f"--source file {str(path)!r} {where} is not JSON; each line of a JSON-lines "
                                f"file must be one JSON object with a 'text'")
-        raise PrepareError(f"--source file {str(path)!r} {where} has a 'text' that is {what}, not a string; "
-                           f"each document's 'text' must be a string (or null, read as an empty document)")
+        raise PrepareError(f"--source file {str(path)!r} {where} {what}; each document must be an object whose "
+                           f"'text' is a string (or null, read as an empty document)")
 
 
 def open_local(path):
@@ -241,9 +246,21 @@ def first_non_utf8(path):
             done += len(chunk)
 
 
-def first_non_string_json(path):
-    """("line N" or "row N", what it holds) of the first row whose "text" is neither a string nor null, ("line N",
-    None) of the first line of a JSON-lines file that is not JSON, or None."""
+def row_problem(row):
+    """What is wrong with a JSON row as a document, as a phrase ("has a 'text' that is a number, not a string"), or
+    None: it is not an object, has no "text" (a file of other columns beside files with one, which datasets
+    cannot join), or its "text" is neither a string nor null."""
+    if not isinstance(row, dict):
+        return f"is {json_type(row)}, not an object"
+    if "text" not in row:
+        return f"has no 'text' (its keys: {', '.join(map(str, row)) or 'none'})"
+    what = non_string_text(row)
+    return what and f"has a 'text' that is {what}, not a string"
+
+
+def first_bad_json_row(path):
+    """("line N" or "row N", row_problem) of the first row that is no document, ("line N", None) of the first line
+    of a JSON-lines file that is not JSON, or None."""
     with io.TextIOWrapper(open_local(path), encoding="utf-8", errors="replace") as f:
         head = f.read(1 << 16)
         if head.lstrip().startswith("["):  # one JSON array of rows, which datasets too reads whole
@@ -251,7 +268,7 @@ def first_non_string_json(path):
                 rows = enumerate(json.loads(head + f.read()))
             except ValueError:
                 return None
-            return next(((f"row {i + 1:,}", what) for i, row in rows if (what := non_string_text(row))), None)
+            return next(((f"row {i + 1:,}", what) for i, row in rows if (what := row_problem(row))), None)
         # split at "\n" alone: a JSON string may hold U+2028 and the like, which splitlines() would cut at
         first = (head + f.readline()).removesuffix("\n").split("\n")
         lines = itertools.chain(first, (line.removesuffix("\n") for line in f))
@@ -262,7 +279,7 @@ def first_non_string_json(path):
                 row = json.loads(line)
             except ValueError:  # not JSON lines: one JSON document over several lines (datasets reads it
                 return None if parses_whole(path) else (f"line {n:,}", None)  # whole), or a line that is not JSON
-            if what := non_string_text(row):
+            if what := row_problem(row):
                 return f"line {n:,}", what
     return None
 

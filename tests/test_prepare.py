@@ -478,6 +478,24 @@ def test_a_text_that_is_not_a_string_names_the_file_the_row_and_the_type(tmp_pat
     assert f"{src / bad}' {where} has a 'text' that is {found}, not a string" in err, err
 
 
+@pytest.mark.parametrize("files, bad, problem", [
+    # one file of other columns beside files with a 'text': datasets cannot join them ("An error occurred ...")
+    ({"a.jsonl": ['{"text": "one"}'], "b.jsonl": ['{"content": "two", "id": 2}']}, "b.jsonl",
+     "line 1 has no 'text' (its keys: content, id)"),
+    ({"rows.jsonl": ['"first doc"', '"second doc"']}, "rows.jsonl", "line 1 is a string, not an object"),
+])
+def test_a_row_that_is_no_document_names_the_file_and_the_row(tmp_path, capsys, files, bad, problem):
+    """Each was datasets' first line only, naming neither the file nor the problem."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, rows in files.items():
+        (src / name).write_text("\n".join(rows) + "\n")
+    for streaming in ([], ["--streaming"]):
+        err = cli_error(capsys, "--source", src, "--out", tmp_path / "cache", "--vocab_size", 300, "--num_proc", 1,
+                        *streaming)
+        assert f"{src / bad}' {problem}; each document must be an object" in err, err
+
+
 def test_a_line_that_is_not_json_is_named(tmp_path, capsys):
     """datasets' own error says only that the dataset could not be generated."""
     src = tmp_path / "src"
