@@ -223,16 +223,32 @@ def record_entry(cfg, entry):
                                                           "probes": entry["partial_probe"]})
 
 
+SCALING_KEYS = ("preset", "seq_len", "tokens_per_update", *settings.MODEL_SHAPE_KEYS)  # the reference's and the run's
+
+
 def check_scaling_reference(cfg):
-    """Refuse a scaling_reference without a rate to divide by before any work, not as a null efficiency after the
-    whole multi-GPU run."""
+    """Refuse before any work, not as a null or wrong efficiency after the whole multi-GPU run: a scaling_reference
+    without a rate to divide by, of several processes (its rate is not one GPU's), or of another model or update
+    (another preset, context, update size or shape); with presets, each would be divided by the one entry."""
     if not cfg.scaling_reference:
         return
-    rate = lookup(cfg.results_file, ["benchmarks", cfg.scaling_reference, "tokens_per_second"])
+    name = f"scaling_reference={cfg.scaling_reference}"
+    entry = lookup(cfg.results_file, ["benchmarks", cfg.scaling_reference])
+    rate = entry.get("tokens_per_second") if isinstance(entry, dict) else None
     if not (finite_number(rate) and rate > 0):
-        raise ConfigError(f"scaling_reference={cfg.scaling_reference} is no entry under benchmarks in "
-                          f"{cfg.results_file} with a tokens_per_second above 0; give the name of a one-GPU "
-                          f"bench.py entry there")
+        raise ConfigError(f"{name} is no entry under benchmarks in {cfg.results_file} with a tokens_per_second above "
+                          f"0; give the name of a one-GPU bench.py entry there")
+    if cfg.presets:
+        raise ConfigError(f"{name} is one preset's one-GPU entry and presets={cfg.presets} measures several; bench "
+                          f"one preset (--preset=P) against its own reference")
+    if entry.get("world_size", 1) != 1:
+        raise ConfigError(f"{name} ran {entry['world_size']} processes; give a one-GPU entry (bench.py without "
+                          f"torchrun)")
+    config = entry.get("config") if isinstance(entry.get("config"), dict) else {}
+    differ = [f"{k} {config[k]!r} against {cfg[k]!r}" for k in SCALING_KEYS if k in config and config[k] != cfg[k]]
+    if differ:
+        raise ConfigError(f"{name} measured another model or update ({'; '.join(differ)}); give a one-GPU entry "
+                          f"of the same preset, shape, seq_len and tokens_per_update")
 
 
 def run(cfg):

@@ -179,6 +179,24 @@ def test_a_scaling_reference_without_a_rate_is_refused_before_any_work(tmp_path,
     assert len(err) == 1 and "scaling_reference=one-gpu is no entry under benchmarks" in err[0], err
 
 
+@pytest.mark.parametrize("reference, extra, words", [
+    ({"world_size": 2}, [], "ran 2 processes; give a one-GPU entry"),
+    ({"world_size": 1, "config": {"preset": "20m", "seq_len": 32}}, [], "seq_len 32 against 64"),
+    ({"world_size": 1}, ["--presets=20m,50m", "--dim=0", "--n_layers=0", "--n_heads=0", "--hidden_dim=0"],
+     "presets=20m,50m measures several"),
+])
+def test_a_scaling_reference_of_several_processes_or_another_model_is_refused(tmp_path, text_cache, capsys,
+                                                                                monkeypatch, reference, extra, words):
+    """The efficiency divides this run's rate per process by the reference's: a two-process reference's total, or
+    another model's rate, gave a wrong figure (0.596 for a two-process reference)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    record(tmp_path / "results.json", ["benchmarks", "ref"], dict(reference, tokens_per_second=1000.0))
+    code, after = run_bench(tmp_path, text_cache, "--name=s", "--scaling_reference=ref", *extra)
+    assert code == 2 and "s" not in after["benchmarks"]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "scaling_reference=ref" in err[0] and words in err[0], err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for runs on the CPU")
 @pytest.mark.parametrize("device", ["cpu", "auto"])
 def test_profile_is_refused_on_a_cpu(tmp_path, text_cache, capsys, device):
