@@ -261,6 +261,11 @@ def run(cfg):
     if cfg.presets:  # each preset in its own shape (the settings refused shape keys beside them)
         runs = [(f"{cfg.name}-{preset}", settings.Config(cfg, preset=preset, name=f"{cfg.name}-{preset}"))
                 for preset in settings.preset_names(cfg)]
+    for name, run_cfg in runs if cfg.presets else []:  # a key that fits one preset's shape may not fit the next's
+        try:
+            plan_lib.check_shape(run_cfg)
+        except ConfigError as exc:
+            raise ConfigError(f"preset {run_cfg.preset}: {exc}") from None
     entries = []
     fingerprint = None
     for name, run_cfg in runs:

@@ -152,6 +152,14 @@ def model_config(cfg, vocab):
         raise ConfigError(str(exc)) from None
 
 
+def check_shape(cfg):
+    """Before any work (bench.py's presets, each before the first is measured): the model cfg builds over the data's
+    vocabulary (synthetic_vocab's: a look at the cache's meta.json), and whether the configured kernels take it."""
+    problem = registry.problem(cfg, model_config=model_config(cfg, synthetic_vocab(cfg)))
+    if problem:
+        raise ConfigError(problem)
+
+
 def initial_model_config(cfg, initial):
     """With init_from, the model's shape and architecture levers are the weights' own; a shape key, or a lever set
     off its default, that contradicts them is refused."""

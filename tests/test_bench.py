@@ -197,6 +197,17 @@ def test_a_scaling_reference_of_several_processes_or_another_model_is_refused(tm
     assert len(err) == 1 and "scaling_reference=ref" in err[0] and words in err[0], err
 
 
+def test_a_key_that_fits_one_preset_but_not_the_next_is_refused_before_any_is_measured(tmp_path, text_cache, capsys):
+    """value_embeddings=5 fits 50m's 10 blocks, not 20m's 8: 50m was measured and recorded, then the run failed at
+    20m with a message that did not name it."""
+    base = [k for k in TINY if not k.startswith(("--preset=", "--dim", "--n_layers", "--n_heads", "--hidden_dim"))]
+    code, results = run_bench(tmp_path, text_cache, "--name=ve", "--presets=50m,20m", "--value_embeddings=5",
+                              "--warmup=1", "--steps=1", "--windows=1", base=base)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and not results.get("benchmarks")
+    assert len(err) == 1 and err[0].startswith("error: preset 20m: value_embeddings 5 needs 2 x 5 blocks"), err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for runs on the CPU")
 @pytest.mark.parametrize("device", ["cpu", "auto"])
 def test_profile_is_refused_on_a_cpu(tmp_path, text_cache, capsys, device):
