@@ -423,6 +423,14 @@ def _whole_sequences(cfg):
                 f"a whole number of sequences")
 
 
+@combination("seq_len_schedule", "windows")
+def _schedule_in_bench(cfg):
+    """bench.py (and tune.py, which runs it) times updates of tokens_per_update at seq_len, one shape."""
+    if cfg.seq_len_schedule:
+        return ("seq_len_schedule makes updates of other shapes than the one bench.py times; bench each context C "
+                "alone without it (--seq_len_schedule= --seq_len=C --micro_batch_size=micro_batch_size x seq_len / C)")
+
+
 @combination("seq_len_schedule", "seq_len")
 def _seq_len_schedule(cfg):
     for context, _ in schedule_steps(cfg.seq_len_schedule):
@@ -430,14 +438,6 @@ def _seq_len_schedule(cfg):
             return (f"seq_len_schedule's context {context} must divide seq_len {cfg.seq_len} and be shorter (each "
                     f"sequence is split into windows of that many targets); valid: "
                     f"{[c for c in range(1, cfg.seq_len) if cfg.seq_len % c == 0]}")
-
-
-@combination("seq_len_schedule", "windows")
-def _schedule_in_bench(cfg):
-    """bench.py (and tune.py, which runs it) times updates of tokens_per_update at seq_len, one shape."""
-    if cfg.seq_len_schedule:
-        return ("seq_len_schedule makes updates of other shapes than the one bench.py times; bench each context C "
-                "alone without it (--seq_len=C --micro_batch_size=micro_batch_size x seq_len / C)")
 
 
 @combination("epochs", "init_from")

@@ -116,9 +116,14 @@ def test_the_schedule_is_a_recipe_key_that_leaves_an_unscheduled_run_s_identity_
 
 
 def test_bench_refuses_the_schedule_it_would_not_time():
+    """Its hint clears the schedule: followed without it (--seq_len=256), the schedule's own rule answered that 256
+    must be shorter than seq_len, a change bench would refuse anyway."""
     cfg = settings.Config(settings.defaults(settings.BenchSettings), seq_len_schedule="256:0.5")
-    with pytest.raises(configurator.ConfigError, match="seq_len_schedule makes updates of other shapes"):
-        settings.check(settings.BenchSettings, cfg)
+    for changes in ({}, dict(seq_len=256, micro_batch_size=128)):
+        with pytest.raises(configurator.ConfigError, match="seq_len_schedule makes updates of other shapes.*"
+                                                            "alone without it \\(--seq_len_schedule= --seq_len=C"):
+            settings.check(settings.BenchSettings, settings.Config(cfg, **changes))
+    settings.check(settings.BenchSettings, settings.Config(cfg, seq_len_schedule="", seq_len=256, micro_batch_size=128))
 
 
 @pytest.mark.parametrize("context_windows", [False, True])
