@@ -63,7 +63,10 @@ def protocol_data(plan):
     data = plan_lib.training_data(plan)
     full_updates = data.n_sequences // plan.sequences_per_update  # the timed updates are all full ones
     if full_updates == 0:
-        raise ConfigError("the training subset holds less than one full update")
+        raise ConfigError(f"train_subset_tokens {cfg.train_subset_tokens:,} holds {data.n_sequences} sequences of "
+                          f"{cfg.seq_len}, less than one full update of tokens_per_update {cfg.tokens_per_update:,} "
+                          f"({plan.sequences_per_update} sequences); give at least "
+                          f"{plan.sequences_per_update * cfg.seq_len + 1:,} tokens, or 0 for all of them")
     make = lambda u: data.micro_batches(u // full_updates, u % full_updates, cfg.micro_batch_size, rank, world_size)
     return data, make
 

@@ -384,3 +384,14 @@ def test_a_loaded_compile_cache_is_not_recorded_as_a_cold_start(tmp_path, text_c
     monkeypatch.setattr(bench.env, "compiler_cache_state", lambda fresh=False: ({}, True))
     code, results = run_bench(tmp_path, text_cache, "--name=loaded", "--warmup=1", "--steps=1", "--windows=1")
     assert code == 0 and results["benchmarks"]["loaded"]["cache_was_cold"] is False
+
+
+def test_a_subset_smaller_than_one_update_names_the_keys_and_the_smallest_subset(tmp_path, text_cache, capsys):
+    code, _ = run_bench(tmp_path, text_cache, "--name=small", "--train_subset_tokens=1000")
+    err = capsys.readouterr().err.strip().splitlines()
+    # 512 tokens an update are 8 sequences of 64: 1,000 tokens hold 15 sequences, so this one fits...
+    assert code == 0, err
+    code, _ = run_bench(tmp_path, text_cache, "--name=small", "--train_subset_tokens=300")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err  # ...and 300 hold 4: at least 8 x 64 + 1 = 513
+    assert "train_subset_tokens 300 holds 4 sequences of 64" in err[0] and "give at least 513 tokens" in err[0], err
