@@ -260,6 +260,8 @@ def run(cfg):
     settings.check(BenchSettings, cfg)  # on the settings as given: each preset's run below has the preset's shape
     check_writable(cfg.results_file, sections=["benchmarks", "profiles"])  # before any measurement, not after it
     check_scaling_reference(cfg)
+    for line in settings.doubtful_values(cfg, 0) if rank == 0 else ():  # 0: bench's updates have no lr schedule
+        print(f"warning: {line}")
     runs = [(cfg.name, cfg)]
     if cfg.presets:  # each preset in its own shape (the settings refused shape keys beside them)
         runs = [(f"{cfg.name}-{preset}", settings.Config(cfg, preset=preset, name=f"{cfg.name}-{preset}"))

@@ -395,3 +395,13 @@ def test_a_subset_smaller_than_one_update_names_the_keys_and_the_smallest_subset
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err  # ...and 300 hold 4: at least 8 x 64 + 1 = 513
     assert "train_subset_tokens 300 holds 4 sequences of 64" in err[0] and "give at least 513 tokens" in err[0], err
+
+
+def test_more_threads_than_cores_are_warned_of_as_train_py_warns(tmp_path, text_cache, capsys, monkeypatch):
+    """bench.py, which times the threads (and tune.py's cpu_threads screens through it), said nothing."""
+    monkeypatch.setattr(bench.settings.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr(bench.settings.os, "cpu_count", lambda: 1)
+    code, _ = run_bench(tmp_path, text_cache, "--name=threads", "--cpu_threads=2", "--warmup=1", "--steps=1",
+                        "--windows=1")
+    out = capsys.readouterr().out
+    assert code == 0 and "warning: cpu_threads 2 is more than the 1 cores this process may use" in out, out
