@@ -356,6 +356,7 @@ def test_every_cache_prepared_inside_a_source_is_no_part_of_it(tmp_path):
     src = jsonl_source(tmp_path / "src")
     first = prepare(src, src / "a", vocab_size=300, num_proc=1)
     (src / "a.tmp-999").mkdir()  # a build killed before its meta.json: a.lock beside it says whose it is
+    (src / "a.tmp-999" / ".prepare-aside").touch()  # as prepare marks its builds (data/sources.py, start_build)
     (src / "a.tmp-999" / "dataset_info.json").write_text('{"text": "not a document"}')
     second = prepare(src, src / "b", vocab_size=300, num_proc=1)
     assert second["source_sha256"] == first["source_sha256"] and second["cache_identity"] == first["cache_identity"]
