@@ -2,9 +2,10 @@
 
     python scripts/merge_results.py FROM.json [INTO.json]
 
-Sections of named entries (benchmarks, profiles, evaluations, time-to-target verdicts: results.NAMED_SECTIONS) merge
-entry by entry, training runs by name, so nothing already in INTO is lost (a replaced entry moves to its "history");
-what FROM itself replaced (an entry run twice there) joins INTO's history as it was. A list (trained-parity) merges
+Sections of named entries (benchmarks, profiles, evaluations, time-to-target verdicts: results.NAMED_SECTIONS, and
+any object of entries with a run_id, mlp_microbench.py's per preset) merge entry by entry, training runs by name, so
+nothing already in INTO is lost (a replaced entry moves to its "history"); what FROM itself replaced (an entry run
+twice there) joins INTO's history as it was, unless INTO still holds it (FROM a copy of INTO that ran it again). A list (trained-parity) merges
 as a union: FROM's rows that INTO lacks are appended to INTO's.
 
 FROM may have started as a copy of INTO (runs made elsewhere on top of it), so it can hold entries that INTO has
@@ -41,11 +42,18 @@ def entries(source, data):
         if not isinstance(value, (dict, list)):  # every entry is an object (a few sections lists): not a results file
             raise ResultsFileError(f"{source} is not a results file: its entry {key!r} is a {type(value).__name__}, "
                                    f"where results.py writes objects; nothing was merged")
-        if key in NAMED_SECTIONS and isinstance(value, dict):
+        if key in NAMED_SECTIONS and isinstance(value, dict) or per_entry(value):
             items += [([key, name], entry) for name, entry in value.items()]
         else:
             items.append(([key], value))
     return items
+
+
+def per_entry(value):
+    """Whether an object holds entries of their own (each with a run_id, as mlp_microbench.py records one per
+    preset under its --name), which merge one by one: merged whole, a rerun of one preset dropped the others."""
+    return isinstance(value, dict) and "run_id" not in value and bool(value) and all(
+        isinstance(v, dict) and isinstance(v.get("run_id"), str) for v in value.values())
 
 
 def order(value):
@@ -89,6 +97,15 @@ def merge_entry(data, keys, value, replaced_here, path):
     return "merged"
 
 
+def held(data, path, value):
+    """Whether data holds value at path (a list of keys)."""
+    for key in path if isinstance(path, list) else [None]:
+        if not isinstance(data, dict) or key not in data:
+            return False
+        data = data[key]
+    return data == value
+
+
 def merge(source, target):
     """Merges source's entries into target; returns how many were merged and how many skipped as older than
     target's (entries target already holds count as neither)."""
@@ -97,8 +114,10 @@ def merge(source, target):
 
     def change(into):
         replaced_here = {canonical(h.get("path"), h.get("value")) for h in into.get("history", [])}
-        # what source replaced (an entry run twice there) joins target's history, once
-        replaced = [h for h in data.get("history", []) if canonical(h.get("path"), h.get("value")) not in replaced_here]
+        # what source replaced (an entry run twice there) joins target's history, once: not what target still holds
+        # there (a copy of target run again), which the merge moves to the history itself if source's entry wins
+        replaced = [h for h in data.get("history", []) if canonical(h.get("path"), h.get("value")) not in replaced_here
+                    and not held(into, h.get("path"), h.get("value"))]
         if replaced:
             into.setdefault("history", []).extend(replaced)
         for keys, value in items:

@@ -548,6 +548,30 @@ def test_merging_never_puts_an_older_state_of_a_run_or_list_over_the_newer(tmp_p
     assert merge_results.merge(returned, local) == (0, 1)
 
 
+def test_a_merge_records_one_replacement_once_and_keeps_each_presets_entry(tmp_path):
+    """A copy of the local file that ran an entry again gave two history entries for its one replacement; and an
+    object of per-preset entries (mlp_microbench.py's) was merged whole, so a rerun of one preset dropped the others."""
+    import importlib.util
+    import shutil
+    spec = importlib.util.spec_from_file_location("merge_results", REPO / "scripts" / "merge_results.py")
+    merge_results = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(merge_results)
+    local, returned = tmp_path / "local.json", tmp_path / "returned.json"
+    record(local, ["benchmarks", "x"], {"run_id": "20250101T000000-a"})
+    for preset in ("20m", "50m", "90m"):
+        record(local, ["mlp-microbench", preset], {"run_id": f"20250101T000000-{preset}"})
+    shutil.copy(local, returned)
+    record(returned, ["benchmarks", "x"], {"run_id": "20250102T000000-b"})
+    record(returned, ["mlp-microbench", "90m"], {"run_id": "20250102T000000-90m"})
+    merge_results.merge(returned, local)
+    merged = read_results(local)
+    assert merged["benchmarks"]["x"]["run_id"] == "20250102T000000-b"
+    assert sorted(merged["mlp-microbench"]) == ["20m", "50m", "90m"]
+    assert merged["mlp-microbench"]["90m"]["run_id"] == "20250102T000000-90m"
+    old = [h["value"]["run_id"] for h in merged["history"]]
+    assert sorted(old) == ["20250101T000000-90m", "20250101T000000-a"], old  # each replacement once
+
+
 def test_history_cannot_be_recorded_over(tmp_path):
     """history is where replaced values go; a run named "history" would have replaced it whole."""
     path = tmp_path / "r.json"
