@@ -194,8 +194,10 @@ static() {  # docs/COLD_START.md, static_launch_user_kernels off and on: each fr
         case $run in cold | load) file=--compile_cache=$saved/20m.compile ;; esac  # written, then read
         export TORCHINDUCTOR_CACHE_DIR=$caches/i TRITON_CACHE_DIR=$caches/t FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=$caches/f
         bench $REF --static_launch_user_kernels=$on $file --name=$run-bench-$name
+        status=$?
         echo "$run-bench-$name: $(ls "$TRITON_CACHE_DIR" | wc -l) entries in Triton's cache:" \
           "$(cd "$TRITON_CACHE_DIR" && ls ./*/ | grep -E '[.](cubin|so)$' | sort | uniq -c | awk '{printf "%s:%s ", $2, $1}')"
+        exit $status  # the subshell's status is the bench's: its ERR trap's failed=1 stays in the subshell
       )
     done
   done
