@@ -38,7 +38,7 @@ def copy_tbps(gigabytes=4):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--name", default="ceilings")
+    parser.add_argument("--name", default="ceilings", type=common.entry_name("ceilings"))
     parser.add_argument("--results_file", default="results.json")
     args = parser.parse_args()
     common.check_gpu_script(parser, args.results_file, "the matrix product and the copy")

@@ -30,10 +30,24 @@ def positive_int(text):
     return value
 
 
+def entry_name(own):
+    """argparse type of a GPU script's --name: its own section's name (the default), or any key that is no other
+    section of the results file, whose entries it would replace whole (benchmarks), or its history."""
+    import argparse
+    from settings import run_name_problem
+
+    def checked(text):
+        problem = text != own and run_name_problem(text)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return text
+    return checked
+
+
 def add_run_arguments(parser, name, reps):
     """The arguments of every GPU microbenchmark: its repetitions, and where its entry goes."""
     parser.add_argument("--reps", type=positive_int, default=reps)
-    parser.add_argument("--name", default=name, help="the results file key")
+    parser.add_argument("--name", default=name, type=entry_name(name), help="the results file key")
     parser.add_argument("--results_file", default="results.json")
 
 

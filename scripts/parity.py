@@ -62,8 +62,14 @@ def main(argv):
     parser.add_argument("--results_file", default="results.json")
     args = parser.parse_args(argv)
     try:
-        if args.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device=cuda but PyTorch sees no GPU; use --device=cpu")
+        try:
+            device = torch.device(args.device)
+        except RuntimeError:
+            raise ValueError(f"--device {args.device!r} is no device; give cuda, cuda:N or cpu") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device={args.device} but PyTorch sees no GPU; use --device=cpu")
+        if device.type not in ("cuda", "cpu"):
+            raise ValueError(f"--device {args.device!r}: parity runs on cuda or cpu")
         if args.tokens < args.seq_len:
             raise ValueError(f"--tokens {args.tokens} is less than one sequence of --seq_len {args.seq_len}")
         read_results(args.results_file)  # a broken results file fails now, not after the work

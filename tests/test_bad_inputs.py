@@ -226,6 +226,8 @@ def test_a_run_that_fails_to_build_gives_its_folder_back(text_cache, tmp_path, m
     (["--seq_len=0"], "argument --seq_len: must be at least 1, got 0"),
     (["--seq_len=-8"], "argument --seq_len: must be at least 1, got -8"),
     (["--seq_len=2048", "--tokens=4096"], "--seq_len 2048 is longer than the model's context of 1024 tokens"),
+    (["--device=gpu"], "--device 'gpu' is no device; give cuda, cuda:N or cpu"),  # both were tracebacks
+    *([(["--device=cuda:0"], "--device=cuda:0 but PyTorch sees no GPU")] if not torch.cuda.is_available() else []),
 ])
 def test_parity_refuses_a_seq_len_the_model_cannot_take_in_one_line(tmp_path, capsys, args, words):
     """Before, 0 divided by zero, a negative length failed in view() and one past the context in the forward."""
@@ -237,3 +239,19 @@ def test_parity_refuses_a_seq_len_the_model_cannot_take_in_one_line(tmp_path, ca
     err = capsys.readouterr().err
     assert status == 2 and words in err and "Traceback" not in err, err
     assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("script", ["ceilings", "loss_microbench"])
+@pytest.mark.parametrize("name", ["benchmarks", "history"])
+def test_a_gpu_script_refuses_a_name_that_would_replace_a_section(capsys, monkeypatch, script, name):
+    """--name=benchmarks replaced the whole benchmarks section with the script's entry; --name=history failed after
+    the GPU work. Its own section's name (the default) stays accepted."""
+    import importlib
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "scripts"))  # as run: common beside it
+    module = importlib.import_module(script)
+    monkeypatch.setattr("sys.argv", [f"{script}.py", f"--name={name}"])
+    with pytest.raises(SystemExit) as exit_info:
+        module.main()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"name {name!r} is a section of the results file" in err, err
