@@ -5,7 +5,7 @@
 A figure is a number with a unit of time, rate, size or percentage (3.4 ms, 2.1M tokens/s, 4.13 GiB, +1.3%, 2.01x),
 a loss-like number of three or more decimals, or a measured p-value. Figures belong in docs/, beside their
 results entry and command; code names the entry. One line per figure (path:line: the figure | the text around
-it), then the count; exits 0 either way.
+it), then the count; exits 0 whether or not any is found (2 for a file that cannot be read as Python).
 """
 import ast
 import io
@@ -47,11 +47,25 @@ def code_files():
     return [f for f in tracked if not f.startswith(("tests/", "scripts/"))]
 
 
-if __name__ == "__main__":
-    paths = sys.argv[1:] or [ROOT / f for f in code_files()]
+def main(argv):
+    """Print the figures of argv's files (default: code_files()); 2 with one line for a file that cannot be read or
+    parsed as Python, else 0."""
+    paths = argv or [ROOT / f for f in code_files()]
     total = 0
     for path in paths:
-        for n, figure, text in figures(path):
-            print(f"{Path(path).resolve().relative_to(ROOT)}:{n}: {figure}  | {text}")
+        resolved = Path(path).resolve()
+        shown = resolved.relative_to(ROOT) if resolved.is_relative_to(ROOT) else path
+        try:
+            found = figures(path)
+        except (OSError, UnicodeDecodeError, SyntaxError, tokenize.TokenError) as exc:
+            print(f"error: {path} cannot be read as Python ({type(exc).__name__}: {exc})", file=sys.stderr)
+            return 2
+        for n, figure, text in found:
+            print(f"{shown}:{n}: {figure}  | {text}")
             total += 1
     print(f"{total} measured figures")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

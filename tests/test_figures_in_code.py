@@ -15,3 +15,14 @@ def test_it_finds_the_figures_of_comments_and_docstrings_only(tmp_path):
     found = [(line, figure) for line, figure, _ in figures_in_code.figures(path)]
     assert found == [(1, "3.4 ms"), (1, "0.93"), (1, "0.70 ms"), (1, "+1.3%"), (1, "2.1M tokens/s"),
                      (2, "4.13 GiB"), (2, "4.2472"), (2, "p = 0.00028")]
+
+
+def test_a_file_outside_the_repository_is_listed_and_a_missing_one_is_one_line(tmp_path, capsys):
+    """Both were tracebacks (relative_to the repository; the missing file's FileNotFoundError)."""
+    outside = tmp_path / "fig.py"
+    outside.write_text("# takes 3.4 ms\nx = 1\n")
+    assert figures_in_code.main([str(outside)]) == 0
+    assert f"{outside}:1: 3.4 ms" in capsys.readouterr().out
+    assert figures_in_code.main([str(tmp_path / "missing.py")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "missing.py cannot be read" in err
