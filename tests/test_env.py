@@ -719,7 +719,7 @@ def test_accumulation_check_judges_nothing_but_records_all_when_its_reference_fa
     def losses_of(cfg, mode, micro, updates):
         if (mode, micro) == ("eager", 32):
             raise RuntimeError("CUDA out of memory")
-        return [3.0] * updates
+        return [3.0] * updates, 1.0
     monkeypatch.setattr(script, "losses_of", losses_of)
     results = tmp_path / "r.json"
     assert script.main([str(REPO / "config" / "tiny_cpu.py"), "--updates=2", f"--results_file={results}"]) == 1
@@ -728,6 +728,22 @@ def test_accumulation_check_judges_nothing_but_records_all_when_its_reference_fa
     assert {name: v["last5"] for name, v in variants.items() if name != "eager-mb32"} == dict.fromkeys(
         [f"{mode}-mb{micro}" for mode, micro in script.VARIANTS[1:]], 3.0)  # the mean of its 2 updates
     assert capsys.readouterr().out.count("not judged: the reference failed") == len(script.VARIANTS) - 1
+
+
+def test_accumulation_check_fails_a_gradient_accumulated_at_the_wrong_scale(tmp_path, monkeypatch, capsys):
+    """Gradients 4x too large at micro-batch 8 under compile: AdamW's steps hid it from the loss (-0.0068 against a
+    tolerance of 0.01, passed); the first update's gradient norm shows it."""
+    from scripts import accumulation_check as script
+    monkeypatch.setattr(script.plan_lib, "resolve", lambda *args, **kwargs: None)  # no GPU here: the run is faked
+
+    def losses_of(cfg, mode, micro, updates):
+        scale = 32 // micro if mode != "eager" and micro == 8 else 1
+        return [6.70977 - 0.0068 * (scale > 1)] * updates, 1.078 * scale * (1 + 1e-4 * (micro == 8))
+    monkeypatch.setattr(script, "losses_of", losses_of)
+    results = tmp_path / "r.json"
+    assert script.main([str(REPO / "config" / "tiny_cpu.py"), "--updates=2", f"--results_file={results}"]) == 1
+    variants = read_results(results)["accumulation-check"]["variants"]
+    assert [n for n, v in variants.items() if not v["passed"]] == ["default-mb8", "reduce-overhead-mb8"]
 
 
 def test_merging_keeps_an_earlier_run_of_the_same_name_in_the_history(tmp_path):
@@ -763,8 +779,8 @@ def test_accumulation_check_trains_past_an_epoch(text_cache, tmp_path):
                           results_file=str(tmp_path / "r.json"), out_dir=str(tmp_path / "o"))
     plan = script.plan_lib.resolve(cfg, script.AccumulationSettings, world=(0, 0, 1))
     per_epoch = script.plan_lib.training_data(plan).updates_per_epoch
-    losses = script.losses_of(cfg, "eager", 8, per_epoch + 2)
-    assert len(losses) == per_epoch + 2 and all(math.isfinite(x) for x in losses)
+    losses, norm = script.losses_of(cfg, "eager", 8, per_epoch + 2)
+    assert len(losses) == per_epoch + 2 and all(math.isfinite(x) for x in losses) and norm > 0
 
 
 def test_reproduce_h200_fails_when_its_commands_fail_from_any_folder(tmp_path):
