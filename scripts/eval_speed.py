@@ -61,7 +61,7 @@ def main(argv):
                               "eval_speed.py times passes on the GPU, and PyTorch sees no CUDA GPU here")
     read_results(cfg.results_file)  # a broken results file fails now, not after the work
     plan = plan_lib.resolve(cfg, EvalSpeedSettings, world=(0, 0, 1))
-    cache, mcfg = plan.cache, plan.model
+    cache = plan.cache
 
     def loader(c):
         return eval_batches(cache.val, c.seq_len, c.eval_batch_size)
@@ -71,7 +71,7 @@ def main(argv):
 
     variants = {"unpinned": (cfg.eval_batch_size, loader), "prefetched": (cfg.eval_batch_size, prefetched),
                 "prefetched-2x": (2 * cfg.eval_batch_size, prefetched)}
-    trainer = Trainer(cfg, mcfg, device, total_updates=1)
+    trainer = Trainer.from_plan(plan, total_updates=1)  # init_from's weights too
     results = {}
     for name, (batch_size, make) in variants.items():
         c = settings.Config(cfg, eval_batch_size=batch_size)
