@@ -5,8 +5,8 @@
 Sections of named entries (benchmarks, profiles, evaluations, time-to-target verdicts: results.NAMED_SECTIONS, and
 any object of entries with a run_id, mlp_microbench.py's per preset) merge entry by entry, training runs by name, so
 nothing already in INTO is lost (a replaced entry moves to its "history"); what FROM itself replaced (an entry run
-twice there) joins INTO's history as it was, unless INTO still holds it (FROM a copy of INTO that ran it again). A list (trained-parity) merges
-as a union: FROM's rows that INTO lacks are appended to INTO's.
+twice there) joins INTO's history as it was, unless INTO still holds it (FROM a copy of INTO that ran it again). A
+list (trained-parity) merges as a union: FROM's rows that INTO lacks are appended to INTO's.
 
 FROM may have started as a copy of INTO (runs made elsewhere on top of it), so it can hold entries that INTO has
 moved past since, and an entry of FROM replaces INTO's only if it is newer:
@@ -42,7 +42,7 @@ def entries(source, data):
         if not isinstance(value, (dict, list)):  # every entry is an object (a few sections lists): not a results file
             raise ResultsFileError(f"{source} is not a results file: its entry {key!r} is a {type(value).__name__}, "
                                    f"where results.py writes objects; nothing was merged")
-        if key in NAMED_SECTIONS and isinstance(value, dict) or per_entry(value):
+        if (key in NAMED_SECTIONS and isinstance(value, dict)) or per_entry(value):
             items += [([key, name], entry) for name, entry in value.items()]
         else:
             items.append(([key], value))
