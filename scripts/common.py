@@ -101,11 +101,12 @@ def relative_error(value, reference):
 
 def print_variants(label, results, columns):
     """The GPU scripts' table of what they measured: a row per variant of results ({name: its fields, or
-    {"error": text}}), a column per (header, field, format spec) of columns."""
+    {"error": text}}), a column per (header, field, format spec) of columns; a field of None is "-"."""
     widths = [max(len(header), 9) + 2 for header, _, _ in columns]
     print(f"{label:<16}" + "".join(f"{header:>{w}}" for (header, _, _), w in zip(columns, widths)))
     for name, fields in results.items():
         if "error" in fields:
             print(f"{name:<16} error: {fields['error']}")
         else:
-            print(f"{name:<16}" + "".join(f"{fields[key]:>{w}{spec}}" for (_, key, spec), w in zip(columns, widths)))
+            print(f"{name:<16}" + "".join(f"{fields[key]:>{w}{spec}}" if fields[key] is not None else f"{'-':>{w}}"
+                                          for (_, key, spec), w in zip(columns, widths)))

@@ -792,3 +792,14 @@ def test_reproduce_h200_fails_when_its_commands_fail_from_any_folder(tmp_path):
                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env=dict(os.environ, PATH=path))
     assert out.returncode == 1, out.stderr[-2000:]
     assert "sees no CUDA GPU here" in out.stderr and "a command above failed" in out.stderr
+
+
+def test_the_gpu_scripts_table_shows_a_missing_figure_as_a_dash(capsys, monkeypatch):
+    """loss_microbench.py leaves a variant's gradient errors None where the eager full loss (their reference) failed;
+    formatting None with a number's spec was a TypeError after the GPU work."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    import common
+    common.print_variants("variant", {"fused": {"ms": 1.5, "err": None}, "full-eager": {"error": "OOM"}},
+                          [("ms", "ms", ".3f"), ("grad error", "err", ".2e")])
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[1].split() == ["fused", "1.500", "-"] and rows[2].split()[:2] == ["full-eager", "error:"]
