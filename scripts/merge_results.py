@@ -134,6 +134,9 @@ def main(argv):
     try:
         if not Path(source).is_file():
             raise ResultsFileError(f"{source} does not exist; give the results file to merge from")
+        if not Path(into).is_file():  # a mistyped INTO made a new file that held only FROM's entries
+            raise ResultsFileError(f"{into} does not exist; give the results file to merge into (copy {source} "
+                                   f"there to start one)")
         merged, stale = merge(source, into)
         print(f"merged {merged} entries of {source} into {into}"
               + (f"; skipped {stale} older than {into}'s own" if stale else ""))

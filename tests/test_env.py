@@ -655,6 +655,10 @@ def test_merge_script_refuses_a_missing_source(tmp_path, capsys):
     spec.loader.exec_module(merge_results)
     assert merge_results.main([str(tmp_path / "typo.json"), str(tmp_path / "into.json")]) == 2
     assert "does not exist" in capsys.readouterr().err and not (tmp_path / "into.json").exists()
+    record(tmp_path / "from.json", ["benchmarks", "x"], {"run_id": "20250101T000000-a"})  # a mistyped INTO: refused,
+    assert merge_results.main([str(tmp_path / "from.json"), str(tmp_path / "int.json")]) == 2  # not a new file
+    assert "int.json does not exist; give the results file to merge into" in capsys.readouterr().err
+    assert not (tmp_path / "int.json").exists()
 
 
 def test_the_longest_matching_gpu_name_sets_the_peak(monkeypatch):
