@@ -109,8 +109,10 @@ def check_compile_cache(cfg):
     if cfg.get("compile_cache"):
         try:
             compile_cache.check_path(cfg.compile_cache)
-            folder = real_path(cfg.compile_cache).parent
-            folder.mkdir(parents=True, exist_ok=True)
+            parent = real_path(cfg.compile_cache).parent  # made at the save; probed here where it starts to exist,
+            folder = next(p for p in [parent, *parent.parents] if p.exists())  # so a refused run leaves no folder
+            if not folder.is_dir():
+                raise NotADirectoryError(20, "a file stands where its folder would be")
             tempfile.TemporaryFile(dir=folder).close()
         except compile_cache.CompileCacheError as exc:
             raise ConfigError(str(exc)) from None

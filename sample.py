@@ -210,7 +210,8 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=0, generator=Non
 # the files a transformers version may add to them, and export()'s staging folders that a killed export leaves.
 EXPORT_MARK = "tiny_llm_export.json"  # written first into each export: what --export_hf may replace
 EXPORT_FILES = {EXPORT_MARK, "config.json", "generation_config.json", "model.safetensors",
-                "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json", "tokenizer.json", "tokenizer_config.json",
+                "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json", "tokenizer.json",
+                "tokenizer_config.json",
                 "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt",
                 "tokenizer.model"}
 EXPORT_STAGING = ".export-"

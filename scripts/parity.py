@@ -89,8 +89,9 @@ def main(argv):
         if args.seq_len > model.config.max_seq_len:
             raise ValueError(f"--seq_len {args.seq_len} is longer than the model's context of "
                              f"{model.config.max_seq_len} tokens; give at most {model.config.max_seq_len}")
-        if unexported_levers(model.config):
-            raise ValueError(f"checkpoint {args.checkpoint} has {', '.join(unexported_levers(model.config))}, which "
+        levers = unexported_levers(model.config)
+        if levers:
+            raise ValueError(f"checkpoint {args.checkpoint} has {', '.join(levers)}, which "
                              f"neither transformers' LlamaForCausalLM nor Qwen3ForCausalLM computes: there is no "
                              f"parity to check")
     except (ValueError, CacheError, ResultsFileError) as exc:

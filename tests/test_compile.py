@@ -359,6 +359,7 @@ def test_the_cache_is_written_after_the_first_update_and_again_only_when_graphs_
         compiled[0], saved[:] = 0, []
         trainer = type("Trainer", (), {"device": "cpu"})()
         trainer.compile_cache = trainer_lib.Trainer.load_compile_cache(trainer, tmp_path / "run.compile")
+        assert trainer.compile_cache_loaded is loaded  # what bench.py records as no cold start
         for graphs in graphs_after_each_update:
             compiled[0] = graphs
             if trainer_lib.Trainer.compile_cache_due(trainer):
@@ -417,6 +418,16 @@ def test_a_compile_cache_path_of_a_users_file_or_without_compile_is_one_line_bef
     err = capsys.readouterr().err.strip()
     assert words in err and len(err.splitlines()) == 1 and "Traceback" not in err
     assert mine.read_bytes() == b"a user's file" and not (tmp_path / "out").exists()
+
+
+def test_a_run_refused_after_the_compile_cache_check_leaves_no_folder_for_it(text_cache, tmp_path, capsys):
+    """The check made the cache's folder to probe it, so a run refused by a later check left that folder behind."""
+    import train
+    from tests.test_train import cli_args, small_config
+    cfg = small_config(text_cache, tmp_path, compile=True, compile_cache=str(tmp_path / "new" / "sub" / "c.bin"),
+                       data_dir=str(tmp_path / "no-cache"))
+    assert train.main(cli_args(cfg)) == 2 and "no meta.json" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
 
 
 # ---------------------------------------------------------- kernels compiled by a child (model_kernels/first_calls.py)
