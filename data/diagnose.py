@@ -248,27 +248,46 @@ def first_non_utf8(path):
 
 def row_problem(row):
     """What is wrong with a JSON row as a document, as a phrase ("has a 'text' that is a number, not a string"), or
-    None: it is not an object, has no "text" (a file of other columns beside files with one, which datasets
-    cannot join), or its "text" is neither a string nor null."""
+    None: it is not an object, or its "text" is neither a string nor null. A row without "text" is read as an empty
+    document, so it is a problem only where no row of its file has one (first_bad_json_row)."""
     if not isinstance(row, dict):
         return f"is {json_type(row)}, not an object"
-    if "text" not in row:
-        return f"has no 'text' (its keys: {', '.join(map(str, row)) or 'none'})"
     what = non_string_text(row)
     return what and f"has a 'text' that is {what}, not a string"
 
 
 def first_bad_json_row(path):
     """("line N" or "row N", row_problem) of the first row that is no document, ("line N", None) of the first line
-    of a JSON-lines file that is not JSON, or None."""
+    of a JSON-lines file that is not JSON, the first row of a file in which no row has a "text" (a file of other
+    columns beside files with one, which datasets cannot join), or None."""
+    without_text, with_text = None, False
+    for where, row in json_rows(path):
+        if row is NOT_JSON:
+            return where, None
+        if isinstance(row, dict) and "text" not in row:
+            without_text = without_text or (where, f"has no 'text' (its keys: {', '.join(map(str, row)) or 'none'})")
+            continue
+        with_text = with_text or isinstance(row, dict)
+        if what := row_problem(row):
+            return where, what
+    return None if with_text else without_text
+
+
+NOT_JSON = object()
+
+
+def json_rows(path):
+    """("line N" or "row N", row) of each row of a JSON or JSON-lines file, (line, NOT_JSON) at the first line of a
+    JSON-lines file that is not JSON; nothing for a file that datasets too could not read."""
     with io.TextIOWrapper(open_local(path), encoding="utf-8", errors="replace") as f:
         head = f.read(1 << 16)
         if head.lstrip().startswith("["):  # one JSON array of rows, which datasets too reads whole
             try:
-                rows = enumerate(json.loads(head + f.read()))
+                rows = json.loads(head + f.read())
             except ValueError:
-                return None
-            return next(((f"row {i + 1:,}", what) for i, row in rows if (what := row_problem(row))), None)
+                return
+            yield from ((f"row {i + 1:,}", row) for i, row in enumerate(rows))
+            return
         # split at "\n" alone: a JSON string may hold U+2028 and the like, which splitlines() would cut at
         first = (head + f.readline()).removesuffix("\n").split("\n")
         lines = itertools.chain(first, (line.removesuffix("\n") for line in f))
@@ -278,10 +297,10 @@ def first_bad_json_row(path):
             try:
                 row = json.loads(line)
             except ValueError:  # not JSON lines: one JSON document over several lines (datasets reads it
-                return None if parses_whole(path) else (f"line {n:,}", None)  # whole), or a line that is not JSON
-            if what := row_problem(row):
-                return f"line {n:,}", what
-    return None
+                if not parses_whole(path):  # whole), or a line that is not JSON
+                    yield f"line {n:,}", NOT_JSON
+                return
+            yield f"line {n:,}", row
 
 
 def parses_whole(path):

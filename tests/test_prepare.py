@@ -483,6 +483,9 @@ def test_a_text_that_is_not_a_string_names_the_file_the_row_and_the_type(tmp_pat
     ({"a.jsonl": ['{"text": "one"}'], "b.jsonl": ['{"content": "two", "id": 2}']}, "b.jsonl",
      "line 1 has no 'text' (its keys: content, id)"),
     ({"rows.jsonl": ['"first doc"', '"second doc"']}, "rows.jsonl", "line 1 is a string, not an object"),
+    # a row without 'text' is an empty document: the row that breaks the file is named, not that one
+    ({"rows.jsonl": ['{"text": "one"}'] * 3 + ['{"meta": 1}'] + ['{"text": "two"}'] * 11 + ['{"text": {"a": 1}}']
+      + ['{"text": "three"}'] * 4}, "rows.jsonl", "line 16 has a 'text' that is an object, not a string"),
 ])
 def test_a_row_that_is_no_document_names_the_file_and_the_row(tmp_path, capsys, files, bad, problem):
     """Each was datasets' first line only, naming neither the file nor the problem."""
