@@ -126,6 +126,10 @@ def merge(source, target):
     return counts["merged"], counts["stale"]
 
 
+def not_a_file(path):
+    return "is not a file" if Path(path).exists() else "does not exist"
+
+
 def main(argv):
     if len(argv) not in (1, 2):
         print("usage: python scripts/merge_results.py FROM.json [INTO.json]", file=sys.stderr)
@@ -133,9 +137,9 @@ def main(argv):
     source, into = argv[0], argv[1] if len(argv) > 1 else "results/h200.json"
     try:
         if not Path(source).is_file():
-            raise ResultsFileError(f"{source} does not exist; give the results file to merge from")
+            raise ResultsFileError(f"{source} {not_a_file(source)}; give the results file to merge from")
         if not Path(into).is_file():  # a mistyped INTO made a new file that held only FROM's entries
-            raise ResultsFileError(f"{into} does not exist; give the results file to merge into (copy {source} "
+            raise ResultsFileError(f"{into} {not_a_file(into)}; give the results file to merge into (copy {source} "
                                    f"there to start one)")
         merged, stale = merge(source, into)
         print(f"merged {merged} entries of {source} into {into}"

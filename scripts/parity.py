@@ -68,6 +68,9 @@ def main(argv):
             raise ValueError(f"--device {args.device!r} is no device; give cuda, cuda:N or cpu") from None
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"--device={args.device} but PyTorch sees no GPU; use --device=cpu")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"--device={args.device} but PyTorch sees {torch.cuda.device_count()} GPU(s); give "
+                             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
         if device.type not in ("cuda", "cpu"):
             raise ValueError(f"--device {args.device!r}: parity runs on cuda or cpu")
         if args.tokens < args.seq_len:

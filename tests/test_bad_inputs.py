@@ -241,6 +241,16 @@ def test_parity_refuses_a_seq_len_the_model_cannot_take_in_one_line(tmp_path, ca
     assert not (tmp_path / "r.json").exists()
 
 
+def test_parity_refuses_a_gpu_index_it_cannot_see(tmp_path, capsys, monkeypatch):
+    """cuda:7 on a machine of one GPU passed the checks, to CUDA's traceback at the model's move."""
+    from scripts import parity
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    status = parity.main(["--preset=20m", "--device=cuda:7", f"--results_file={tmp_path / 'r.json'}"])
+    err = capsys.readouterr().err
+    assert status == 2 and "--device=cuda:7 but PyTorch sees 1 GPU(s); give cuda:0 to cuda:0" in err, err
+
+
 @pytest.mark.parametrize("script", ["ceilings", "loss_microbench"])
 @pytest.mark.parametrize("name", ["benchmarks", "history"])
 def test_a_gpu_script_refuses_a_name_that_would_replace_a_section(capsys, monkeypatch, script, name):

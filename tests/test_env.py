@@ -659,6 +659,9 @@ def test_merge_script_refuses_a_missing_source(tmp_path, capsys):
     assert merge_results.main([str(tmp_path / "from.json"), str(tmp_path / "int.json")]) == 2  # not a new file
     assert "int.json does not exist; give the results file to merge into" in capsys.readouterr().err
     assert not (tmp_path / "int.json").exists()
+    (tmp_path / "folder").mkdir()  # a folder was said not to exist
+    assert merge_results.main([str(tmp_path / "from.json"), str(tmp_path / "folder")]) == 2
+    assert "folder is not a file; give the results file to merge into" in capsys.readouterr().err
 
 
 def test_the_longest_matching_gpu_name_sets_the_peak(monkeypatch):
