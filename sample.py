@@ -243,7 +243,8 @@ def check_export_folder(folder):
         ": it is a run's folder" if checkpoint.FILE_NAME in names else ""
     listed = ", ".join(foreign[:4] + ["..."] * (len(foreign) > 4))
     what = (f"holds files that an export does not write ({listed}){kind}" if foreign
-            else f"is not an earlier export of sample.py (it has no {EXPORT_MARK})")
+            else f"is not an earlier export of sample.py (it has no {EXPORT_MARK}, nor has an export that an older "
+                 f"sample.py wrote: remove such a folder first)")
     raise SampleError(f"--export_hf {folder} {what}, and the export would replace its files; give a new or empty "
                       f"folder, or an earlier export")
 
