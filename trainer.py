@@ -200,9 +200,9 @@ class Trainer:
         compiled = env.inductor_graph_counts()["compiled"]
         try:
             line = compile_cache.save(self.compile_cache, self.device)
-        except OSError as exc:
-            line, self.compile_cache = (f"compile cache {self.compile_cache} not saved ({exc.strerror or exc}); the "
-                                        f"run goes on without it"), None
+        except (OSError, RuntimeError, ValueError) as exc:  # a full disk; torch's own failure; a file put there since
+            why = getattr(exc, "strerror", None) or exc
+            line, self.compile_cache = f"compile cache {self.compile_cache} not saved ({why}); the run goes on", None
         if line:
             print(line, flush=True)
         self.graphs_in_compile_cache = compiled

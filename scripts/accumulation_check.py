@@ -49,6 +49,8 @@ def losses_of(cfg, mode, micro, updates):
         batches, n_tokens = data.micro_batches(*divmod(u, data.updates_per_epoch), micro)
         batches = [(x.to(trainer.device), y.to(trainer.device)) for x, y in batches]
         loss_sum, grad_norm = trainer.update(batches, n_tokens)
+        if trainer.compile_cache_due():  # --compile_cache: written after an update that compiled
+            trainer.save_compile_cache()
         losses.append(loss_sum.item() / n_tokens)
         norms.append(float(grad_norm))
     del trainer

@@ -85,6 +85,8 @@ def main(argv):
     phases["attention_first_call"], phases["loss_kernel_first_call"] = first_kernels(cfg, trainer, device)
     for name in ("first_update", "second_update", "third_update"):
         phases[name] = timed(lambda: trainer.update(*next(batches)), device)
+        if trainer.compile_cache_due():  # --compile_cache: written after the update that compiled, off its clock
+            trainer.save_compile_cache()
     phases.update(env.compiled_since()[1])  # this process's compiles: the first update's and the kernels'
     counters = cache_counters()
     record(cfg.results_file, [cfg.name], {"run_id": env.new_run_id(), "config": dict(cfg), "attention": plan.attention,

@@ -377,6 +377,13 @@ def test_the_cache_is_written_after_the_first_update_and_again_only_when_graphs_
     assert run(False, [2, 3]) == ["tried"] and "not saved (No space left on device); the run goes on" in \
         capsys.readouterr().out
 
+    def refused(path, device):  # torch's own failure to gather the artefacts failed the run after its first update
+        saved.append("tried")
+        raise RuntimeError("could not serialize the artifacts")
+    monkeypatch.setattr(trainer_lib.compile_cache, "save", refused)
+    assert run(False, [2, 3]) == ["tried"] and "not saved (could not serialize the artifacts); the run goes on" in \
+        capsys.readouterr().out
+
 
 def test_writing_the_compile_cache_is_out_of_the_training_clock(text_cache, tmp_path, monkeypatch):
     """The file was written inside the update, so its write counted in the first update's seconds and the training
@@ -779,3 +786,18 @@ def test_a_child_that_never_answers_is_ended_after_the_wait_limit(tmp_path, monk
         assert first_calls.timings()["attention"]["ready_seconds"] == 1.5
     finally:
         first_calls.stop()
+
+
+def test_the_cold_start_profile_writes_its_compile_cache(text_cache, tmp_path, capsys):
+    """The write moved out of the update into train.py and bench.py; the profile still promised it and wrote none."""
+    import importlib.util
+    from tests.test_train import SEQ_LEN
+    spec = importlib.util.spec_from_file_location("profile", REPO / "scripts" / "cold_start_profile.py")
+    profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile)
+    path = tmp_path / "p.compile"
+    profile.main(["--preset=20m", "--dim=64", "--n_layers=2", "--n_heads=2", "--hidden_dim=128", f"--seq_len={SEQ_LEN}",
+                  "--device=cpu", "--cpu_threads=1", f"--data_dir={text_cache}", "--micro_batch_size=4",
+                  f"--tokens_per_update={4 * SEQ_LEN}", "--compile=True", f"--compile_cache={path}",
+                  f"--results_file={tmp_path / 'r.json'}", "--name=profile"])
+    assert "saving it there after the first update" in capsys.readouterr().out and path.is_file()
