@@ -63,10 +63,15 @@ class Tuning:
     tune_noise: float = setting(0.01, "the share by which a candidate must beat the incumbent", bounds=">= 0")
 
 
-def check_lists(cfg):
-    """Each list names values its lever takes (which of them can run here is why_not's to say)."""
+def tune_rules(cfg):
+    """Each list names values its lever takes (which of them can run here is why_not's to say); no compile_cache,
+    which every candidate would read and overwrite in turn (the eager one refused with it)."""
     for key in LISTS:
         listed(cfg, key)
+    if cfg.compile_cache:
+        raise ConfigError(f"compile_cache {cfg.compile_cache!r}: tune.py times each candidate's own start, and every "
+                          f"candidate would read and overwrite that one file; drop it (compare.py --tuned keeps the "
+                          f"config's own)")
 
 
 # The protocol's keys that a candidate's bench.py run takes; bench.py's others (profile, cold, presets, ...) are its
@@ -75,7 +80,7 @@ PROTOCOL = settings.pick(settings.Protocol, *PROTOCOL_KEYS, "data_mode")
 TuneSettings = settings.compose("TuneSettings", Tuning, PROTOCOL,
                                 *(g for g in BENCH_GROUPS if g is not settings.Protocol), name=setting(
     "tune", "prefix of the candidates' entries under benchmarks.", settings.RUN, rule=settings.run_name_problem))
-TuneSettings.rules = staticmethod(check_lists)
+TuneSettings.rules = staticmethod(tune_rules)
 DEFAULTS = settings.defaults(TuneSettings)
 # The lists of values to try, and the train.py key each one sets ("eager" is a compile mode here).
 LISTS = {"tune_backends": "attention_backend", "tune_loss_impls": "loss_impl", "tune_compile_modes": "compile_mode",
@@ -297,7 +302,8 @@ class BenchRunner:
         cfg, protocol = self.cfg, dict(protocol, data_mode=self.cfg.data_mode)
         name, path = candidate_name(candidate), self.config_path(candidate)
         identity = self.identity(candidate, protocol)
-        keys = {k: v for k, v in dict(cfg, **candidate, name=name).items() if k in TRAIN_DEFAULTS
+        # the run's name carries the base config's hash, as the file's does: two sweeps' runs get two folders
+        keys = {k: v for k, v in dict(cfg, **candidate, name=path.stem).items() if k in TRAIN_DEFAULTS
                 and k not in WHERE_KEYS}
         # The candidate's levers are written even at train.py's defaults: compare.py --tuned layers this file over
         # the given config, whose own value of a lever would otherwise stand in for the candidate's.

@@ -153,6 +153,8 @@ def test_a_candidate_config_states_its_levers_even_at_train_defaults(tmp_path, t
     given = {k: cfg.get(k, default) for k, default in train.DEFAULTS.items()}  # the config compare.py was given
     layered = configurator.load_config(given, [path])
     assert (layered["micro_batch_size"], layered["compile"]) == (8, False)
+    # the run's name is the file's, with the base config's hash: two sweeps' selections trained into one out/NAME
+    assert layered["name"] == Path(path).stem and Path(path).stem.endswith(runner.base)
 
 
 def test_the_tuning_record_states_the_machine_once_and_each_run_keeps_its_own_fields():
@@ -247,6 +249,16 @@ def test_sweep_settings_are_checked_before_any_candidate(tmp_path, text_cache, c
     assert tune.main(argv) == 2
     assert words in capsys.readouterr().err
     assert not results.exists() and not (tmp_path / "tuned").exists()
+
+
+def test_a_compile_cache_is_refused_before_any_candidate(tmp_path, text_cache, capsys):
+    """Every candidate read and overwrote the one file, and the eager candidate was skipped for it."""
+    results = tmp_path / "results.json"
+    argv = TINY + [f"--data_dir={text_cache}", f"--results_file={results}", f"--tuned_dir={tmp_path / 'tuned'}",
+                   "--compile=True", f"--compile_cache={tmp_path / 'c.compile'}"]
+    assert tune.main(argv) == 2
+    assert "tune.py times each candidate's own start" in capsys.readouterr().err
+    assert not results.exists() and not (tmp_path / "tuned").exists() and not (tmp_path / "c.compile").exists()
 
 
 def test_a_half_minute_budget_on_the_tiny_config_answers_with_a_selection(tmp_path, text_cache, capsys):
