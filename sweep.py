@@ -71,6 +71,7 @@ class Sweep:
         self.measure, self.budget_seconds, self.clock, self.say = measure, budget_seconds, clock, say
         self.protocols = {stage: dict(p) for stage, p in protocols.items()}
         self.full, self.chosen = dict(self.protocols["confirm"]), False  # the confirmations' until chosen
+        self.finished = False  # run() came to its selection (an interrupted sweep judged no screen)
         self.candidate_timeout, self.confirm = candidate_timeout, confirm
         # started: when the budget began by clock (tune.py's checks and plan come out of it too), else now
         self.screen_noise, self.noise, self.start_time = screen_noise, noise, clock() if started is None else started
@@ -97,6 +98,7 @@ class Sweep:
                     self.attempt(trial, "confirm")
         for trial in self.best_screened():
             self.attempt(trial, "confirm")
+        self.finished = True
         return self.selection()
 
     def choose_protocol(self, trial):
@@ -106,7 +108,7 @@ class Sweep:
         fits = [p for p in rungs if self.estimate(trial, "confirm", p) <= room]
         self.protocols["confirm"], self.chosen = dict(fits[0] if fits else rungs[-1]), True
         why = "the full protocol" if fits and fits[0] == self.full else \
-            f"{said(self.full)} would not fit in {INCUMBENT_SHARE:.0%} of the {self.left():.0f} s left"
+            f"{said(self.full)} would not fit in {INCUMBENT_SHARE:.0%} of the {self.left_as_measured():.0f} s left"
         self.say(f"confirmations: {said(self.protocols['confirm'])} ({why})")
 
     def attempt(self, trial, stage):
@@ -214,7 +216,9 @@ class Sweep:
             return "confirmed"
         if trial.not_started:
             return "not started (budget)" if "screen" in trial.not_started else "not confirmed (budget)"
-        return "screened out" if trial.screen else "-"
+        if trial.screen:  # an interrupted sweep compared no screens
+            return "screened out" if self.finished else "screened (the sweep stopped)"
+        return "-"
 
     # -- what a person reads while it runs (a run's output is kept for its error, so say what runs)
 

@@ -302,6 +302,27 @@ def test_screens_leave_time_to_confirm_the_best_they_found():
     assert all("held for confirmations" in t.not_started["screen"] for t in sweep.trials if not t.screen)
 
 
+def test_an_interrupted_sweep_says_its_screens_were_not_compared():
+    """The report of a sweep stopped after the candidates' screens called each "screened out", though no screen had
+    been compared with another."""
+    bench = FakeBench(FakeClock(), GPU)
+    confirmations = []
+
+    def stopped_at_a_candidates_confirmation(candidate, stage, protocol, timeout):
+        confirmations.extend([candidate] if stage == "confirm" else [])
+        if len(confirmations) == 2:  # the incumbent's, then the first candidate's
+            raise KeyboardInterrupt
+        return bench(candidate, stage, protocol, timeout)
+    sweep = sweep_lib.Sweep(GPU, tune.search_space(GPU, CHOICES), stopped_at_a_candidates_confirmation, 36000,
+                            clock=bench.clock)
+    with pytest.raises(KeyboardInterrupt):
+        sweep.run()
+    screened = [t for t in sweep.trials[1:] if t.screen]
+    assert screened and {sweep.status(t, None) for t in screened} == {"screened (the sweep stopped)"}
+    finished = sweep_of(bench, budget=36000)
+    assert finished.run() is not None and "screened out" in {finished.status(t, None) for t in finished.trials}
+
+
 def test_at_most_tune_confirm_screens_are_confirmed_best_first():
     screens = {("micro_batch_size", 16): 1.01, ("compile_scope", "blocks"): 1.02, ("loss_impl", "full"): 0.99}
     bench = FakeBench(FakeClock(), GPU, gains={}, screen_gains=screens)
