@@ -63,10 +63,12 @@ def protocol_data(plan):
     data = plan_lib.training_data(plan)
     full_updates = data.n_sequences // plan.sequences_per_update  # the timed updates are all full ones
     if full_updates == 0:
-        raise ConfigError(f"train_subset_tokens {cfg.train_subset_tokens:,} holds {data.n_sequences} sequences of "
-                          f"{cfg.seq_len}, less than one full update of tokens_per_update {cfg.tokens_per_update:,} "
-                          f"({plan.sequences_per_update} sequences); give at least "
-                          f"{plan.sequences_per_update * cfg.seq_len + 1:,} tokens, or 0 for all of them")
+        need, total = plan.sequences_per_update * cfg.seq_len + 1, len(plan.cache.train)
+        held = f"train_subset_tokens {cfg.train_subset_tokens:,}" if cfg.train_subset_tokens else "the whole cache"
+        fix = (f"give at least {need:,} tokens, or 0 for all of them" if need <= total else
+               f"the cache holds {total:,} training tokens: give a smaller tokens_per_update")
+        raise ConfigError(f"{held} holds {data.n_sequences} sequences of {cfg.seq_len}, less than one full update of "
+                          f"tokens_per_update {cfg.tokens_per_update:,} ({plan.sequences_per_update} sequences); {fix}")
     make = lambda u: data.micro_batches(u // full_updates, u % full_updates, cfg.micro_batch_size, rank, world_size)
     return data, make
 

@@ -395,6 +395,11 @@ def test_a_subset_smaller_than_one_update_names_the_keys_and_the_smallest_subset
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err  # ...and 300 hold 4: at least 8 x 64 + 1 = 513
     assert "train_subset_tokens 300 holds 4 sequences of 64" in err[0] and "give at least 513 tokens" in err[0], err
+    # the whole cache less than one update: no subset can help (it said "give at least ... tokens, or 0")
+    code, _ = run_bench(tmp_path, text_cache, "--name=small", "--train_subset_tokens=0", "--tokens_per_update=4194304")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: the whole cache holds"), err
+    assert "training tokens: give a smaller tokens_per_update" in err[0] and "give at least" not in err[0], err
 
 
 def test_more_threads_than_cores_are_warned_of_as_train_py_warns(tmp_path, text_cache, capsys, monkeypatch):
