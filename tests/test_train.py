@@ -393,6 +393,30 @@ def test_stop_and_resume_is_bitwise_identical(text_cache, tmp_path, recipe):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_resume_keeps_what_the_run_recorded_before_its_stops(text_cache, tmp_path):
+    """time-to-target reads the target's first reach, the best subset loss and the training seconds of each run: a
+    resumed run must keep the earlier sessions' (reached at update 2, not never; the best of epoch 1, not of the last
+    session's evaluations; the seconds of all three sessions)."""
+    common = dict(eval_interval=1, learning_rate=3e-2, min_lr=3e-3)  # a rate that overshoots after update 2
+    free = train.train(small_config(text_cache, tmp_path, name="free", out_dir=str(tmp_path / "free"), **common))
+    losses = [p["loss"] for p in free["validation_curve"]]
+    assert losses.index(min(losses)) == 1  # the best comes in the first session
+    common["target_loss"] = losses[1]  # first reached at the second update's evaluation, before the first stop
+    straight = train.train(small_config(text_cache, tmp_path, name="straight", out_dir=str(tmp_path / "straight"),
+                                        **common))
+    cfg = small_config(text_cache, tmp_path, name="resumed", out_dir=str(tmp_path / "resumed"), **common)
+    first = train.train(settings.Config(cfg, stop_after_updates=2))
+    second = train.train(settings.Config(cfg, resume=True, stop_after_updates=2))
+    last = train.train(settings.Config(cfg, resume=True))
+    assert straight["target"]["reached"]["update"] == 2
+    keep = lambda reached: {k: v for k, v in reached.items() if k != "training_seconds"}  # a clock, not the math
+    assert keep(last["target"]["reached"]) == keep(straight["target"]["reached"])
+    assert last["target"]["reached"]["training_seconds"] <= first["training_seconds"]
+    assert (last["best_subset_loss"], last["best_epoch"]) == (straight["best_subset_loss"], straight["best_epoch"])
+    assert first["training_seconds"] < second["training_seconds"] < last["training_seconds"]
+    assert len(last["interval_tokens_per_second"]) == len(last["training_curve"]) == last["step"]  # log_interval 1
+
+
 def test_a_resumed_training_curve_is_the_uninterrupted_ones_with_stops_inside_a_log_interval(text_cache, tmp_path):
     """The loss and tokens of the log interval a stop cut were not in the checkpoint, and the resumed process's
     first log point averaged only its own updates (8.096 for the uninterrupted 8.2136). Two stops inside one
