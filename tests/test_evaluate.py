@@ -207,3 +207,27 @@ def test_merging_results_files_keeps_each_evaluation_entry(tmp_path):
     record(there, ["evaluation", "out/b"], {"loss": 2.0})
     assert merge_results.merge(there, here) == (1, 0)
     assert read_results(here)["evaluation"] == {"out/a": {"loss": 1.0}, "out/b": {"loss": 2.0}}
+
+
+def test_the_evaluation_pass_gives_the_mean_and_spread_of_every_counted_tokens_loss():
+    """Trainer.evaluate's and evaluate.py's pass: over several batches with ignored targets, the loss is the mean of
+    the counted tokens' losses and loss_std their population spread (matched.py's tolerance is loss_std over the
+    square root of tokens, so a wrong spread widens what "the same loss" means)."""
+    import model
+    import trainer
+    from tests.test_model import tiny_config
+    torch.manual_seed(0)
+    m = model.Transformer(tiny_config()).eval()
+    batches = [(torch.randint(0, 256, (3, 16)), torch.randint(0, 256, (3, 16))) for _ in range(3)]
+    batches[1][1][0, 5:] = -100
+    batches[2][1][2, :] = -100
+    with torch.no_grad():
+        per_token = torch.cat([torch.nn.functional.cross_entropy(m(x).flatten(0, 1).double(), y.flatten(),
+                                                                 ignore_index=-100, reduction="none")
+                               for x, y in batches])
+    counted = per_token[torch.cat([y.flatten() for _, y in batches]) != -100]
+    scored = trainer.mean_token_loss(m, batches, "cpu")
+    assert scored["tokens"] == counted.numel() == 3 * 48 - 11 - 16
+    assert scored["loss"] == pytest.approx(counted.mean().item(), rel=1e-6)
+    assert scored["loss_std"] == pytest.approx(counted.std(unbiased=False).item(), rel=1e-5)
+    assert scored["loss_std"] > 0.05  # random targets: a spread to get wrong
