@@ -155,6 +155,18 @@ def test_the_recipe_differences_come_from_finished_runs_not_a_failed_seeds_older
     assert section["recipe_differences"] == ["optimizer"]
 
 
+def test_the_speedup_divides_medians_not_means():
+    """Skewed seeds, where a median and a mean differ (every other case here has them equal): one slow seed
+    moves neither the candidate's time nor the baseline's."""
+    cand, base = {"c1": 10.0, "c2": 20.0, "c3": 60.0}, {"b1": 50.0, "b2": 60.0, "b3": 200.0}
+    up = speedup(base, cand)
+    assert (up["baseline_seconds_to_target"], up["candidate_median_seconds"], up["speedup"]) == (60.0, 20.0, 3.0)
+    bound = speedup(dict(base, b2=None), cand, {"b2": 60.0})  # b2 never reached it in its 60 s
+    assert bound["speedup"] is None and bound["at_least"] == pytest.approx(3.0)
+    outcome = lambda s: {"status": "complete", "training_seconds": s}
+    assert median_seconds({name: outcome(s) for name, s in cand.items()}) == 20.0
+
+
 def test_the_run_summary_reads_the_final_loss_the_training_seconds_and_the_target():
     reached = {"update": 20, "tokens": 2000, "training_seconds": 31.5, "loss": 3.27, "epoch": 1}
     o = run_outcome(entry([3.6, 3.27, 3.21], seconds=61.0, reached=reached, seed=7))
