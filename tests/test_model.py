@@ -129,9 +129,18 @@ def assert_loss_and_gradients_match_transformers(config, length):
     return reference
 
 
-def test_from_hf_round_trip_and_save_pretrained(tmp_path):
+# the rotary base and the norms' epsilon carried both ways (a Llama-3 base of 500,000; an epsilon that shows)
+NOT_DEFAULT = dict(rope_theta=5e5, norm_eps=1e-2)
+
+
+def test_loss_and_gradients_match_transformers_llama_at_another_rotary_base_and_epsilon():
+    assert_loss_and_gradients_match_transformers(tiny_config(**NOT_DEFAULT), 64)
+
+
+@pytest.mark.parametrize("fields", [{}, NOT_DEFAULT], ids=["defaults", "rope-theta-norm-eps"])
+def test_from_hf_round_trip_and_save_pretrained(tmp_path, fields):
     from transformers import LlamaForCausalLM
-    config = tiny_config(vocab_size=512, max_seq_len=128)
+    config = tiny_config(vocab_size=512, max_seq_len=128, **fields)
     ours = seeded_model(config).eval()
     x, _ = random_batch(config, 2, 100)
     with torch.no_grad():
