@@ -297,13 +297,16 @@ def test_every_sequence_once_per_epoch_and_padded_last_update(text_cache, tmp_pa
     assert int((batches[1][1] == IGNORE).all(dim=1).sum()) == 3
 
 
-def test_targets_are_every_token_after_the_first_once_up_to_the_last_whole_sequence():
+# tokens beyond 6 x 8: a sequence needs seq_len + 1 tokens (its targets are the inputs shifted by one), so exactly
+# 48 tokens hold 5 whole sequences, not 6 (the sixth's last target would be missing)
+@pytest.mark.parametrize("left_over, whole", [(6, 6), (1, 6), (0, 5), (8, 6)])
+def test_targets_are_every_token_after_the_first_once_up_to_the_last_whole_sequence(left_over, whole):
     """With a remainder, as the loader's docstring says: the tokens after the last whole sequence are never
     targets, and every other token after the first is one exactly once per epoch."""
-    seq_len, whole, left_over = 8, 6, 5
-    tokens = np.arange(whole * seq_len + 1 + left_over, dtype=np.int64)  # each token's value is its position
+    seq_len = 8
+    tokens = np.arange(6 * seq_len + left_over, dtype=np.int64)  # each token's value is its position
     data = TrainData(tokens, seq_len, sequences_per_update=4, seed=0)
-    assert data.n_sequences == whole
+    assert data.n_sequences == whole and data.tokens_per_epoch == whole * seq_len
     targets = []
     for u in range(data.updates_per_epoch):
         batches, _ = data.micro_batches(0, u, 2)
