@@ -68,6 +68,13 @@ def test_every_token_after_the_first_is_a_target_once_per_epoch_under_the_schedu
     assert data.contexts() == ([8, 16, 32] if context else [32])
 
 
+def test_a_step_ends_at_its_until_share():
+    """8:0.5 is 8 below half the run's sequences: the second epoch's first update starts at 45 of 90, exactly half,
+    and takes the next context."""
+    data = positions_data("8:0.5")
+    assert [data.context(e, u) for e in range(2) for u in range(data.updates_per_epoch)] == [8] * 6 + [32] * 6
+
+
 def test_the_context_split_leaves_each_update_s_tokens_and_targets_as_without_it():
     plain, split = positions_data(), positions_data(CONTEXT)
     assert [split.context(e, u) for e in range(2) for u in range(split.updates_per_epoch)] == CONTEXTS
