@@ -133,6 +133,31 @@ def test_parameter_count_and_flops_follow_the_levers(levers):
 TODAYS_INIT = "08303d12505de202ff196f4cc061d2e8c45f0841726c678e327ef3463ead283f"
 
 
+@pytest.mark.parametrize("levers", [{}, dict(ALL, value_embeddings=2)], ids=["none", "all"])
+def test_the_initialisation_is_the_documented_one(levers):
+    """reset_parameters draws, in the parameters' order, with the stds its docstring gives: the output projections
+    (wo, w2) 0.02 / sqrt(2 x layers), every other matrix (the embedding, the value embeddings' tables, wqkv, w13)
+    0.02, the norms' gains 1, the value-embedding mixes 0.5 each; and a new model is initialised so."""
+    config = tiny(n_layers=4, **levers)
+    m = model.Transformer(config)
+    stds = {"wo": 0.02 / math.sqrt(8), "w2": 0.02 / math.sqrt(8)}
+    matrices = {n for n, p in m.named_parameters() if p.dim() == 2}
+    assert {n.split(".")[-2] for n in matrices} >= {"wo", "w2", "wqkv", "w13"}
+    for name in matrices:  # a new model: each matrix's spread within 10% of its std (1,024 to 8,192 draws)
+        assert m.get_parameter(name).std().item() == pytest.approx(stds.get(name.split(".")[-2], 0.02), rel=0.1)
+    torch.manual_seed(0)
+    m.reset_parameters()
+    torch.manual_seed(0)
+    for name, p in m.named_parameters():
+        if name.endswith("value_lambdas"):
+            expected = torch.full_like(p, 0.5)
+        elif p.dim() == 1:
+            expected = torch.ones_like(p)
+        else:
+            expected = torch.empty_like(p).normal_(0.0, stds.get(name.split(".")[-2], 0.02))
+        assert torch.equal(p, expected), name
+
+
 def test_every_lever_off_is_todays_model_and_identity():
     """Off, the levers leave the model as it was: its state_dict names, its weights under a seed, its model config's
     dict (what a recipe identity hashes and an old checkpoint holds)."""
