@@ -127,6 +127,9 @@ def test_presets_print_before_and_after(tmp_path, text_cache, capsys, monkeypatc
     argv = ["--name=reg", "--presets=20m,50m", "--warmup=1", "--steps=1", "--windows=1", "--data_mode=synthetic",
             "--vocab_size=512"]
     base = [a for a in TINY if not a.startswith("--preset=") and a not in SHAPE]  # presets fix the shapes
+    for name, width in (("20m", 32), ("50m", 64)):  # two shapes of their own: nothing below needs the real sizes
+        monkeypatch.setitem(model_lib.PRESETS, name, model_lib.get_preset(name, dim=width, n_layers=1, n_heads=2,
+                                                                           hidden_dim=2 * width))
     resets, reset = [], bench.reset_peak_memory
     monkeypatch.setattr(bench, "reset_peak_memory", lambda device: resets.append(str(device)) or reset(device))
     assert run_bench(tmp_path, text_cache, *argv, base=base)[0] == 0
