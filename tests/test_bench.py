@@ -1,6 +1,7 @@
 """bench.py on the CPU: the same code path as on the GPU, with a tiny model and a short protocol."""
 import json
 import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,27 @@ def test_user_mistake_is_one_line_and_no_result(tmp_path, text_cache, capsys, ar
     assert code == 2 and not results.get("benchmarks")
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and all(w in err[0] for w in words), err
+
+
+def test_the_warmup_makes_its_updates_and_each_window_times_only_its_own(tmp_path, text_cache, monkeypatch):
+    """The protocol: `warmup` updates (the first compiles), then each window's `steps` updates alone on its clock. A
+    first update made slow (as a compile is) must be in first_update_seconds and warmup_seconds, never in a window."""
+    calls, update = [], trainer_lib.Trainer.update
+
+    def counted(self, *batch):
+        calls.append(time.perf_counter())
+        if len(calls) == 1:
+            time.sleep(0.5)  # the first update's compile
+        return update(self, *batch)
+    monkeypatch.setattr(trainer_lib.Trainer, "update", counted)
+    code, results = run_bench(tmp_path, text_cache, "--name=protocol", "--warmup=3", "--steps=2", "--windows=2",
+                              "--partial_probe=False")
+    entry = results["benchmarks"]["protocol"]
+    # the warmup's updates, the windows', then one more, profiled, outside them (the attention kernels' names)
+    assert code == 0 and len(calls) == 3 + 2 * 2 + 1
+    assert entry["warmup_seconds"] >= entry["first_update_seconds"] >= 0.5
+    window_seconds = [m["seconds"] for m in entry["measurements"]]
+    assert all(s < 0.5 for s in window_seconds), window_seconds  # each window from its own start
 
 
 def test_presets_print_before_and_after(tmp_path, text_cache, capsys, monkeypatch):
