@@ -311,6 +311,19 @@ def test_the_key_follows_the_code(tmp_path, monkeypatch):
     assert compile_cache.differences(before, compile_cache.key("cpu")) == [f"code: {before['code']} (here edited)"]
 
 
+@pytest.mark.parametrize("field, change", [
+    ("python", lambda mp: mp.setattr(compile_cache.platform, "python_version", lambda: "3.0.1")),  # Triton's .so
+    ("cuda", lambda mp: mp.setattr(compile_cache.torch.version, "cuda", "10.0")),
+    ("device", lambda mp: mp.setattr(compile_cache.platform, "machine", lambda: "another-cpu"))])
+def test_the_key_follows_python_cuda_and_the_device(monkeypatch, field, change):
+    before = compile_cache.key("cpu")
+    change(monkeypatch)
+    after = compile_cache.key("cpu")
+    assert compile_cache.differences(before, after) == [f"{field}: {before[field]} (here {after[field]})"]
+    older = {k: v for k, v in after.items() if k != field}  # a file written before the field joined the key
+    assert compile_cache.differences(older, after) == [f"{field}: None (here {after[field]})"]
+
+
 def test_a_path_that_is_not_a_compile_cache_is_refused_and_kept(tmp_path):
     mine = tmp_path / "model.pt"
     mine.write_bytes(b"a user's file")
