@@ -104,6 +104,7 @@ def test_the_context_split_leaves_each_update_s_tokens_and_targets_as_without_it
     (dict(seq_len_schedule="8:0.5,16:0.2"), "must grow within (0, 1), got 0.2 after 0.5"),
     (dict(seq_len_schedule="8:1.0"), "must grow within (0, 1), got 1"),
     (dict(seq_len_schedule="12:0.2"), "context 12 must divide seq_len 32"),
+    (dict(seq_len_schedule="32:0.5"), "context 32 must divide seq_len 32 and be shorter"),  # a step that does nothing
     (dict(seq_len_schedule="1:0.1,2:0.2,4:0.3,8:0.4,16:0.5"), "has 5 steps; at most 4")])
 def test_a_schedule_that_cannot_be_right_is_one_line_before_any_work(text_cache, tmp_path, capsys, change, words):
     cfg = config(text_cache, tmp_path, **change)
