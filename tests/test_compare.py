@@ -741,3 +741,10 @@ def test_the_baseline_drops_what_needs_compile_with_compile(tiny, tmp_path):
     assert (base.compile, base.update_graph, base.compile_cache) == (False, False, "")
     assert (opt.compile, opt.update_graph) == (True, True)
     runs_lib.run_plan("baseline", base)  # the settings' checks pass
+
+
+@pytest.mark.parametrize("low, high, call", [(1.0, 1.3, "within noise"), (1.001, 1.3, "faster"),
+                                             (0.7, 1.0, "within noise"), (0.7, 0.999, "slower")])
+def test_a_noise_band_touching_one_is_within_noise(low, high, call):
+    """faster only where the whole band of the speed ratio lies above 1, slower only where it lies below."""
+    assert matched.speed_call(1.0, low, high, ["compile_mode"]) == call
