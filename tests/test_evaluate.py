@@ -11,11 +11,14 @@ import pytest
 import torch
 
 import evaluate
+import model
 import sample
 import train
+import trainer
 from data import prepare
 from results import read_results
 from tests.conftest import SHARED_CORPUS, write_cache
+from tests.test_model import tiny_config
 from tests.test_sample import bpe_tokenizer
 
 SEQ_LEN = 64
@@ -213,9 +216,6 @@ def test_the_evaluation_pass_gives_the_mean_and_spread_of_every_counted_tokens_l
     """Trainer.evaluate's and evaluate.py's pass: over several batches with ignored targets, the loss is the mean of
     the counted tokens' losses and loss_std their population spread (matched.py's tolerance is loss_std over the
     square root of tokens, so a wrong spread widens what "the same loss" means)."""
-    import model
-    import trainer
-    from tests.test_model import tiny_config
     torch.manual_seed(0)
     m = model.Transformer(tiny_config()).eval()
     batches = [(torch.randint(0, 256, (3, 16)), torch.randint(0, 256, (3, 16))) for _ in range(3)]
