@@ -248,7 +248,8 @@ def put(data, keys, value, path):
     old = node.get(last)
     same_run = isinstance(old, dict) and isinstance(value, dict) and old.get("run_id") is not None \
         and old.get("run_id") == value.get("run_id")
-    if last in node and old != value and not same_run:
+    # compared as the file holds it: NaN as null, a tuple as a list (the same entry again is no change)
+    if last in node and old != finite(value) and not same_run:
         data.setdefault("history", []).append({"path": keys, "replaced_at": time.time(), "value": old})
     node[last] = value
 

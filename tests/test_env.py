@@ -280,6 +280,61 @@ def test_history_keeps_what_another_run_replaces(tmp_path):
     assert lookup(path, ["runs", "missing"], default=7) == 7
 
 
+@pytest.mark.parametrize("old", [None, float("nan"), 0, "", {}, []])
+def test_history_keeps_a_replaced_null_or_empty_value(tmp_path, old):
+    """An entry that is there is replaced into the history whatever it holds: null (a diverged run's NaN, as the
+    file writes it), zero or empty; an entry that was not there leaves no history."""
+    path = tmp_path / "r.json"
+    record(path, ["runs", "a"], old)
+    kept = read_results(path)["runs"]["a"]  # as the file holds it: NaN is null
+    record(path, ["runs", "a"], kept)  # the same value again is no change
+    assert "history" not in read_results(path)
+    record(path, ["runs", "a"], {"run_id": "2", "loss": 2.0})
+    data = read_results(path)
+    assert data["runs"]["a"] == {"run_id": "2", "loss": 2.0}
+    assert [(h["path"], h["value"]) for h in data["history"]] == [(["runs", "a"], kept)]
+
+
+def test_the_same_entry_again_with_a_nan_or_a_tuple_leaves_no_history(tmp_path):
+    """The file holds NaN as null and a tuple as a list: recording the very same entry again is no change, where
+    comparing it with what the file read back would call every diverged run's entry replaced."""
+    path = tmp_path / "r.json"
+    entry = {"loss": float("nan"), "tokens_per_second": 1.0, "shape": (8, 1024)}
+    record(path, ["benchmarks", "x"], entry)
+    record(path, ["benchmarks", "x"], entry)
+    data = read_results(path)
+    assert "history" not in data
+    assert data["benchmarks"]["x"] == {"loss": None, "tokens_per_second": 1.0, "shape": [8, 1024]}
+    record(path, ["benchmarks", "x"], dict(entry, loss=4.0))  # a different value still goes to the history
+    assert [h["value"]["loss"] for h in read_results(path)["history"]] == [None]
+
+
+def test_atomic_write_syncs_the_whole_file_before_it_takes_the_name(tmp_path, monkeypatch):
+    """Readers see the old file or the new one even after a power cut: the new file's bytes reach the disk (fsync)
+    before the rename makes them the file's, or a crash could leave the name on an empty or partial file."""
+    path = tmp_path / "f.json"
+    path.write_bytes(b"old")
+    synced, renamed, fsync, replace = [], [], os.fsync, os.replace
+
+    def fsync_noted(fd):
+        synced.append(os.fstat(fd))
+        return fsync(fd)
+
+    def replace_noted(src, dst):
+        renamed.append((os.stat(src), Path(dst), len(synced)))
+        return replace(src, dst)
+    monkeypatch.setattr(os, "fsync", fsync_noted)
+    monkeypatch.setattr(os, "replace", replace_noted)
+    data = b"new " * 10_000  # in small writes: its tail stays in the write buffer until a flush
+    atomic_write(path, lambda f: [f.write(data[i:i + 4]) for i in range(0, len(data), 4)])
+    assert path.read_bytes() == data
+    [(moved, dst, syncs_before)], [sync] = renamed, synced
+    assert dst == path and syncs_before == 1  # synced once, before the rename
+    new = path.stat()
+    assert (sync.st_ino, sync.st_dev) == (moved.st_ino, moved.st_dev) == (new.st_ino, new.st_dev)
+    assert sync.st_size == len(data)  # everything written when synced, not only what left the buffer
+
+
 def test_record_many_is_one_write_and_all_or_nothing(tmp_path, monkeypatch):
     """A merge of many entries takes the lock and writes the file once; an item that cannot be placed leaves
     the file as it was, with none of the batch in it."""
