@@ -420,6 +420,24 @@ def test_the_verdict_both_ways_and_training_noise(tmp_path, capsys):
     assert "different recipes" in capsys.readouterr().err
 
 
+def test_a_loss_difference_of_exactly_the_tolerance_agrees_and_one_just_beyond_does_not(tmp_path):
+    """|difference| <= tolerance, as TOLERANCE_RULE says. Standard errors 3/1024 and 4/1024 (2**20 tokens) make a
+    tolerance of 3 x 5/1024, and a loss that far from 4.5, exact in floating point."""
+    results = tmp_path / "results.json"
+    base = finished(4.5, std=3.0, tokens=2 ** 20)
+    tol = matched.tolerance(base["final_validation"], finished(4.5, std=4.0, tokens=2 ** 20)["final_validation"])
+    assert tol == 3 * 5 / 1024  # exact: the edge is not blurred by rounding
+    edge = 4.5 + tol
+    assert edge - 4.5 == tol
+    record(results, ["base"], dict(base, config={"seed": 7}))
+    for optimized, agree in ((edge, True), (float(np.nextafter(edge, 5.0)), False)):
+        record(results, ["opt"], finished(optimized, std=4.0, tokens=2 ** 20))
+        assert compare.main([f"--results_file={results}", "--baseline=base", "--optimized=opt",
+                             f"--plot={tmp_path / 'p.png'}", "--noise_seed_runs=0"]) == (0 if agree else 1)
+        c = lookup(results, ["matched-comparison"])
+        assert c["tolerance"] == tol and c["losses_agree"] is agree
+
+
 @pytest.mark.parametrize("names", [("baseline", "optimized"), ("plot", "label"), ("tolerance", "runs")])
 def test_runs_named_like_a_field_of_the_comparison_keep_their_summaries(tmp_path, names):
     """The two runs' summaries were keyed by run name beside the comparison's fields, so a run named "baseline"

@@ -2,6 +2,7 @@
 compiles."""
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ import torch
 import compile_cache
 import env
 import model as model_lib
+import plan
 import settings
 from tests.conftest import REPO
 
@@ -330,6 +332,30 @@ def test_a_path_that_is_not_a_compile_cache_is_refused_and_kept(tmp_path):
     with pytest.raises(compile_cache.CompileCacheError, match="is not a compile cache"):
         compile_cache.save(mine, "cpu")
     assert mine.read_bytes() == b"a user's file"
+
+
+@pytest.mark.parametrize("kind", ["empty file", "folder"])
+def test_an_empty_file_or_a_folder_as_the_cache_is_refused_and_kept(tmp_path, monkeypatch, kind):
+    """Neither is a compile cache this project wrote (it writes the whole file at once): refused before the run
+    (one line), and never loaded, written over or replaced."""
+    monkeypatch.setattr(compile_cache.torch.compiler, "save_cache_artifacts", lambda: (b"t" * 1000, None))
+    monkeypatch.setattr(compile_cache, "kernel_files", lambda: b"")
+    path = tmp_path / "run.compile"
+    if kind == "folder":
+        path.mkdir()
+        (path / "notes.txt").write_text("a user's file")
+    else:
+        path.touch()
+    words = re.escape(f"compile_cache {path} exists and is not a compile cache this project wrote")
+    for call in (lambda: compile_cache.load(path, "cpu"), lambda: compile_cache.save(path, "cpu")):
+        with pytest.raises(compile_cache.CompileCacheError, match=words):
+            call()
+    with pytest.raises(plan.ConfigError, match=words):
+        plan.check_compile_cache(settings.Config(compile_cache=str(path)))
+    if kind == "folder":
+        assert [p.name for p in path.iterdir()] == ["notes.txt"] and (path / "notes.txt").read_text() == "a user's file"
+    else:
+        assert path.is_file() and path.read_bytes() == b""
 
 
 def test_a_cache_cut_short_or_with_a_header_not_its_own_is_not_loaded(tmp_path, monkeypatch):

@@ -360,6 +360,33 @@ def test_a_gain_within_noise_keeps_the_incumbent_and_one_beyond_it_is_selected()
     assert sweep.run() is trial_of(sweep, compile_scope="blocks")
 
 
+def test_a_candidate_confirmed_under_another_protocol_is_not_compared_with_the_incumbent():
+    """Only a candidate measured as the incumbent was (the same stage and protocol) is set against it: blocks,
+    confirmed 1.5x under a smaller rung, is passed over for loss_impl=full, 1.05x under the incumbent's."""
+    gains = {("compile_scope", "blocks"): 1.5, ("loss_impl", "full"): 1.05}
+    bench = FakeBench(FakeClock(), GPU, gains=gains)
+    space = [("compile_scope", dict(GPU, compile_scope="blocks")), ("loss_impl", dict(GPU, loss_impl="full"))]
+    sweep = sweep_of(bench, budget=36000, space=space)
+    inc, blocks, full = sweep.trials
+    sweep.attempt(inc, "screen")
+    sweep.choose_protocol(inc)
+    sweep.attempt(inc, "confirm")
+    chosen = dict(sweep.protocols["confirm"])
+    smaller = sweep_lib.ladder(sweep.full, sweep.protocols["screen"])[-1]
+    assert smaller != chosen
+    for trial, protocol in ((blocks, smaller), (full, chosen)):
+        sweep.attempt(trial, "screen")
+        sweep.protocols["confirm"] = dict(protocol)
+        sweep.attempt(trial, "confirm")
+    assert blocks.protocols["confirm"] == smaller and full.protocols["confirm"] == inc.protocols["confirm"] == chosen
+    rate = lambda t: sweep_lib.rate(t.confirm)
+    assert rate(blocks) > rate(full) > rate(inc) * (1 + sweep.noise)
+    assert sweep.selection() is full
+    # and with the faster one alone under another protocol, the incumbent stands
+    full.results.pop("confirm")
+    assert sweep.selection() is inc
+
+
 def test_a_confirmation_that_does_not_fit_is_not_started_and_a_cheaper_one_after_it_is():
     compile_s = lambda c: 200.0 if c["compile_scope"] == "blocks" else (20.0 if c["compile"] else 0.5)
     gains = {("compile_scope", "blocks"): 1.05, ("loss_impl", "full"): 1.02}
