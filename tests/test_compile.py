@@ -507,6 +507,27 @@ def test_the_child_compiles_each_sequence_length_and_nothing_when_no_kernel_woul
     assert first_calls.spec(first_calls_cfg(), mcfg, cuda, "fa4", [512], False) is None  # warm caches
 
 
+def test_the_attention_child_calls_the_backward_and_cudnns_forward_at_each_shape(monkeypatch, capsys):
+    """The child's own body (compile_kernel), the kernels stood in for (they run on a GPU only): at each shape of its
+    job, flash-attn-4's backward, whose compile the run would wait for, and cuDNN's forward, which cuDNN generates at
+    run time for the driver to compile into its cache, the run's first call's otherwise."""
+    from model_kernels import attention, first_calls
+    calls = []
+    monkeypatch.setattr(attention, "flash_attn_4", lambda: None)
+    monkeypatch.setattr(attention, "_flash_attention_4_backward_op",
+                        lambda q, k, v, out, lse, grad_out: calls.append(("backward", tuple(q.shape), q.dtype)))
+    monkeypatch.setattr(attention, "cudnn_attention_forward",
+                        lambda q, k, v: calls.append(("forward", tuple(q.shape), q.dtype)))
+    job = {"device": "cpu", "attention": [[4, 8, 2, 16], [2, 16, 2, 16]], "windows": [], "vocab_size": 0}
+    first_calls.compile_kernel("attention", time.time(), lambda: json.dumps(job))
+    assert calls == [(kind, shape, torch.bfloat16) for shape in ((4, 8, 2, 16), (2, 16, 2, 16))
+                     for kind in ("backward", "forward")]
+    assert capsys.readouterr().out.startswith("attention ")  # the line the run waits for
+    calls.clear()
+    first_calls.compile_kernel("attention", time.time(), lambda: "")  # no job (the run ended it): no kernel
+    assert calls == []
+
+
 JOB = {"device": "cpu", "attention": [[2, 16, 2, 8]], "vocab_size": 64}
 
 
