@@ -253,15 +253,15 @@ def compile_kernel(kernel, started, job_text):
         for write_grad in (True, False):  # training's loss writes the gradient; evaluation's only the losses
             _cross_entropy_rows(device)(logits.clone(), targets, write_grad=write_grad)
     else:
-        # the backward, as the run calls it: what it compiles depends on the shapes and dtypes only, so the saved
-        # output and log-sum-exp can be any numbers; and cuDNN's forward, which cuDNN generates at run time as PTX
-        # for the driver to compile into its own cache (~/.nv/ComputeCache, shared by the run): 0.84 s of a fresh
-        # machine's first update (docs/COLD_START.md)
+        # cuDNN's forward first (the run calls it first), which cuDNN generates at run time as PTX for the driver to
+        # compile into its own cache (~/.nv/ComputeCache, shared by the run): 0.84 s of a fresh machine's first
+        # update (docs/COLD_START.md); then the backward, as the run calls it: what it compiles depends on the shapes
+        # and dtypes only, so the saved output and log-sum-exp can be any numbers
         for B, T, H, D in job["attention"]:
             q, k, v, out, grad_out = (torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16) for _ in range(5))
             lse = torch.randn(B, H, T, device=device, dtype=torch.float32)
-            _flash_attention_4_backward_op(q, k, v, out, lse, grad_out)
             cudnn_attention_forward(q, k, v)
+            _flash_attention_4_backward_op(q, k, v, out, lse, grad_out)
         for rows, T, H, D, smallest in job.get("windows", []):  # context_windows: the variable-length pair
             q, k, v, grad_out = (torch.randn(rows * T, H, D, device=device, dtype=torch.bfloat16) for _ in range(4))
             starts = window_tensors(rows, T, smallest, smallest)[1].to(device)

@@ -521,7 +521,7 @@ def test_the_attention_child_calls_the_backward_and_cudnns_forward_at_each_shape
     job = {"device": "cpu", "attention": [[4, 8, 2, 16], [2, 16, 2, 16]], "windows": [], "vocab_size": 0}
     first_calls.compile_kernel("attention", time.time(), lambda: json.dumps(job))
     assert calls == [(kind, shape, torch.bfloat16) for shape in ((4, 8, 2, 16), (2, 16, 2, 16))
-                     for kind in ("backward", "forward")]
+                     for kind in ("forward", "backward")]
     assert capsys.readouterr().out.startswith("attention ")  # the line the run waits for
     calls.clear()
     first_calls.compile_kernel("attention", time.time(), lambda: "")  # no job (the run ended it): no kernel
