@@ -10,9 +10,8 @@ per kernel (in parallel: neither waits for the other's compile) imports torch an
 flash-attn-4, then reads its job (the run's shapes) on its input, calls the kernel once at them and prints its name
 and its seconds since it was started, with when it had imported torch and the kernel's code and had its job.
 start_early() starts them at the process's start, before it imports torch and the project (5 to 10 s on a fresh
-machine), on a machine with an NVIDIA GPU whose Inductor cache is empty (or, warm, the attention's alone where the
-driver's JIT cache is empty: cuDNN's forward, kernels_for), so that their imports overlap the process's own;
-prestart(), once the run knows its settings and its caches' warmth, keeps those it needs (under the same cache
+machine), on a machine with an NVIDIA GPU whose Inductor cache is empty, so that their imports overlap the process's
+own; prestart(), once the run knows its settings and its caches' warmth, keeps those it needs (under the same cache
 folders) and starts any missing, so that their imports overlap at least the run's checks, data and model; start()
 then gives each child its job (starting any that prestart did not) and ends the ones the run turned out not to
 need. The run's own first call of a kernel waits for the child's line (wait) and then loads the kernel from disk
@@ -52,26 +51,13 @@ def kernels_for(cfg, device, attention, cold):
     """The kernels that would compile at their first call in a run of cfg (its settings) on device (a torch.device),
     with attention its resolved backend, or None before it is resolved (then fa4 wherever the setting allows it);
     cold whether Inductor's cache is empty. None compile beside an eager run (nothing to overlap), on the CPU, with
-    SDPA's attention and the plain torch loss. Warm, Inductor's kernels and the loss's load from disk in less time
-    than a child needs to start (its imports: bench-20m-warm-first-calls waited 9 s for it), but where the driver's
-    JIT cache is empty (a fresh machine's, a compile cache loaded there) fa4's attention still has its child: cuDNN's
-    forward is PTX that the driver compiles at the first call, 0.6 s of such a start (docs/COLD_START.md)."""
-    if not cfg.compile or not cfg.warm_kernels or device.type != "cuda":
+    SDPA's attention and the plain torch loss; nor with warm caches, where the kernels load from disk in less time
+    than a child needs to start (its imports: bench-20m-warm-first-calls waited 9 s for it)."""
+    if not cold or not cfg.compile or not cfg.warm_kernels or device.type != "cuda":
         return []
     fa4 = attention == "fa4" if attention is not None else cfg.attention_backend in ("auto", "fa4")
-    if not cold:
-        return ["attention"] if fa4 and driver_cache_empty() else []
     loss = cfg.loss_impl == "fused" and not cfg.lm_head_fp8
     return [k for k, on in (("loss", loss), ("attention", fa4)) if on]
-
-
-def driver_cache_empty():
-    """Whether the CUDA driver's JIT cache (CUDA_CACHE_PATH, else ~/.nv/ComputeCache) holds no file, as on a fresh
-    machine; never where CUDA_CACHE_DISABLE=1 keeps nothing there (a child's compile would not reach the run)."""
-    if os.environ.get("CUDA_CACHE_DISABLE") == "1":
-        return False
-    folder = Path(os.environ.get("CUDA_CACHE_PATH") or Path.home() / ".nv" / "ComputeCache")
-    return not (folder.is_dir() and any(p.is_file() for p in folder.rglob("*")))
 
 
 def spec(cfg, mcfg, device, attention, contexts, cold):
@@ -86,8 +72,6 @@ def spec(cfg, mcfg, device, attention, contexts, cold):
     from data.loader import windowed  # here, not at the top: the child imports this module before it times torch's
     in_rows = windowed(cfg.get("context_windows", False), contexts)
     attends = "attention" in kernels
-    if not cold and (in_rows or not attends):  # warm: cuDNN's forward alone, which context_windows does not call
-        return None
     # context_windows: whole rows of seq_len, and the variable-length pair instead (data/loader.window_tensors)
     rows = [[cfg.micro_batch_size, cfg.seq_len, mcfg.n_heads, mcfg.head_dim, min(contexts)]]
     return {"device": str(device), "attention": shapes if attends and not in_rows else [],
@@ -102,17 +86,17 @@ def kernels_of(job):
 
 def start_early(argv, fresh=False, command=None, gpu=None):
     """At a train.py or bench.py process's start, before it imports torch (argv: its arguments): when the machine has
-    an NVIDIA GPU (gpu, by default its device node) and Inductor's cache is empty, a child per kernel (warm, the
-    attention's alone where the driver's JIT cache is empty), each importing until prestart keeps or ends it. fresh (bench.py's cold=True among argv's overrides): new, empty cache folders
+    an NVIDIA GPU (gpu, by default its device node) and Inductor's cache is empty, a child per kernel, each importing
+    until prestart keeps or ends it. fresh (bench.py's cold=True among argv's overrides): new, empty cache folders
     first, which the children inherit and the run then takes as its own (env.fresh_compiler_caches). command as
     start()'s."""
     if "-h" in argv or "--help" in argv or not (_has_nvidia_gpu() if gpu is None else gpu):
         return
     if fresh:
         env.fresh_compiler_caches(early=True)
-    # warm, the attention's child alone where the driver's JIT cache is empty (kernels_for)
-    for kernel in KERNELS if env.inductor_cache_empty() else ["attention"] if driver_cache_empty() else []:
-        _spawn(kernel, command)
+    if env.inductor_cache_empty():
+        for kernel in KERNELS:
+            _spawn(kernel, command)
 
 
 def _has_nvidia_gpu():
@@ -270,7 +254,7 @@ def compile_kernel(kernel, started, job_text):
             _cross_entropy_rows(device)(logits.clone(), targets, write_grad=write_grad)
     else:
         # cuDNN's forward first (the run calls it first), which cuDNN generates at run time as PTX for the driver to
-        # compile into its own cache (~/.nv/ComputeCache, shared by the run): 0.84 s of a fresh machine's first
+        # compile into its own cache (~/.nv/ComputeCache, shared by the run): 0.5 s of a fresh machine's first
         # update (docs/COLD_START.md); then the backward, as the run calls it: what it compiles depends on the shapes
         # and dtypes only, so the saved output and log-sum-exp can be any numbers
         for B, T, H, D in job["attention"]:

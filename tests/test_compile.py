@@ -478,22 +478,6 @@ def test_a_run_refused_after_the_compile_cache_check_leaves_no_folder_for_it(tex
 
 # ---------------------------------------------------------- kernels compiled by a child (model_kernels/first_calls.py)
 
-@pytest.fixture(autouse=True)
-def driver_cache(tmp_path, monkeypatch):
-    """The CUDA driver's JIT cache as a used machine's (a file in it); driver_cache.empty() makes it a fresh one's."""
-    folder = tmp_path / "compute-cache"
-    (folder / "a" / "b").mkdir(parents=True)
-    (folder / "a" / "b" / "entry").write_bytes(b"ptx compiled")
-    monkeypatch.setenv("CUDA_CACHE_PATH", str(folder))
-    monkeypatch.delenv("CUDA_CACHE_DISABLE", raising=False)
-
-    class Cache:
-        @staticmethod
-        def empty():
-            (folder / "a" / "b" / "entry").unlink()
-    return Cache
-
-
 def first_calls_cfg(**changes):
     import settings
     return settings.Config(dict(compile=True, loss_impl="fused", lm_head_fp8=False, micro_batch_size=8, seq_len=512,
@@ -521,36 +505,6 @@ def test_the_child_compiles_each_sequence_length_and_nothing_when_no_kernel_woul
                                    (first_calls_cfg(loss_impl="full"), cuda, "sdpa")):
         assert first_calls.spec(cfg, mcfg, device, attention, [512], True) is None
     assert first_calls.spec(first_calls_cfg(), mcfg, cuda, "fa4", [512], False) is None  # warm caches
-
-
-def test_warm_with_an_empty_driver_cache_the_attention_child_runs_cudnns_forward_alone(driver_cache, tmp_path,
-                                                                                      monkeypatch):
-    """A compile cache loaded on a fresh machine, or Inductor's folder brought to one: its kernels load from disk, but
-    the driver compiles cuDNN's forward (PTX it generates at run time) at the first call unless its JIT cache holds
-    it, so the attention's child runs, with the row shapes only (context_windows calls no cuDNN); the loss's none."""
-    from model_kernels import first_calls
-    mcfg = model_lib.ModelConfig(vocab_size=32000, dim=320, n_layers=2, n_heads=5, hidden_dim=64, max_seq_len=512)
-    cuda = torch.device("cuda", 0)
-    assert first_calls.kernels_for(first_calls_cfg(), cuda, None, False) == []
-    driver_cache.empty()
-    assert first_calls.driver_cache_empty()
-    assert first_calls.kernels_for(first_calls_cfg(), cuda, None, False) == ["attention"]
-    assert first_calls.kernels_for(first_calls_cfg(attention_backend="sdpa"), cuda, None, False) == []
-    assert first_calls.spec(first_calls_cfg(), mcfg, cuda, "fa4", [512], False) == {
-        "device": "cuda:0", "attention": [[8, 512, 5, 64]], "windows": [], "vocab_size": 0}
-    assert first_calls.spec(first_calls_cfg(context_windows=True), mcfg, cuda, "fa4", [512, 256], False) is None
-    assert first_calls.spec(first_calls_cfg(), mcfg, cuda, "sdpa", [512], False) is None
-    assert first_calls.spec(first_calls_cfg(), mcfg, torch.device("cpu"), "fa4", [512], False) is None
-    monkeypatch.setenv("CUDA_CACHE_DISABLE", "1")  # the driver keeps nothing: a child's compile would not help
-    assert not first_calls.driver_cache_empty() and first_calls.kernels_for(first_calls_cfg(), cuda, "fa4", False) == []
-    monkeypatch.delenv("CUDA_CACHE_DISABLE")
-    monkeypatch.delenv("CUDA_CACHE_PATH")  # the driver's default folder
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert first_calls.driver_cache_empty()
-    (tmp_path / "home" / ".nv" / "ComputeCache" / "x").mkdir(parents=True)  # folders without a file: still empty
-    assert first_calls.driver_cache_empty()
-    (tmp_path / "home" / ".nv" / "ComputeCache" / "x" / "index").write_bytes(b"")
-    assert not first_calls.driver_cache_empty()
 
 
 def test_the_attention_child_calls_the_backward_and_cudnns_forward_at_each_shape(monkeypatch, capsys):
@@ -683,8 +637,7 @@ def test_the_early_reading_of_an_override_is_load_configs(argv, cold):
     assert argv_value(argv, "cold", bool, False) is cold
 
 
-def test_early_children_start_on_a_cold_gpu_machine_only_and_the_plan_keeps_those_it_needs(tmp_path, monkeypatch,
-                                                                                          driver_cache):
+def test_early_children_start_on_a_cold_gpu_machine_only_and_the_plan_keeps_those_it_needs(tmp_path, monkeypatch):
     """start_early, at the process's start: a child per kernel when the machine has a GPU and Inductor's cache is
     empty; prestart keeps those the run compiles (the same processes) and ends the others."""
     from model_kernels import first_calls
@@ -706,9 +659,6 @@ def test_early_children_start_on_a_cold_gpu_machine_only_and_the_plan_keeps_thos
         (tmp_path / "inductor" / "fxgraph").mkdir()  # warm: Inductor loads its kernels, no child is worth it
         first_calls.start_early(["config/x.py"], command=stand_in, gpu=True)
         assert first_calls._children == {}
-        driver_cache.empty()  # but the driver would compile cuDNN's forward at the first call: the attention's child
-        first_calls.start_early(["config/x.py"], command=stand_in, gpu=True)
-        assert set(first_calls._children) == {"attention"}
     finally:
         first_calls.stop()
 
