@@ -264,6 +264,25 @@ def test_tritons_own_entries_of_our_kernels_travel_and_triton_finds_them_in_anot
     assert (here / "b2" / launcher).read_bytes() == b"already here"
 
 
+def test_a_flash_attn_4_kernel_file_already_there_is_kept_and_the_missing_ones_are_added(tmp_path, monkeypatch):
+    """A loaded cache fills flash-attn-4's folder file by file: a kernel already there (written by flash-attn-4
+    itself, maybe being read by another run) is not replaced; those it lacks are put beside it."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(tmp_path / "fa4-there"))
+    for name, data in (("fwd/k.o", b"saved fwd"), ("bwd/k.o", b"saved bwd")):
+        (tmp_path / "fa4-there" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fa4-there" / name).write_bytes(data)
+    data = compile_cache.kernel_files()
+    here = tmp_path / "fa4-here"
+    (here / "fwd").mkdir(parents=True)
+    (here / "fwd" / "k.o").write_bytes(b"compiled here")
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(here))
+    compile_cache.unpack_kernel_files(data)
+    assert (here / "fwd" / "k.o").read_bytes() == b"compiled here"
+    assert (here / "bwd" / "k.o").read_bytes() == b"saved bwd"
+
+
 @pytest.mark.parametrize("killed_in", ["triton", "flash-attn-4"])
 def test_an_unpacking_killed_midway_leaves_no_kernel_file_under_its_name_and_the_next_load_puts_it_whole(
         tmp_path, monkeypatch, killed_in):
@@ -356,6 +375,23 @@ def test_an_empty_file_or_a_folder_as_the_cache_is_refused_and_kept(tmp_path, mo
         assert [p.name for p in path.iterdir()] == ["notes.txt"] and (path / "notes.txt").read_text() == "a user's file"
     else:
         assert path.is_file() and path.read_bytes() == b""
+
+
+def test_a_compile_cache_in_a_folder_this_user_cannot_write_is_refused_in_one_line(tmp_path, monkeypatch):
+    """The file is written after the first update, so a folder the user cannot write is refused before any work; the
+    probe writes in the nearest folder that exists (the cache's own folders are made only at the save). The tests
+    run as root, who can write anywhere: the probe's write fails here by hand."""
+    probed = []
+
+    def unwritable(*args, dir=None, **kwargs):
+        probed.append(dir)
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(plan.tempfile, "TemporaryFile", unwritable)
+    path = tmp_path / "new" / "sub" / "c.bin"
+    with pytest.raises(plan.ConfigError, match=re.escape(f"compile_cache {path} cannot be written there (Permission "
+                                                         f"denied); give a path in a folder this user can write")):
+        plan.check_compile_cache(settings.Config(compile_cache=str(path)))
+    assert probed == [tmp_path] and not (tmp_path / "new").exists()
 
 
 def test_a_cache_cut_short_or_with_a_header_not_its_own_is_not_loaded(tmp_path, monkeypatch):

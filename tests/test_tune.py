@@ -251,6 +251,31 @@ def test_sweep_settings_are_checked_before_any_candidate(tmp_path, text_cache, c
     assert not results.exists() and not (tmp_path / "tuned").exists()
 
 
+def test_the_budget_starts_before_the_checks_and_the_plan(tmp_path, text_cache, monkeypatch):
+    """--budget is the sweep's whole time: the checks, the plan and the machine's fingerprint come out of it, so the
+    sweep's clock starts before tune.py resolves the plan (a budget started after them overran by their time)."""
+    import time
+    seen = {}
+    real_resolve = tune.plan_lib.resolve
+
+    def resolve(*args, **kwargs):
+        seen.setdefault("resolve", time.monotonic())
+        return real_resolve(*args, **kwargs)
+
+    class Stop(Exception):
+        pass
+
+    def sweep(*args, started=None, **kwargs):
+        seen["started"] = started
+        raise Stop
+    monkeypatch.setattr(tune.plan_lib, "resolve", resolve)
+    monkeypatch.setattr(tune, "Sweep", sweep)
+    argv = TINY + [f"--data_dir={text_cache}", f"--results_file={tmp_path / 'r.json'}", f"--tuned_dir={tmp_path / 't'}"]
+    with pytest.raises(Stop):
+        tune.tune(settings.load(tune.TuneSettings, argv))
+    assert seen["started"] is not None and seen["started"] <= seen["resolve"]
+
+
 def test_a_compile_cache_is_refused_before_any_candidate(tmp_path, text_cache, capsys):
     """Every candidate read and overwrote the one file, and the eager candidate was skipped for it."""
     results = tmp_path / "results.json"
