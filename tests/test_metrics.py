@@ -1,9 +1,12 @@
 """metrics.py's log line: the ETA follows the mean rate of this process's training, not one interval's."""
+import math
 import re
 import types
 
+import pytest
 import torch
 
+import env
 import metrics
 import settings
 
@@ -137,3 +140,77 @@ def test_a_log_interval_a_checkpoint_cut_goes_on_in_the_resumed_process(monkeypa
     with other.paused() as start:
         other.keep_open_interval(start)
     assert reduced == [0.0]  # rank 0 brings the kept sum
+
+
+def entry_of(m, **facts):
+    """m's results entry, with the facts run_metrics leaves out (the entry reports them as given)."""
+    m.facts.update({"parameters": 1, "recipe_id": "r", "recipe": {}, "fingerprint": None, **facts})
+    m.trainer.attention = "sdpa"
+    return m.entry("complete")
+
+
+def test_a_pause_counts_in_the_elapsed_seconds_only_never_in_the_training_seconds_or_an_intervals_rate(monkeypatch):
+    """A validation or a checkpoint in the middle of a log interval: the training seconds, the tokens per training
+    second and the interval's rate leave it out; the elapsed seconds (and their rate) take it in."""
+    m, trainer, clock = run_metrics(monkeypatch)
+    train(m, trainer, clock, 1.0, 5, log_interval=10)
+    with m.paused():
+        clock.now += 600
+    train(m, trainer, clock, 1.0, 5, log_interval=10)  # the log line at update 10
+    m.stop_clock()
+    assert m.state.interval_tokens_per_second == [10_000 / 10]
+    assert (m.state.training_seconds, m.state.training_elapsed_seconds) == (10.0, 610.0)
+    entry = entry_of(m)
+    assert entry["training_tokens_per_second"] == 10_000 / 10
+    assert entry["elapsed_tokens_per_second"] == 10_000 / 610
+
+
+def test_stopping_the_clock_adds_the_updates_since_the_last_pause_once(monkeypatch):
+    """A diverged run stops the clock at its last update; a later stop (its failure's handling) adds nothing."""
+    m, trainer, clock = run_metrics(monkeypatch)
+    train(m, trainer, clock, 1.0, 3)
+    m.stop_clock()
+    clock.now += 100
+    m.stop_clock(quiet=True)
+    assert m.state.training_seconds == m.state.training_elapsed_seconds == 3.0
+
+
+def test_the_first_update_seconds_start_with_the_clock_not_with_the_setup(monkeypatch):
+    """Reading a checkpoint or building the model before the clock starts is not the first update's time."""
+    m, trainer, clock = run_metrics(monkeypatch)
+    clock.now += 100  # the setup, after Metrics was made
+    m.start_clock()
+    train(m, trainer, clock, 30.0, 1)
+    train(m, trainer, clock, 1.0, 1)
+    assert m.state.first_update_seconds == 30.0
+
+
+def test_the_entrys_mfu_is_one_gpus_share_of_the_tokens_per_second_over_its_peak(monkeypatch):
+    """The counted tokens are every rank's: under DDP each GPU did its share of them."""
+    m, trainer, clock = run_metrics(monkeypatch)
+    m.world_size = 2
+    train(m, trainer, clock, 0.5, 10, log_interval=100)  # no log line: its all-reduce would need the ranks
+    m.stop_clock()
+    entry = entry_of(m, flops=6e9, gpu_name="NVIDIA H100 80GB HBM3")
+    per_gpu = 10_000 / 5.0 / 2
+    assert entry["mfu"] == pytest.approx(6e9 * per_gpu / env.PEAK_BF16_FLOPS["H100"], rel=1e-12)
+
+
+def test_a_validation_point_and_the_target_take_the_training_seconds_before_the_validation(monkeypatch):
+    """train.py adds the point inside the validation's pause: the pass's own seconds are the point's seconds, not
+    training seconds (time_to_target reads the target's)."""
+    m, trainer, clock = run_metrics(monkeypatch)
+    m.cfg = settings.Config(m.cfg, target_loss=3.0)
+    train(m, trainer, clock, 1.0, 5)
+    with m.paused() as start:
+        clock.now += 50  # the validation pass
+        m.add_validation({"loss": 2.5, "tokens": 1000}, clock.now - start, epoch_end=False)
+    point = m.state.validation_curve[-1]
+    assert (point["training_seconds"], point["seconds"], point["update"]) == (5.0, 50.0, 5)
+    assert m.state.target_reached["training_seconds"] == 5.0
+
+
+def test_the_final_validation_result_adds_its_perplexity_and_tokens_per_second():
+    result = metrics.final_validation_result({"loss": 2.0, "tokens": 1000}, 4.0)
+    assert result == {"loss": 2.0, "tokens": 1000, "perplexity": math.exp(2.0), "seconds": 4.0, "split": "full",
+                      "validation_complete": True, "tokens_per_second": 1000 / 4.0}

@@ -123,6 +123,25 @@ def test_muon_state_dict_round_trip_continues_bitwise():
         assert torch.equal(first.state[p]["momentum_buffer"], second.state[q]["momentum_buffer"])
 
 
+def test_a_zero_gradient_among_its_shape_is_only_decayed_as_torch_muon_does():
+    """Newton-Schulz divides each matrix by its norm clamped at eps: a zero update (a matrix the loss did not reach,
+    at the first step) stays zero, the weight only decayed, not 0 / 0 = NaN; its stack's other matrices as usual."""
+    reference = matrices()
+    ours = clones(reference)
+    theirs, mine = torch.optim.Muon(reference, **MUON), optim.Muon(ours, **MUON)
+    set_grads([reference, ours], torch.Generator().manual_seed(1))
+    for k in (0, 4):  # one of three (32, 16) matrices, and the one (8, 40)
+        reference[k].grad.zero_()
+        ours[k].grad.zero_()
+    start = clones(ours)
+    theirs.step()
+    mine.step()
+    assert all(p.isfinite().all() for p in ours)
+    assert update_steps_apart(reference, ours, None) < MUON_TOLERANCE
+    for k in (0, 4):
+        assert torch.equal(ours[k], start[k] * (1 - MUON["lr"] * MUON["weight_decay"]))
+
+
 def test_muon_refuses_what_it_cannot_update():
     with pytest.raises(ValueError, match="2-D"):
         optim.Muon([torch.nn.Parameter(torch.zeros(4))])
@@ -265,6 +284,22 @@ def test_build_muon_splits_the_parameters_and_its_settings_take_attributes_too()
     assert [g["base_lr"] for g in built.param_groups] == [2e-3, 2e-3, 0.02]
 
 
+@pytest.mark.parametrize("name", optim.OPTIMIZERS)
+def test_build_optimizer_takes_each_setting_rather_than_the_optimizers_default(name):
+    """SETTINGS' adam_eps, weight_decay and muon_momentum are torch.optim.AdamW's and Muon's own defaults, so the
+    tests above cannot tell a setting passed from one left out: here every one differs from its default."""
+    changed = dict(SETTINGS, optimizer=name, learning_rate=1e-3, beta1=0.8, beta2=0.9, adam_eps=1e-6,
+                   weight_decay=0.05, muon_lr=0.03, muon_momentum=0.9, muon_ns_steps=3)
+    built = optim.build_optimizer(tiny_model(), changed, "cpu")
+    decay, no_decay, *muon = built.param_groups
+    for group in (decay, no_decay):
+        assert (group["lr"], group["betas"], group["eps"]) == (1e-3, (0.8, 0.9), 1e-6)
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.05, 0.0)
+    if name == "muon":
+        assert {k: muon[0][k] for k in ("lr", "weight_decay", "momentum", "ns_steps")} == dict(
+            lr=0.03, weight_decay=0.05, momentum=0.9, ns_steps=3)
+
+
 def test_set_lr_gives_adamw_the_schedule_and_muon_it_scaled_to_its_peak():
     learning_rate = SETTINGS["learning_rate"]
     built = optim.build_optimizer(tiny_model(), dict(SETTINGS, optimizer="muon"), "cpu")
@@ -342,6 +377,15 @@ def test_wsd_cooldown_starts_where_the_fraction_says(fraction, first_decayed, to
     curve = wsd(total=total, warmup=5, fraction=fraction)
     assert curve[first_decayed - 1] == 1e-3 > curve[first_decayed]
     assert curve[-1] == 1e-4
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.95])
+def test_wsd_cooldown_longer_than_the_updates_after_warmup_decays_from_the_warmups_end_a_step_at_a_time(fraction):
+    """round(fraction x 50) = 50 or 48 updates of cooldown, more than the 45 after the warmup: the decay takes those
+    45, each a step of (peak - floor) / 45 lower, rather than starting below the peak with a jump."""
+    decay = wsd(total=50, warmup=5, fraction=fraction)[5:]
+    steps = [a - b for a, b in zip([1e-3] + decay, decay)]
+    assert steps == pytest.approx([(1e-3 - 1e-4) / 45] * 45, rel=1e-9)
 
 
 def test_wsd_cooldown_0_never_decays():

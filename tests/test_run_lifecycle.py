@@ -6,9 +6,12 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
+import torch
 
+import checkpoint
 import train
 import trainer as trainer_lib
 from results import lookup, read_results
@@ -327,3 +330,21 @@ def test_a_signal_before_the_first_update_checkpoints_the_run_it_calls_interrupt
     assert (tmp_path / "out" / "ckpt.pt").is_file()
     monkeypatch.setattr(metrics.Metrics, "record", record)
     assert train.train(settings.Config(cfg, resume=True))["status"] == "complete"
+
+
+def test_a_checkpoint_keeps_the_generator_of_the_gpu_its_model_is_on(tmp_path, monkeypatch):
+    """save() takes the run's device from the model's weights: a run on cuda:1 keeps cuda:1's generator, which its
+    resume continues, beside the update count and the run's state. No GPU here: torch.cuda mocked, and a stand-in
+    model whose weight says it is on cuda:1."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state",
+                        lambda device="cuda": torch.full((16,), torch.device(device).index or 0, dtype=torch.uint8))
+    weight = types.SimpleNamespace(device=torch.device("cuda", 1))
+    model = types.SimpleNamespace(parameters=lambda: iter([weight]), state_dict=lambda: {"w": torch.ones(2)})
+    optimizer = types.SimpleNamespace(state_dict=lambda: {"state": {}, "param_groups": []})
+    path = tmp_path / "ckpt.pt"
+    checkpoint.save(path, model, optimizer, 7, {"epoch": 1, "update_in_epoch": 3})
+    saved = checkpoint.read(path)
+    assert saved["rng"]["cuda"].tolist() == [1] * 16
+    assert (saved["step"], saved["epoch"], saved["update_in_epoch"]) == (7, 1, 3)
+    assert torch.equal(saved["model"]["w"], torch.ones(2)) and saved["optimizer"]["state"] == {}
