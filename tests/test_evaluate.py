@@ -5,6 +5,7 @@ import dataclasses
 import gzip
 import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -231,3 +232,57 @@ def test_the_evaluation_pass_gives_the_mean_and_spread_of_every_counted_tokens_l
     assert scored["loss"] == pytest.approx(counted.mean().item(), rel=1e-6)
     assert scored["loss_std"] == pytest.approx(counted.std(unbiased=False).item(), rel=1e-5)
     assert scored["loss_std"] > 0.05  # random targets: a spread to get wrong
+
+
+def test_the_bytes_of_a_split_decoded_in_pieces_are_its_documents_bytes(monkeypatch):
+    """The validation split is decoded in pieces cut after end-of-text tokens: cut there, no character is split and
+    every token is decoded once, so the bytes are the documents' own whatever the size of a piece. Documents that
+    begin and end with a character of several byte tokens show a cut anywhere else."""
+    documents = ["東 one café", "東京 two naïve “quoted” 東", "plain three", "東"]
+    tokenizer = bpe_tokenizer(" ".join(documents[2:]) * 20, 280)
+    ids = np.concatenate(prepare.encode_batch({"text": documents}, tokenizer, EOT)["ids"])
+    assert len(tokenizer.encode("東", add_special_tokens=False)) > 1  # a character over several tokens
+    expected = sum(len(d.encode("utf-8")) for d in documents)  # end-of-text tokens are no text
+    for piece in (1, 2, 7, evaluate.DECODE_PIECE):
+        monkeypatch.setattr(evaluate, "DECODE_PIECE", piece)
+        for tokens in (ids, ids[:-1]):  # a split that ends with a document's end-of-text, or within it
+            decoded = []  # the pieces' lengths; more pieces than tokens: a piece that does not move on
+
+            def decode(piece_ids, **options):
+                decoded.append(len(piece_ids))
+                assert len(decoded) <= len(tokens), "decoding does not move on"
+                return tokenizer.decode(piece_ids, **options)
+            assert evaluate.decoded_bytes(SimpleNamespace(decode=decode), tokens, EOT) == expected, piece
+            assert sum(decoded) == len(tokens), piece  # each token decoded once
+
+
+def test_a_seq_len_of_its_own_scores_the_split_in_windows_of_that_length(run):
+    """--seq_len=N scores windows of N tokens that do not overlap, each token after the first a target once: the
+    loss is the export's (transformers' forward) over those windows, by hand."""
+    from transformers import AutoModelForCausalLM
+    half = SEQ_LEN // 2
+    entry = evaluated(run, f"--init_from={run['out']}", f"--seq_len={half}", "--name=half")
+    val = torch.from_numpy(np.fromfile(run["cache"] / "val.bin", np.uint16).astype(np.int64))
+    export = AutoModelForCausalLM.from_pretrained(str(run["export"])).eval()
+    whole = (len(val) - 1) // half  # windows of half targets, then one of the rest
+    windows = [val[:whole * half + 1].unfold(0, half + 1, half), val[whole * half:][None]]
+    with torch.no_grad():
+        per_token = torch.cat([torch.nn.functional.cross_entropy(export(w[:, :-1]).logits.flatten(0, 1).float(),
+                                                                 w[:, 1:].flatten(), reduction="none")
+                               for w in windows if w.shape[1] > 1])
+    assert entry["seq_len"] == half and entry["tokens"] == len(val) - 1 == per_token.numel()
+    assert entry["loss"] == pytest.approx(per_token.mean().item(), rel=1e-5)
+
+
+def test_the_perplexity_of_an_untrained_or_diverged_model_is_recorded(run, monkeypatch):
+    """An untrained model's loss is about ln(vocabulary): its perplexity is the vocabulary, 32,000 for ln(32,000). A
+    diverged model's loss is recorded too: exp(1000) overflows a float, so its perplexity is capped, not an error."""
+    def scored_at(loss):
+        monkeypatch.setattr(evaluate, "score", lambda model, tokens, *args: (
+            {"loss": loss, "loss_std": 0.0, "tokens": len(tokens) - 1}, None))
+        entry = evaluated(run, f"--init_from={run['out']}", f"--name=loss-{loss:g}")
+        assert entry["loss"] == loss
+        assert entry["bits_per_byte"] == pytest.approx(loss * entry["tokens"] / math.log(2) / entry["bytes"])
+        return entry
+    assert scored_at(math.log(32_000))["perplexity"] == pytest.approx(32_000)
+    assert scored_at(1000.0)["perplexity"] >= math.exp(700)

@@ -826,3 +826,96 @@ def test_a_tokenizer_whose_files_disagree_with_its_config_is_refused_before_toke
     with pytest.raises(PrepareError, match=r"tokenizer\.json holds \d+ tokens but loaded it has \d+"):
         prepare(src, tmp_path / "out", tokenizer=str(folder), num_proc=1)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_smallest_bpe_is_the_256_bytes_and_end_of_text(tmp_path):
+    """A byte-level BPE holds every byte and <|endoftext|>: 257 tokens at least. 256 is refused before any work
+    (else the cache held 257 tokens, one more than asked)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("the fox jumps over the dog. " * 20)
+    with pytest.raises(PrepareError, match="--vocab_size 256 is too small"):
+        prepare(src, tmp_path / "small", vocab_size=256, num_proc=1)
+    assert not (tmp_path / "small").exists()
+    assert prep.tokenizer_identity(None, 257, None) == (None, "bpe-257-trained", 257, None)  # a BPE to train
+
+
+def test_a_seed_salts_the_held_out_draw_and_a_new_seed_builds_the_cache_anew(books, built, tmp_path):
+    """--seed N draws the held-out documents by sha256(b"N:" + text) (docs/DATA.md): another split, so another
+    cache; preparing the same --out with another seed builds it again rather than finding it up to date."""
+    _, texts = books
+    text = next(iter(texts.values()))
+    docs = [f"Document {i}.\n" + text[i * 1500:(i + 1) * 1500] for i in range(40)]
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    salted = lambda d: int.from_bytes(hashlib.sha256(b"5:" + d.encode()).digest()[:8], "big") / 2**64 < 0.2
+    out, options = tmp_path / "cache", dict(tokenizer=str(built[0]), val_fraction=0.2, num_proc=1)
+    plain = prepare(src, out, **options)
+    seeded = prepare(src, out, seed=5, **options)
+    assert plain["split_rule"] == "held-out fraction 0.2 by document sha256"
+    assert seeded["split_rule"] == "held-out fraction 0.2 by document sha256 seed 5"
+    assert seeded["inputs_identity"] != plain["inputs_identity"]
+    val = sorted(decode_docs(out, "val", seeded))
+    assert val == sorted(d for d in docs if salted(d)) != sorted(d for d in docs if in_val(d, 0.2))
+    assert sorted(decode_docs(out, "train", seeded)) == sorted(d for d in docs if not salted(d))
+
+
+def test_a_vocabulary_of_65537_tokens_is_the_smallest_stored_as_uint32(tmp_path):
+    """uint16 holds ids 0 .. 65,535, so 65,536 tokens at most: a vocabulary of one more is stored as uint32, and its
+    last id, 65,536, is read back as itself."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from data.loader import TokenCache
+    size = 2**16 + 1
+    vocab = {prep.EOT: 0, **{f"w{i}": i for i in range(1, size)}}
+    word_level = Tokenizer(models.WordLevel(vocab, unk_token=prep.EOT))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=word_level, eos_token=prep.EOT).save_pretrained(tmp_path / "tok")
+    src = tmp_path / "src"
+    src.mkdir()
+    docs = [[size - 1, 1, size - 2], [size - 1] * 3, [5, size - 1]]
+    for d, ids in enumerate(docs):
+        (src / f"d{d}.txt").write_text(" ".join(f"w{i}" for i in ids))
+    meta = prepare(src, tmp_path / "cache", tokenizer=str(tmp_path / "tok"), num_proc=1)
+    assert meta["vocab_size"] == size and meta["dtype"] == "uint32"
+    cache = TokenCache(tmp_path / "cache")
+    tokens = np.asarray(cache.train).tolist() + np.asarray(cache.val).tolist()
+    assert sorted(tokens) == sorted([i for ids in docs for i in ids] + [0] * len(docs))
+
+
+def test_a_tokenizer_of_exactly_the_models_vocabulary_fits(built):
+    """--max_vocab N (the model's vocabulary) takes a tokenizer of N tokens, ids 0 .. N-1, and refuses N + 1."""
+    out, meta = built
+    assert prep.tokenizer_identity(str(out), 0, meta["vocab_size"])[2] == meta["vocab_size"] == VOCAB
+    assert prep.tokenizer_identity(None, VOCAB, VOCAB)[2] == VOCAB  # a BPE to train
+    with pytest.raises(PrepareError, match=f"has {VOCAB} tokens but the model's vocabulary holds {VOCAB - 1};"):
+        prep.tokenizer_identity(str(out), 0, VOCAB - 1)
+    with pytest.raises(PrepareError, match=f"has {VOCAB} tokens but the model's vocabulary holds {VOCAB - 1};"):
+        prep.tokenizer_identity(None, VOCAB, VOCAB - 1)
+
+
+def test_a_run_of_long_run_characters_is_cut_every_long_run_from_its_start(monkeypatch, capsys):
+    """Runs of LONG_RUN characters or more, all whitespace or none, reach the BPE trainer cut every LONG_RUN
+    characters from the run's start (at 8 here, by hand), the text otherwise whole and in order."""
+    monkeypatch.setattr(prep, "LONG_RUN", 8)
+    assert prep.long_runs("x" * 8) == [(0, 8)] and prep.long_runs("x" * 7) == prep.long_runs("x" * 7 + " ") == []
+    text = "ab " + "x" * 8 + " " + "y" * 7 + " " * 20 + "z" * 19
+    assert prep.long_runs(text) == [(3, 11), (19, 39), (39, 58)]  # 8 x's, 20 spaces, 19 z's
+    (pieces,) = prep.bpe_training_texts([[text]])
+    assert pieces == [text[:27], text[27:35], text[35:47], text[47:55], text[55:]]  # the spaces at 27, 35, z's 47, 55
+    assert "holds a run of 20 whitespace characters" in capsys.readouterr().out
+    assert list(prep.bpe_training_texts([["x" * 8]])) == [["x" * 8]]  # a run of exactly LONG_RUN: no cut, a note
+    assert "holds a run of 8 characters without whitespace" in capsys.readouterr().out
+
+
+def test_a_literal_end_of_text_inside_a_document_is_text_not_a_boundary(built):
+    """A document that quotes "<|endoftext|>" is still one document: one end-of-text token, after it, and its text
+    decodes back whole (a web page about tokenizers, say)."""
+    from transformers import AutoTokenizer
+    out, meta = built
+    tok = AutoTokenizer.from_pretrained(out)
+    docs = [f"GPT-2 ends each document with {prep.EOT} between them.", f"{prep.EOT}", "plain"]
+    eot = meta["eot_token_id"]
+    ids = prep.encode_batch({"text": docs}, tok, eot)["ids"]
+    assert [x.count(eot) for x in ids] == [1, 1, 1] and all(x[-1] == eot for x in ids)
+    assert [tok.decode(x[:-1]) for x in ids] == docs

@@ -3,6 +3,7 @@ the cost of a stat, data/verify.py reads them whole, --shard jobs joined give on
 documents are shuffled so that a prefix samples the whole corpus."""
 import filecmp
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 
 from tests.conftest import write_cache
 from data import shards, verify
-from data.loader import CacheError, TokenCache, TrainData, eval_batches, recorded_identity
+from data.loader import IGNORE, CacheError, TokenCache, TrainData, eval_batch_count, eval_batches, recorded_identity
 from data.prepare import PrepareError, join, prepare
 from data.prepare import main as prepare_main
 
@@ -333,3 +334,48 @@ def test_a_part_cut_short_is_refused_and_the_parts_kept(corpus, tmp_path):
                                                r"--shard job"):
             join(tmp_path / "c")
         assert not (tmp_path / "c").exists() and (tmp_path / "c.part-0-of-2").is_dir()
+
+
+def test_another_shard_size_cuts_the_cache_again(corpus, tmp_path):
+    """--shard_tokens is part of what was asked for: preparing the same --out with another size cuts it again (the
+    same tokens, so the same cache_identity) rather than keeping the old shards as up to date."""
+    src, tok, _ = corpus
+    out = tmp_path / "c"
+    first = prepare(src, out, tokenizer=str(tok), num_proc=1, shard_tokens=1_000)
+    again = prepare(src, out, tokenizer=str(tok), num_proc=1, shard_tokens=400)
+    assert again["inputs_identity"] != first["inputs_identity"] and again["cache_identity"] == first["cache_identity"]
+    n = again["train_tokens"]
+    assert again["shard_tokens"] == 400 and n == first["train_tokens"] and n % 400
+    assert [s["tokens"] for s in again["train_shards"]] == [400] * (n // 400) + [n % 400]
+    names = [shards.shard_name("train", i) for i in range(n // 400 + 1)]
+    assert sorted(p.name for p in out.glob("train-*.bin")) == names
+
+
+def test_eval_batches_of_sharded_tokens_score_every_token_once_at_any_length():
+    """Every length of a split modulo seq_len, over shard boundaries: every token after the first is a target once,
+    in order, its input the token before it, however short the last window (one target when the length is 2 past a
+    multiple of seq_len); padding is input 0, target ignored; the batch count is known ahead."""
+    seq_len, batch = 8, 3
+    for n in range(2, 3 * seq_len + 3):
+        positions = np.arange(n, dtype=np.int64)  # each token's value is its position
+        batches = list(eval_batches(shards.ShardedTokens(np.array_split(positions, 3)), seq_len, batch))
+        windows = math.ceil((n - 1) / seq_len)
+        assert len(batches) == eval_batch_count(n, seq_len, batch) == math.ceil(windows / batch), n
+        x, y = (np.concatenate([t.numpy() for t in ts]) for ts in zip(*batches))
+        assert x.shape == y.shape == (len(batches) * batch, seq_len)
+        scored = y != IGNORE
+        assert y[scored].tolist() == list(range(1, n)), n
+        assert np.array_equal(x[scored], y[scored] - 1) and not x[~scored].any(), n
+
+
+def test_a_split_of_one_token_has_no_target_and_is_refused(tmp_path):
+    """One token is no sequence: nothing to train on, and a validation over no target would give loss 0.0, below
+    any target. Two tokens are one target."""
+    train, val = np.arange(100) % 256, np.arange(50) % 256
+    for split in ("train", "val"):
+        tokens = {"train": train, "val": val, split: np.array([7])}
+        with pytest.raises(CacheError, match=f"holds 1 tokens, as meta.json says: the cache's {split} split is empty"):
+            TokenCache(write_cache(tmp_path / split, tokens["train"], tokens["val"], 256))
+    cache = TokenCache(write_cache(tmp_path / "two", train, [7, 9], 256))
+    (x, y), = eval_batches(cache.val, 32, 4)
+    assert (y != IGNORE).sum() == 1 and (x[0, 0], y[0, 0]) == (7, 9)

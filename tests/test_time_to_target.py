@@ -3,6 +3,7 @@ the mode's refusals, and one end-to-end run of the mode through real train.py su
 import math
 import statistics
 
+import numpy as np
 import pytest
 import torch
 from scipy import stats
@@ -11,6 +12,7 @@ import compare
 import time_to_target
 import settings
 from results import lookup, read_results
+from tests.conftest import write_cache
 from tests.test_compare import PNG_MAGIC, TINY
 from time_to_target import (failed_outcome, regime_note, save_figure, median_seconds, run_outcome, speedup,
                             speedup_line, start_regime, table, target_section, target_verdict, verdict_line,
@@ -332,3 +334,61 @@ def test_a_plot_that_cannot_be_written_after_the_runs_leaves_the_verdict_recorde
     err = capsys.readouterr().err
     assert "Traceback" not in err and "could not be written (No space left on device)" in err
     assert "tt" in read_results(results)["time-to-target"]
+
+
+def test_losses_all_at_the_target_give_no_evidence_below_it():
+    """Identical losses exactly at the target: the mean is not below it, so p is 1 (scipy's t-test divides 0 by a
+    spread of 0 there and gives nan; a mean at the target is no certainty of one below it, p 0)."""
+    at = target_verdict({"a": TARGET, "b": TARGET, "c": TARGET}, TARGET)
+    assert not at["reaches_target"] and at["p_value"] == 1.0 and at["t_statistic"] is None
+    assert at["reasons"][-1] == f"the mean {TARGET:.4f} is not below {TARGET:g} at p < 0.01 (p = 1)"
+    above = target_verdict({"a": TARGET + 0.5, "b": TARGET + 0.5}, TARGET)
+    assert above["p_value"] == 1.0 and above["t_statistic"] == math.inf
+
+
+def test_the_median_training_time_is_over_the_completed_seeds_only():
+    """A seed that stopped early (diverged, interrupted) has training seconds, but not the recipe's time."""
+    outcomes = {"a": run_outcome(entry([3.2], seconds=60.0)), "b": run_outcome(entry([3.1], seconds=80.0)),
+                "d": run_outcome(entry([3.9], seconds=5.0, status="diverged"))}
+    assert median_seconds(outcomes) == statistics.median([60.0, 80.0])
+    assert median_seconds({"d": outcomes["d"]}) is None
+
+
+def test_a_failed_candidate_seed_leaves_the_speedup_over_the_completed_ones(tmp_path):
+    """The speed-up divides the baseline's time to the target by the median of the seeds that completed; a failed
+    seed (no training time) is left out of it, as it is of the median training time, rather than voiding it."""
+    cfg = settings.Config(target_loss=TARGET, eval_interval=10, target_baseline="base.py")
+    candidates = [settings.Config(name=f"r-seed{s}", seed=s) for s in (1, 2, 3)]
+    baselines = [settings.Config(name="r-target-baseline-seed1", seed=1)]
+    results = {"r-seed1": entry([3.2], seconds=40.0), "r-seed2": entry([3.1], seconds=60.0),
+               "r-target-baseline-seed1": entry([3.25], seconds=100.0, reached={"training_seconds": 90.0})}
+    failed = {"r-seed3": "the candidate run r-seed3 exited with status 1"}
+    section = target_section(cfg, results, candidates, baselines, failed, tmp_path / "p.png")
+    up = section["speedup"]
+    assert up["reason"] is None and up["candidate_median_seconds"] == section["median_training_seconds"] == 50.0
+    assert up["speedup"] == pytest.approx(90.0 / 50.0)
+    assert up["over_candidate_seeds"] == pytest.approx([90.0 / 60.0, 90.0 / 40.0])
+
+
+def test_a_speedup_without_a_baseline_run_or_with_a_zero_time_says_why():
+    none = speedup({}, {"c1": 30.0})
+    assert (none["speedup"], none["reason"], none["at_least"]) == (None, "no baseline run", None)
+    zero = speedup({"b1": 80.0}, {"c1": 0.0, "c2": 30.0})  # no division by a time of 0
+    assert (zero["speedup"], zero["reason"], zero["at_least"]) == (None, "no training time from c1", None)
+
+
+def test_a_baseline_that_scores_other_windows_or_another_cache_is_refused(tiny, tmp_path, capsys):
+    """A validation-subset loss over windows of another seq_len, or over another cache's tokens, is another
+    quantity: a target reached on it says nothing of the config's."""
+    config, results = tiny
+    mode = [config, f"--results_file={results}", "--mode=time-to-target", "--target_loss=3"]
+    shorter = tmp_path / "shorter.py"
+    shorter.write_text(open(config).read() + "seq_len = 32\n")
+    other = write_cache(tmp_path / "other-cache", np.arange(9000) % 256, np.arange(3000) % 256, 256)
+    elsewhere = tmp_path / "elsewhere.py"
+    elsewhere.write_text(open(config).read() + f"data_dir = {str(other)!r}\n")
+    for baseline, words in ((shorter, "(seq_len 64 against 32)"), (elsewhere, "another cache")):
+        assert compare.main(mode + [f"--target_baseline={baseline}"]) == 2, words
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and words in err, err
+    assert read_results(results) == {}  # nothing trained
