@@ -2,19 +2,23 @@
 signals (acknowledged at once, a validation stopped early, a second signal never recorded as a checkpointed stop),
 and one process per run folder."""
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
 import types
 
+import numpy as np
 import pytest
 import torch
 
 import checkpoint
 import train
 import trainer as trainer_lib
+from data.loader import TokenCache
 from results import lookup, read_results
+from tests.conftest import write_cache
 from tests.test_train import REPO, checkpoint_parameters, cli_args, small_config
 import settings
 
@@ -348,3 +352,28 @@ def test_a_checkpoint_keeps_the_generator_of_the_gpu_its_model_is_on(tmp_path, m
     assert saved["rng"]["cuda"].tolist() == [1] * 16
     assert (saved["step"], saved["epoch"], saved["update_in_epoch"]) == (7, 1, 3)
     assert torch.equal(saved["model"]["w"], torch.ones(2)) and saved["optimizer"]["state"] == {}
+
+
+def test_a_checkpoint_continues_each_random_generator_where_the_run_left_it(tmp_path):
+    """What torch's, numpy's and Python's generators draw after a checkpoint is saved is what they draw after a
+    resume from it, whatever was drawn in between."""
+    torch.manual_seed(1), np.random.seed(2), random.seed(3)
+    model = torch.nn.Linear(2, 2)  # the run's draws so far
+    np.random.rand(3), random.random()
+    checkpoint.save(tmp_path / "ckpt.pt", model, torch.optim.SGD(model.parameters(), lr=0.1), 5, {})
+    draws = lambda: (torch.rand(4).tolist(), np.random.rand(4).tolist(), [random.random() for _ in range(4)])
+    straight = draws()
+    torch.manual_seed(12345), np.random.seed(12345), random.seed(12345)
+    checkpoint.set_rng_state(checkpoint.read(tmp_path / "ckpt.pt")["rng"])
+    assert draws() == straight
+
+
+def test_init_from_weights_of_another_cache_that_is_still_there_without_tokenizers_to_compare_is_accepted(tmp_path):
+    """init_from a checkpoint trained on cache a, to train on cache b: a still holds what the weights were trained on,
+    and neither holds a tokenizer (byte caches, as here): nothing to compare, so nothing to refuse."""
+    trained_on = write_cache(tmp_path / "a", np.arange(300) % 256, np.arange(100) % 256, 256)
+    other = write_cache(tmp_path / "b", np.arange(300) % 200, np.arange(100) % 200, 256)
+    identity = TokenCache(trained_on).identity
+    assert identity != TokenCache(other).identity
+    assert checkpoint.same_tokenizer(trained_on, other) is None
+    assert checkpoint.tokenizer_mismatch("init_from x", identity, trained_on, other, "train on another") is None
