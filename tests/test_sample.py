@@ -1,6 +1,7 @@
 """sample.py: generation from a train.py checkpoint with the cache folder's tokenizer, and the transformers export."""
 import gzip
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import sample
 import train
 from data.loader import TokenCache
 from tests.conftest import SHARED_CORPUS, write_cache
+from tests.test_model_bounds import seeded, tiny_config, tokens
 import settings
 
 PROMPT = "It was the best of"
@@ -531,3 +533,82 @@ def test_a_checkpoint_whose_weights_are_not_its_models_is_refused_in_one_line(tr
     assert sample.main([f"--out_dir={tmp_path / 'run'}", "--device=cpu", "--max_new_tokens=2"]) == 2
     one_line(capsys, f"checkpoint {tmp_path / 'run' / 'ckpt.pt'} could not be loaded",
              "extra.weight" if change != "lacks a tensor" else name)
+
+
+def test_the_lowest_temperature_the_refusal_names_is_accepted():
+    import sample
+    assert sample.temperature_problem(1e-3) is None and sample.temperature_problem(0) is None
+    assert sample.temperature_problem(9e-4) == "temperature must be 0 (greedy) or at least 0.001, got 0.0009"
+
+
+def test_generation_past_the_context_sees_the_last_max_seq_len_tokens():
+    """No KV cache: each step runs the context again, cropped to its last max_seq_len tokens, so a prompt longer
+    than the context continues as its last max_seq_len tokens do, and each token is the argmax of the model on
+    the max_seq_len tokens before it."""
+    import sample
+    config = tiny_config(max_seq_len=8)
+    m = seeded(config).eval()
+    prompt = tokens(config, 1, 13)
+    out = sample.generate(m, prompt, 6, temperature=0)
+    assert torch.equal(out[:, :13], prompt)
+    assert torch.equal(out[:, 13:], sample.generate(m, prompt[:, -8:], 6, temperature=0)[:, 8:])
+    with torch.no_grad():
+        for t in range(13, 19):
+            assert out[0, t] == m(out[:, t - 8:t])[0, -1].argmax(), t
+
+
+class Tokenizer:
+    """A tokenizer stand-in with its own end-of-text id."""
+    eos_token_id = 5
+
+
+def test_a_caches_end_of_text_id_of_zero_is_the_one_an_empty_prompt_starts_from(tmp_path):
+    """Id 0 is a real end-of-text id (the test caches', a byte vocabulary's): the cache's id wins over the
+    tokenizer's eos, even when it is 0."""
+    import sample
+    from tests.conftest import write_cache
+    cache = write_cache(tmp_path / "cache", [1, 2, 0, 3, 4], [5, 0, 6], 256)
+    assert json.loads((cache / "meta.json").read_text())["eot_token_id"] == 0
+    assert sample.eot_token(Tokenizer(), cache) == 0 and sample.start_token(Tokenizer(), cache) == 0
+    assert sample.eot_token(Tokenizer(), tmp_path / "no-cache") == 5  # no cache: the tokenizer's own
+
+
+def test_a_config_files_data_dir_as_recorded_is_the_runs_own_cache_found_from_another_folder(tmp_path, monkeypatch):
+    """`python sample.py CONFIG` sets data_dir as the run recorded it (relative to the repository, where train.py
+    ran): it is the run's own cache, found from any folder as checkpoint.run_data_dir finds it."""
+    import os
+    import types
+    import env
+    import sample
+    cache = tmp_path / "somewhere" / "cache"
+    cache.mkdir(parents=True)
+    recorded = os.path.relpath(cache, env.REPO)
+    ckpt = {"config": {"data_dir": recorded}}
+    monkeypatch.chdir(tmp_path / "somewhere")
+    assert not Path(recorded).exists()  # not from here
+    assert sample.tokenizer_folder(types.SimpleNamespace(data_dir=recorded), ckpt).resolve() == cache.resolve()
+    assert sample.tokenizer_folder(types.SimpleNamespace(data_dir=""), ckpt).resolve() == cache.resolve()
+
+
+def test_a_tokenizer_json_alone_is_a_tokenizer(tmp_path):
+    """tokenizers' own file without transformers' tokenizer_config.json loads (load_tokenizer's check names
+    either)."""
+    import sample
+    from tests.test_sample import bpe_tokenizer
+    text = "the cat sat on the mat and the dog sat on the log " * 40
+    bpe_tokenizer(text, 280).save_pretrained(tmp_path / "tok")
+    (tmp_path / "tok" / "tokenizer_config.json").unlink()
+    tokenizer = sample.load_tokenizer(tmp_path / "tok")
+    assert tokenizer.decode(tokenizer.encode("the cat sat")) == "the cat sat"
+
+
+def test_an_export_into_a_sharded_token_cache_is_refused_naming_it_a_token_cache(tmp_path):
+    """A cache of shards holds meta.json and train-000000.bin, no train.bin: it is still a token cache, and the
+    refusal says so."""
+    import sample
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    for name in ("meta.json", "train-000000.bin", "val-000000.bin", "tokenizer.json"):
+        (folder / name).write_text("x")
+    with pytest.raises(sample.SampleError, match=r"\): it is a token cache, and the export would replace"):
+        sample.check_export_folder(folder)
