@@ -20,6 +20,7 @@ import compare
 import matched
 import runs as runs_lib
 import settings
+import time_to_target
 import train
 
 TINY = """\
@@ -770,26 +771,22 @@ def test_a_noise_band_touching_one_is_within_noise(low, high, call):
 
 
 def compare_settings(*argv):
-    import compare
-    import settings
     return settings.resolve(compare.CompareSettings, list(argv))
 
 
 def test_resume_is_refused_as_compare_decides_it_for_each_run():
     """--resume=True would be passed to every run, the first one included, which has nothing to resume: compare.py
     resumes a stopped run itself."""
-    from configurator import ConfigError
-    with pytest.raises(ConfigError, match="--resume: compare.py decides them for each run"):
+    with pytest.raises(configurator.ConfigError, match="--resume: compare.py decides them for each run"):
         compare_settings("--resume=True")
 
 
 def test_time_to_target_takes_seeds_up_to_torchs_largest_and_no_further():
     """--seeds=5 trains --seed and the 4 above it: the highest --seed is 2**64 - 5, whose last run seeds torch
     with 2**64 - 1, its largest."""
-    from configurator import ConfigError
     mode = ("--mode=time-to-target", "--target_loss=3", "--seeds=5")
     assert compare_settings(*mode, f"--seed={2 ** 64 - 5}").seed == 2 ** 64 - 5
-    with pytest.raises(ConfigError, match=f"give a --seed at most {2 ** 64 - 5}"):
+    with pytest.raises(configurator.ConfigError, match=f"give a --seed at most {2 ** 64 - 5}"):
         compare_settings(*mode, f"--seed={2 ** 64 - 4}")
 
 
@@ -797,11 +794,11 @@ def test_time_to_target_takes_seeds_up_to_torchs_largest_and_no_further():
 def test_a_failed_run_exits_1_and_ctrl_c_outside_a_run_130(monkeypatch, capsys, raised, status):
     """The exit statuses compare.py's docstring gives: 1 when a training run failed (not 2, a user's mistake),
     130 for Ctrl-C while no run trains."""
-    import compare
-    import runs
 
     def fails(cfg):
-        raise runs.RunFailed("the baseline run b exited with status 1") if raised == "RunFailed" else KeyboardInterrupt
+        if raised == "RunFailed":
+            raise runs_lib.RunFailed("the baseline run b exited with status 1")
+        raise KeyboardInterrupt
     monkeypatch.setattr(compare, "compare", fails)
     assert compare.main([]) == status
     err = capsys.readouterr().err
@@ -812,8 +809,6 @@ def test_a_failed_run_exits_1_and_ctrl_c_outside_a_run_130(monkeypatch, capsys, 
 def test_the_results_section_each_mode_records_into_is_checked_before_any_run(tmp_path, monkeypatch, mode, section):
     """A results file whose section the mode records its verdict into is not an object: refused before the mode
     trains anything (else its runs train for hours and the verdict cannot be recorded)."""
-    import compare
-    import time_to_target
     from results import ResultsFileError
     results = tmp_path / "results.json"
     results.write_text(json.dumps({section: ["not", "entries"]}))
@@ -829,22 +824,19 @@ def test_the_results_section_each_mode_records_into_is_checked_before_any_run(tm
 def test_the_baselines_micro_batch_hint_follows_a_micro_batch_refusal_only(tmp_path):
     """A refusal of the baseline run names --baseline_micro_batch_size only when the micro-batch is what it
     refuses; another mistake (a missing cache) is not pointed at that key."""
-    import runs
-    import settings
     hint = " (the baseline's micro-batch is --baseline_micro_batch_size)"
     common = [f"--data_dir={tmp_path / 'no-cache'}", "--device=cpu", "--tokens_per_update=4096", "--seq_len=1024"]
-    with pytest.raises(runs.CompareError) as refused:
-        runs.run_plan("baseline", settings.load(settings.TrainSettings, common + ["--micro_batch_size=3"]), hint)
+    with pytest.raises(runs_lib.CompareError) as refused:
+        runs_lib.run_plan("baseline", settings.load(settings.TrainSettings, common + ["--micro_batch_size=3"]), hint)
     assert str(refused.value).endswith("valid sizes: [1, 2, 4]" + hint)
-    with pytest.raises(runs.CompareError) as refused:
-        runs.run_plan("baseline", settings.load(settings.TrainSettings, common + ["--micro_batch_size=4"]), hint)
+    with pytest.raises(runs_lib.CompareError) as refused:
+        runs_lib.run_plan("baseline", settings.load(settings.TrainSettings, common + ["--micro_batch_size=4"]), hint)
     assert "has no meta.json" in str(refused.value) and "baseline_micro_batch_size" not in str(refused.value)
 
 
 def recorded_as(status, edit):
     """test_compare's stand-in for train.py, whose entry is then changed by edit(entry) (a hand edit, or an entry
     another version of the code recorded)."""
-    from results import lookup, record
 
     class Edited(FakeTrainPy):
         def __call__(self, side, cmd, signals):
@@ -877,9 +869,7 @@ def test_resuming_says_how_the_run_ended_unless_it_was_stopped(tiny, monkeypatch
 def fake_runs(monkeypatch, fail=(), signal_during=None):
     """runs.train_all over runs a, b and c with train_or_reuse faked: the named ones fail; a SIGTERM arrives while
     signal_during trains. Returns the names trained, in order."""
-    import signal
     import types
-    import runs
     trained = []
 
     def train_or_reuse(side, c, identity, rerun, signals):
@@ -887,41 +877,38 @@ def fake_runs(monkeypatch, fail=(), signal_during=None):
         if c.name == signal_during:
             signals.signal = signal.SIGTERM  # came as the run ended: its own check had passed
         if c.name in fail:
-            raise runs.RunFailed(f"the {side} run {c.name} exited with status 1; its output is above")
-    monkeypatch.setattr(runs, "train_or_reuse", train_or_reuse)
+            raise runs_lib.RunFailed(f"the {side} run {c.name} exited with status 1; its output is above")
+    monkeypatch.setattr(runs_lib, "train_or_reuse", train_or_reuse)
     return [("seed", types.SimpleNamespace(name=n), None) for n in "abc"], types.SimpleNamespace(rerun=False), trained
 
 
 def test_a_failed_run_ends_a_matched_comparison_and_a_time_to_target_one_goes_on(monkeypatch, capsys):
     """A matched comparison without one of its runs has no verdict: the first failure ends it. A time-to-target
     verdict counts a failed seed: the next seeds still train, and the failures come back by name."""
-    import runs
     todo, cfg, trained = fake_runs(monkeypatch, fail=("a",))
-    with pytest.raises(runs.RunFailed, match="the seed run a exited"):
-        runs.train_all(cfg, todo)
+    with pytest.raises(runs_lib.RunFailed, match="the seed run a exited"):
+        runs_lib.train_all(cfg, todo)
     assert trained == ["a"]
     todo, cfg, trained = fake_runs(monkeypatch, fail=("a", "c"))
-    failed = runs.train_all(cfg, todo, keep_going=True)
+    failed = runs_lib.train_all(cfg, todo, keep_going=True)
     assert trained == ["a", "b", "c"] and list(failed) == ["a", "c"]
     assert "seed: the seed run a exited with status 1; its output is above; going on with the next run" in \
         capsys.readouterr().out
 
 
 def test_a_signal_between_runs_stops_before_the_next_one_begins(monkeypatch):
-    import runs
     todo, cfg, trained = fake_runs(monkeypatch, signal_during="a")
-    with pytest.raises(runs.Stopped, match="stopped by SIGTERM before the seed run b began; run this compare.py "
+    with pytest.raises(runs_lib.Stopped, match="stopped by SIGTERM before the seed run b began; run this compare.py "
                                            "command again to go on"):
-        runs.train_all(cfg, todo)
+        runs_lib.train_all(cfg, todo)
     assert trained == ["a"]
 
 
 def test_the_stop_message_says_how_to_go_on():
     """After a run that finished, the same command reuses it; with --rerun=True the same command would train every
     run afresh, so the message says to drop it."""
-    import runs
-    done = runs.stopped_message("baseline", "b", [], 0, "by SIGINT", rerun=False)
+    done = runs_lib.stopped_message("baseline", "b", [], 0, "by SIGINT", rerun=False)
     assert done == ("stopped by SIGINT after the baseline run b finished; run this compare.py command again to go "
                     "on (it is reused)")
-    again = runs.stopped_message("baseline", "b", [], 1, "by SIGINT", rerun=True)
+    again = runs_lib.stopped_message("baseline", "b", [], 1, "by SIGINT", rerun=True)
     assert "run this compare.py command again without --rerun=True to go on" in again

@@ -536,7 +536,6 @@ def test_a_checkpoint_whose_weights_are_not_its_models_is_refused_in_one_line(tr
 
 
 def test_the_lowest_temperature_the_refusal_names_is_accepted():
-    import sample
     assert sample.temperature_problem(1e-3) is None and sample.temperature_problem(0) is None
     assert sample.temperature_problem(9e-4) == "temperature must be 0 (greedy) or at least 0.001, got 0.0009"
 
@@ -545,7 +544,6 @@ def test_generation_past_the_context_sees_the_last_max_seq_len_tokens():
     """No KV cache: each step runs the context again, cropped to its last max_seq_len tokens, so a prompt longer
     than the context continues as its last max_seq_len tokens do, and each token is the argmax of the model on
     the max_seq_len tokens before it."""
-    import sample
     config = tiny_config(max_seq_len=8)
     m = seeded(config).eval()
     prompt = tokens(config, 1, 13)
@@ -565,8 +563,6 @@ class Tokenizer:
 def test_a_caches_end_of_text_id_of_zero_is_the_one_an_empty_prompt_starts_from(tmp_path):
     """Id 0 is a real end-of-text id (the test caches', a byte vocabulary's): the cache's id wins over the
     tokenizer's eos, even when it is 0."""
-    import sample
-    from tests.conftest import write_cache
     cache = write_cache(tmp_path / "cache", [1, 2, 0, 3, 4], [5, 0, 6], 256)
     assert json.loads((cache / "meta.json").read_text())["eot_token_id"] == 0
     assert sample.eot_token(Tokenizer(), cache) == 0 and sample.start_token(Tokenizer(), cache) == 0
@@ -578,8 +574,6 @@ def test_a_config_files_data_dir_as_recorded_is_the_runs_own_cache_found_from_an
     ran): it is the run's own cache, found from any folder as checkpoint.run_data_dir finds it."""
     import os
     import types
-    import env
-    import sample
     cache = tmp_path / "somewhere" / "cache"
     cache.mkdir(parents=True)
     recorded = os.path.relpath(cache, env.REPO)
@@ -593,8 +587,6 @@ def test_a_config_files_data_dir_as_recorded_is_the_runs_own_cache_found_from_an
 def test_a_tokenizer_json_alone_is_a_tokenizer(tmp_path):
     """tokenizers' own file without transformers' tokenizer_config.json loads (load_tokenizer's check names
     either)."""
-    import sample
-    from tests.test_sample import bpe_tokenizer
     text = "the cat sat on the mat and the dog sat on the log " * 40
     bpe_tokenizer(text, 280).save_pretrained(tmp_path / "tok")
     (tmp_path / "tok" / "tokenizer_config.json").unlink()
@@ -605,7 +597,6 @@ def test_a_tokenizer_json_alone_is_a_tokenizer(tmp_path):
 def test_an_export_into_a_sharded_token_cache_is_refused_naming_it_a_token_cache(tmp_path):
     """A cache of shards holds meta.json and train-000000.bin, no train.bin: it is still a token cache, and the
     refusal says so."""
-    import sample
     folder = tmp_path / "cache"
     folder.mkdir()
     for name in ("meta.json", "train-000000.bin", "val-000000.bin", "tokenizer.json"):
