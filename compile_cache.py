@@ -9,7 +9,11 @@ caches, so the next compile of the same graphs finds them instead of generating 
 keyed by torch on its graph and options, so a cache of other settings is only missed, never used. flash-attn-4
 keeps its compiled CuTe kernels in a folder of its own, outside torch's caches, and Triton compiles our kernels that
 run inside custom ops (the fused loss's rows), outside torch.compile's code, into its own cache, with the C helpers it
-builds to launch any kernel: the file carries that folder and those entries of Triton's cache too.
+builds to launch any kernel: the file carries that folder and those entries of Triton's cache too. cuDNN generates
+its attention forward at run time as PTX, which the CUDA driver compiles into its own JIT cache (CUDA_CACHE_PATH, else
+~/.nv/ComputeCache), 0.3 to 0.6 s of a loaded start on a fresh machine (docs/COLD_START.md): the file carries that
+folder too, up to JIT_MAX_BYTES, and puts it in place only where the machine's holds no file; the driver checks its
+entries itself (a newer driver compiles again).
 The file adds a key of its own around them, the things torch's keys do not promise to cover: the torch, Triton
 and CUDA versions, Python's (Triton's .so helpers are built for it), the GPU, the kernel packages and this
 repository's code. A file whose key differs is ignored with a line saying what differs, and rewritten when this run
@@ -33,6 +37,7 @@ from results import atomic_write, atomic_write_text
 MAGIC = b"tiny-llm compile cache\n"
 FORMAT = 2  # 2: the files after torch's bytes are one tar of flash-attn-4's folder and Triton's entries
 STAGING = ".unpack-"  # unpack_kernel_files' temporary folders, which a killed process leaves behind
+JIT_MAX_BYTES = 64 * 2**20  # the driver's JIT cache is carried up to this size (a run's own entries: under 1 MiB)
 
 
 class CompileCacheError(ValueError):
@@ -110,10 +115,26 @@ def triton_entries():
         f.suffix == ".so" or f.name.split(".")[0] in ours for f in entry.iterdir()))
 
 
+def jit_folder():
+    """The CUDA driver's JIT cache folder (CUDA_CACHE_PATH, else ~/.nv/ComputeCache), None where CUDA_CACHE_DISABLE=1
+    keeps none."""
+    if os.environ.get("CUDA_CACHE_DISABLE") == "1":
+        return None
+    return Path(os.environ.get("CUDA_CACHE_PATH") or Path.home() / ".nv" / "ComputeCache")
+
+
+def jit_files():
+    """The driver's JIT cache folder when it holds files, JIT_MAX_BYTES at most (else None: not carried)."""
+    folder = jit_folder()
+    files = [f for f in folder.rglob("*") if f.is_file()] if folder is not None and folder.is_dir() else []
+    return folder if files and sum(f.stat().st_size for f in files) <= JIT_MAX_BYTES else None
+
+
 def kernel_files():
-    """flash-attn-4's kernel folder and triton_entries() as one uncompressed tar (b"" when there is neither)."""
-    folder, entries = kernel_folder(), triton_entries()
-    if (folder is None or not folder.is_dir()) and not entries:
+    """flash-attn-4's kernel folder, triton_entries() and the driver's JIT cache (jit_files) as one uncompressed tar
+    (b"" when there is none of them)."""
+    folder, entries, jit = kernel_folder(), triton_entries(), jit_files()
+    if (folder is None or not folder.is_dir()) and not entries and jit is None:
         return b""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as tar:
@@ -121,26 +142,45 @@ def kernel_files():
             tar.add(folder, arcname="flash-attn-4", filter=lambda m: None if STAGING in m.name else m)
         for entry in entries:
             tar.add(entry, arcname=f"triton/{entry.name}")
+        if jit is not None:
+            tar.add(jit, arcname="cuda-jit")
     return buffer.getvalue()
 
 
 def unpack_kernel_files(data):
-    """Put saved kernel files where flash-attn-4 and Triton look. Each Triton entry (a folder) and each file of
-    flash-attn-4's goes into place whole or not at all (_unpack_whole); one already there is kept."""
+    """Put saved kernel files where flash-attn-4, Triton and the CUDA driver look. Each Triton entry (a folder), each
+    file of flash-attn-4's and the driver's JIT cache (its index with its entries, only where the machine's holds no
+    file) go into place whole or not at all (_unpack_whole); one already there is kept."""
     if not data:
         return
-    folders = {"flash-attn-4": kernel_folder(), "triton": triton_folder()}
+    folders = {"flash-attn-4": kernel_folder(), "triton": triton_folder(), "cuda-jit": _empty_jit_folder()}
     wholes = collections.defaultdict(list)  # {(top, its path under top's folder): its members}
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         for member in tar.getmembers():
             top, _, name = member.name.partition("/")
             if folders.get(top) is None or not name or (top != "triton" and not member.isfile()):
                 continue
-            whole = name.split("/")[0] if top == "triton" else name
-            member.name = name[len(whole.rpartition("/")[0]):].lstrip("/")  # named from the folder it goes into
+            if top == "cuda-jit":  # the folder itself is the whole
+                whole, member.name = "", f"{folders[top].name}/{name}"
+            else:
+                whole = name.split("/")[0] if top == "triton" else name
+                member.name = name[len(whole.rpartition("/")[0]):].lstrip("/")  # named from the folder it goes into
             wholes[top, whole].append(member)
         for (top, whole), members in wholes.items():
             _unpack_whole(tar, folders[top] / whole, members)
+
+
+def _empty_jit_folder():
+    """The driver's JIT cache folder when it is absent or empty (then removed, for _unpack_whole to put the saved one
+    there), else None: a machine's own cache is never merged into."""
+    folder = jit_folder()
+    if folder is None or not folder.exists():
+        return folder
+    try:
+        folder.rmdir()  # only an empty folder: one that holds anything, or gains it meanwhile, is the machine's
+    except OSError:
+        return None
+    return folder
 
 
 def _unpack_whole(tar, final, members):

@@ -18,6 +18,14 @@ import settings
 from tests.conftest import REPO
 
 
+@pytest.fixture(autouse=True)
+def own_driver_jit_cache(tmp_path, monkeypatch):
+    """The CUDA driver's JIT cache folder of each test, unmade: a compile cache saved or loaded here never carries or
+    fills the user's ~/.nv/ComputeCache."""
+    monkeypatch.setenv("CUDA_CACHE_PATH", str(tmp_path / "driver-jit"))
+    monkeypatch.delenv("CUDA_CACHE_DISABLE", raising=False)
+
+
 def first_update_gradients(cfg):
     """(loss, each parameter's gradient) of a tiny model's first update under cfg, on the CPU (through Inductor when
     cfg compiles): the gradients as the optimizer step would have read them."""
@@ -324,6 +332,65 @@ def test_an_unpacking_killed_midway_leaves_no_kernel_file_under_its_name_and_the
     assert FileCacheManager("a1").get_group("cross_entropy_rows_kernel.json") == {
         "cross_entropy_rows_kernel.cubin": str(here["triton"] / "a1" / "cross_entropy_rows_kernel.cubin")}
     assert (here["flash-attn-4"] / "print" / "fwd" / "k.o").read_bytes() == kernels["flash-attn-4"]
+
+
+def fill_driver_jit_cache(folder, files):
+    for name, data in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+
+
+@pytest.mark.parametrize("there", ["absent", "empty"])
+def test_the_drivers_jit_cache_is_carried_and_put_whole_where_the_machine_has_none(tmp_path, monkeypatch, there):
+    """cuDNN's attention forward is PTX that the driver compiles into its JIT cache at the first call: a loaded cache
+    on a fresh machine (no folder, or an empty one) gets the saved folder, its index with its entries, as it was."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.delenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", raising=False)
+    saved = {"index": b"the driver's index", "a1/b2c3": b"sm_90 code", "a1/d4e5": b"more"}
+    fill_driver_jit_cache(tmp_path / "driver-jit", saved)
+    data = compile_cache.kernel_files()
+    here = tmp_path / "fresh-machine" / "ComputeCache"
+    if there == "empty":
+        here.mkdir(parents=True)
+    monkeypatch.setenv("CUDA_CACHE_PATH", str(here))
+    compile_cache.unpack_kernel_files(data)
+    got = {str(f.relative_to(here)): f.read_bytes() for f in here.rglob("*") if f.is_file()}
+    assert got == saved
+    assert [p.name for p in here.parent.iterdir()] == ["ComputeCache"]  # no staging folder left beside it
+
+
+def test_a_machines_own_driver_jit_cache_is_never_merged_into(tmp_path, monkeypatch):
+    """A folder that holds any file is the machine's: its index names its own entries, so nothing is added to it."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    fill_driver_jit_cache(tmp_path / "driver-jit", {"index": b"saved index", "a1/b2": b"saved"})
+    data = compile_cache.kernel_files()
+    here = tmp_path / "machine"
+    fill_driver_jit_cache(here, {"index": b"its own index"})
+    monkeypatch.setenv("CUDA_CACHE_PATH", str(here))
+    compile_cache.unpack_kernel_files(data)
+    assert [str(f.relative_to(here)) for f in here.rglob("*")] == ["index"]
+    assert (here / "index").read_bytes() == b"its own index"
+
+
+def test_the_drivers_jit_cache_is_not_carried_when_disabled_or_over_its_limit(tmp_path, monkeypatch):
+    """CUDA_CACHE_DISABLE=1 keeps no cache, so none is carried or put in place; a folder over JIT_MAX_BYTES (other
+    programs' entries) stays out of the file."""
+    import io
+    import tarfile
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.delenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", raising=False)
+    fill_driver_jit_cache(tmp_path / "driver-jit", {"index": b"i", "a1/b2": b"x" * 100})
+    names = lambda data: tarfile.open(fileobj=io.BytesIO(data)).getnames() if data else []
+    assert "cuda-jit/a1/b2" in names(compile_cache.kernel_files())
+    monkeypatch.setattr(compile_cache, "JIT_MAX_BYTES", 100)
+    assert names(compile_cache.kernel_files()) == []  # 101 bytes
+    monkeypatch.setattr(compile_cache, "JIT_MAX_BYTES", 101)
+    data = compile_cache.kernel_files()
+    monkeypatch.setenv("CUDA_CACHE_DISABLE", "1")
+    assert compile_cache.kernel_files() == b""
+    monkeypatch.setenv("CUDA_CACHE_PATH", str(tmp_path / "elsewhere"))
+    compile_cache.unpack_kernel_files(data)
+    assert not (tmp_path / "elsewhere").exists()
 
 
 def test_the_key_follows_the_code(tmp_path, monkeypatch):
