@@ -1,10 +1,12 @@
 """How a run compiles (#39): each compile scope's gradients, the saved compile cache's key, the kernels a child
 compiles."""
+import io
 import json
 import os
 import re
 import subprocess
 import sys
+import tarfile
 import time
 
 import pytest
@@ -296,7 +298,6 @@ def test_an_unpacking_killed_midway_leaves_no_kernel_file_under_its_name_and_the
         tmp_path, monkeypatch, killed_in):
     """A kernel cut short beside its complete group file would be loaded by Triton (or flash-attn-4) as whole: each
     Triton entry and each flash-attn-4 file appears whole or not at all, and a later load completes the cache."""
-    import tarfile
     from triton.runtime.cache import FileCacheManager
     big = b"rows" * (1 << 18)  # the kernel being written when the process dies
     kernels = {"triton": b"rows", "flash-attn-4": b"fwd", killed_in: big}
@@ -375,8 +376,6 @@ def test_a_machines_own_driver_jit_cache_is_never_merged_into(tmp_path, monkeypa
 def test_the_drivers_jit_cache_is_not_carried_when_disabled_or_over_its_limit(tmp_path, monkeypatch):
     """CUDA_CACHE_DISABLE=1 keeps no cache, so none is carried or put in place; a folder over JIT_MAX_BYTES (other
     programs' entries) stays out of the file."""
-    import io
-    import tarfile
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     monkeypatch.delenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", raising=False)
     fill_driver_jit_cache(tmp_path / "driver-jit", {"index": b"i", "a1/b2": b"x" * 100})
@@ -530,7 +529,6 @@ def test_the_cache_is_written_after_the_first_update_and_again_only_when_graphs_
 def test_writing_the_compile_cache_is_out_of_the_training_clock(text_cache, tmp_path, monkeypatch):
     """The file was written inside the update, so its write counted in the first update's seconds and the training
     time (and again at a schedule's new shape)."""
-    import time
     import metrics
     import train
     import trainer as trainer_lib
@@ -582,7 +580,6 @@ def test_a_run_refused_after_the_compile_cache_check_leaves_no_folder_for_it(tex
 # ---------------------------------------------------------- kernels compiled by a child (model_kernels/first_calls.py)
 
 def first_calls_cfg(**changes):
-    import settings
     return settings.Config(dict(compile=True, loss_impl="fused", lm_head_fp8=False, micro_batch_size=8, seq_len=512,
                                 warm_kernels=True, attention_backend="auto", static_launch_user_kernels=False),
                            **changes)
