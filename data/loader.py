@@ -325,7 +325,12 @@ class Prefetcher:
         self._put(None)
 
     def close(self):
+        """Stop the thread and wait for it (one batch at most): a daemon thread still in torch's C++ code when the
+        interpreter exits is ended there by Python (pthread_exit), which aborts the process ("terminate called
+        without an active exception") after a run that stopped cleanly."""
         self.closed.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=60)
 
     def __iter__(self):
         try:
