@@ -302,7 +302,7 @@ def tokenizer_mismatch(what, recorded_identity, recorded_dir, folder, fix):
     if identity == recorded_identity:
         return None
     trained_on_is_there = _meta(recorded_dir).get("cache_identity") == recorded_identity
-    if trained_on_is_there and not _same_folder(recorded_dir, folder):
+    if trained_on_is_there:  # so another folder: this one's identity differs
         if same_tokenizer(recorded_dir, folder) is not False:  # the same, or no tokenizer to compare (None)
             return None
         return (f"{what} was trained on the token cache {recorded_dir}, whose tokenizer differs from the one in "
