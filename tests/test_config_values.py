@@ -33,7 +33,6 @@ def test_a_written_config_keeps_the_named_keys_at_their_defaults_so_it_wins_when
     assert layered["micro_batch_size"] == 4  # a key neither kept nor changed is the base's
 
 
-
 def test_a_config_file_may_set_the_recipe_keys_a_script_does_not_read_but_only_with_their_types(tmp_path):
     """A config file is a recipe: sample.py or bench.py given train.py's config takes the keys it declares and leaves
     the others out, type-checked; the same key as an override is refused, since it would do nothing."""

@@ -27,4 +27,5 @@ def test_the_fp8_head_on_a_gpu_without_fp8_tensor_cores_is_refused_with_what_to_
 
 
 def test_a_name_that_is_no_choice_is_a_line_listing_the_choices():
-    assert registry.problem({**cfg(), "loss_impl": "nope"}) == "loss_impl 'nope' is not one of full, fused, quack_chunked"
+    line = registry.problem({**cfg(), "loss_impl": "nope"})
+    assert line == "loss_impl 'nope' is not one of full, fused, quack_chunked"

@@ -3,7 +3,6 @@ import pytest
 import torch
 
 import trainer as trainer_lib
-from tests.conftest import text_cache  # noqa: F401 (a fixture)
 from tests.test_train import make_trainer, small_config, train_data
 
 
