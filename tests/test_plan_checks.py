@@ -4,6 +4,7 @@ import dataclasses
 import pytest
 
 import plan
+import settings
 from configurator import ConfigError
 from tests.test_train import small_config
 
@@ -26,3 +27,12 @@ def test_the_main_process_is_rank_zero_of_all_nodes_not_each_nodes_first(text_ca
     assert p.main_process
     assert not dataclasses.replace(p, rank=2, local_rank=0, world_size=4).main_process
     assert dataclasses.replace(p, rank=0, local_rank=0, world_size=4).main_process
+
+
+def test_a_compile_cache_under_a_file_says_a_file_stands_where_its_folder_would_be(tmp_path):
+    (tmp_path / "f").write_text("not a folder")
+    cfg = settings.Config(settings.defaults(settings.TrainSettings), compile=True,
+                          compile_cache=str(tmp_path / "f" / "sub" / "c.bin"))
+    with pytest.raises(ConfigError, match=r"cannot be written there \(a file stands where its folder would be\)"):
+        plan.check_compile_cache(cfg)
+    assert (tmp_path / "f").read_text() == "not a folder"

@@ -70,3 +70,16 @@ def test_a_run_of_no_updates_is_not_warned_about_its_warmup():
     cfg = settings.Config(DEFAULTS, epochs=0, init_from="out/x")
     assert settings.doubtful_values(cfg, total_updates=0) == []
     assert "longer than the run's 50 updates" in settings.doubtful_values(cfg, total_updates=50)[0]
+
+
+class WithOwnRule(settings.TrainSettings):
+    @staticmethod
+    def rules(cfg):
+        if cfg.epochs > 3:
+            raise ConfigError("this script trains at most 3 epochs")
+
+
+def test_a_settings_class_with_rules_of_its_own_has_them_checked():
+    with pytest.raises(ConfigError, match="at most 3 epochs"):
+        settings.check(WithOwnRule, settings.Config(DEFAULTS))
+    settings.check(WithOwnRule, settings.Config(DEFAULTS, epochs=3))
