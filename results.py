@@ -264,14 +264,11 @@ def record(path, keys, value):
     record_many(path, [(keys, value)])
 
 
-def record_many(path, items, replaced=()):
-    """record() for each (keys, value) of items, under one lock and one write of the file; replaced: values another
-    results file replaced (its "history" entries), kept in this file's history first, as they were."""
+def record_many(path, items):
+    """record() for each (keys, value) of items, under one lock and one write of the file."""
     items = [(_key_list(keys), value) for keys, value in items]
 
     def change(data):
-        if replaced:
-            data.setdefault("history", []).extend(replaced)
         for keys, value in items:
             put(data, keys, value, path)
     locked_update(Path(path), change)
