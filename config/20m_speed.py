@@ -1,15 +1,17 @@
 # Time to quality, the speed candidate: the shipped Muon recipe (config/20m_muon_wsd.py) with the four levers that won
 # their screens (QK-norm, NorMuon, two value-embedding tables, contexts of 256 then 512 then 1024 tokens) and the
 # three 14M-token screens' winners (updates of 16,384 tokens with muon_lr 0.003, AdamW at 8e-3, a cooldown over the
-# last half), on the first 14M tokens of the shuffled cache. It exports to no transformers class (value
-# embeddings). Execution settings as the reference's, and the context schedule's windows kept in whole rows
-# (context_windows: one shape for every context, compiled and captured once; the same math). Its 5-seed verdict on
-# one H200, warm caches: it reaches the reference's best loss L = 4.2462 (p = 0.0012) in a median 11.8 training s,
-# at least 2.47x the reference on the same machine (two of its three seeds reached L, after 28.4 and 29.2 s), where
-# the bar is 3x; on one H100, 2.76x (a median 12.2 s against the reference's 33.8 s; docs/TIME_TO_QUALITY.md, "The
-# speed candidate").
+# last half), on the first 14M tokens of the shuffled cache, in six blocks (0.85x the FLOPs a token of the preset's
+# eight) with Muon on q, k, v, the gate and up apart (muon_split_projections), which buys back the loss six blocks
+# lose. It exports to no transformers class (value embeddings). Execution settings as the reference's, and the
+# context schedule's windows kept in whole rows (context_windows: one shape for every context, compiled and
+# captured once; the same math). Its 5-seed verdict on one H100, warm caches: it reaches the reference's best loss
+# L = 4.2462 (p = 0.00029) in a median 11.1 training s, 3.03x the reference's 33.7 s on the same machine, where the
+# bar is 3x (docs/TIME_TO_QUALITY.md, "The speed candidate"). Not yet measured on an H200, where the eight-block
+# candidate before it (--n_layers=0 --muon_split_projections=False) had 11.8 s against at least 28.4 s (2.47x).
 name = "20m-speed"
 preset = "20m"
+n_layers = 6
 data_dir = "data/cache/gutenberg"
 seq_len = 1024
 seq_len_schedule = "256:0.3,512:0.6"
@@ -23,6 +25,7 @@ optimizer = "muon"
 muon_lr = 0.003
 muon_adjust_lr = "match_rms_adamw"
 normuon = True
+muon_split_projections = True
 lr_schedule = "wsd"
 cooldown_fraction = 0.5
 qk_norm = True

@@ -5,12 +5,12 @@
 # Parts, in the document's order, with their time on one H200 (warm compiler caches; cold adds about 20 s per
 # compiled shape): ceilings (1 min), current (8 min), accumulation (2 min), loss (2 min), matched (5 min, then
 # compare.py with no GPU), tune (15 min), levers (9 min), quack (6 min), push (10 min), cold (10 min; a fresh
-# machine for its first profile), static (5 min), early (6 min), speedrun (about 62 min: docs/TIME_TO_QUALITY.md's
+# machine for its first profile), static (5 min), early (6 min), speedrun (about 70 min: docs/TIME_TO_QUALITY.md's
 # runs, in parts that also run alone: screens, the kept levers' screens; speed, the speed candidate's seeds and
-# verdict; contexts, the contexts in one shape and the verdict with them; quality320, the width 320 quality
-# candidate's seeds beside the recipe before it; quality4, four passes at 32,768 tokens an update and their verdict
-# at 1024 throughout; quality, the width 384 candidate's verdict, then its seeds before muon_split_projections),
-# all (about 143 min).
+# verdict; contexts, the contexts in one shape and the verdict with them; speed6, the six-block candidate's screens
+# and verdict; quality320, the width 320 quality candidate's seeds beside the recipe before it; quality4, four passes
+# at 32,768 tokens an update and their verdict at 1024 throughout; quality, the width 384 candidate's verdict, then
+# its seeds before muon_split_projections), all (about 151 min).
 # Merge the results file into results/h200.json with scripts/merge_results.py (parts quack's and push's into
 # results/h200-levers.json, cold's, static's and early's into results/h200-cold-start.json). Needs data/cache/gutenberg;
 # requirements-gpu.txt for the fa4 and quack rows, which are skipped without it. The rows of choices no longer in the
@@ -19,7 +19,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 PARTS="ceilings current accumulation loss matched tune levers quack push cold static early speedrun all"
-PARTS+=" screens speed contexts quality320 quality4 quality"  # speedrun's parts, each alone
+PARTS+=" screens speed contexts speed6 quality320 quality4 quality"  # speedrun's parts, each alone
 usage() { echo "usage: bash scripts/reproduce_h200.sh PART... [-- RESULTS_FILE]; parts: $PARTS" >&2; exit 2; }
 parts=()
 R=out/h200/results.json
@@ -228,8 +228,11 @@ early() {  # docs/COLD_START.md, the helper children started at the process's st
 }
 # TIME_TO_QUALITY.md's runs. SPLIT: the context schedule's contexts split as they ran before context_windows (the
 # rows below but the verdict with the contexts in one shape). NARROW: the width 320 candidate's keys on today's
-# config/20m_quality.py (the docs' NARROW; tests/test_settings.py holds the two to one list).
+# config/20m_quality.py (the docs' NARROW; tests/test_settings.py holds the two to one list). EIGHT: the speed
+# candidate's recipe as its rows below ran, before six blocks with muon_split_projections (the preset's eight blocks,
+# Muon on whole projections).
 SPLIT=--context_windows=False
+EIGHT="--n_layers=0 --muon_split_projections=False"
 NARROW="--dim=320 --n_heads=5 --hidden_dim=896 --seq_len_schedule=256:0.3,512:0.6 --tokens_per_update=16384
   --micro_batch_size=16 --muon_lr=0.003 --muon_split_projections=False"
 screens() {  # "The speedrun's levers, screened": each kept lever on the shipped recipe, then its cost; the levers not
@@ -251,22 +254,36 @@ speed() {  # "The speed candidate": its three seeds, each alone (the first fills
   # its 5-seed verdict beside the reference's 3 seeds
   local s
   for s in 1337 1338 1339; do
-    timeout 300 python train.py config/20m_speed.py $SPLIT --seed=$s --target_loss=4.2462 --overwrite=True \
+    timeout 300 python train.py config/20m_speed.py $EIGHT $SPLIT --seed=$s --target_loss=4.2462 --overwrite=True \
       --name=20m-speed-winners-14m-seed$s --results_file="$R"
   done
-  timeout 600 python compare.py config/20m_speed.py $SPLIT --mode=time-to-target --seeds=5 --target_loss=4.2462 \
+  timeout 600 python compare.py config/20m_speed.py $EIGHT $SPLIT --mode=time-to-target --seeds=5 --target_loss=4.2462 \
     --target_baseline=config/20m_gh200.py --target_baseline_seeds=3 --name=20m-speed-winners --results_file="$R"
 }
 contexts() {  # "The contexts in one shape": seed 1339 split (once to fill its caches, then warm), then in whole rows;
   # then the 5-seed verdict with the contexts in one shape (the candidate's settings now), beside the reference's 3
   local name
   for name in split-cold split windows; do
-    timeout 300 python train.py config/20m_speed.py $([ $name = windows ] || echo $SPLIT) --seed=1339 \
+    timeout 300 python train.py config/20m_speed.py $EIGHT $([ $name = windows ] || echo $SPLIT) --seed=1339 \
       --target_loss=4.2462 --overwrite=True --name=20m-speed-seed1339-$name --results_file="$R"
   done
   python compare.py --baseline=20m-speed-seed1339-split --optimized=20m-speed-seed1339-windows --results_file="$R"
-  timeout 900 python compare.py config/20m_speed.py --mode=time-to-target --seeds=5 --target_loss=4.2462 \
+  timeout 900 python compare.py config/20m_speed.py $EIGHT --mode=time-to-target --seeds=5 --target_loss=4.2462 \
     --target_baseline=config/20m_gh200.py --target_baseline_seeds=3 --name=20m-speed-context-windows --results_file="$R"
+}
+speed6() {  # "The speed candidate" now: six blocks with muon_split_projections, three seeds four at once with seven
+  # blocks beside them (the losses compare), then its 5-seed verdict beside the reference's 3 seeds after a short run
+  # that compiles the reference's graphs (the candidate's compiled by the screens)
+  local n s
+  for n in 6:1337 6:1338 6:1339 7:1337; do
+    timeout 200 python train.py config/20m_speed.py --n_layers=${n%:*} --seed=${n#*:} --target_loss=4.2462 \
+      --overwrite=True --name=screen-speed-l${n%:*}-split-s${n#*:} --results_file="$R" &
+  done
+  wait
+  timeout 120 python train.py config/20m_gh200.py --stop_after_updates=30 --eval_interval=25 --overwrite=True \
+    --name=warm-reference-graphs-speed --results_file="$R"
+  timeout 600 python compare.py config/20m_speed.py --mode=time-to-target --seeds=5 --target_loss=4.2462 \
+    --target_baseline=config/20m_gh200.py --target_baseline_seeds=3 --name=20m-speed-l6-split --results_file="$R"
 }
 quality320() {  # "The quality candidate": the width 320 candidate and the recipe before it (before: its
   # regularisation then) over 3 and 4 passes and at seeds 1338 and 1339, then its seeds, each alone (the docs' rows
@@ -314,7 +331,7 @@ quality() {  # "The quality candidate": its verdict (width 384, 24,576 an update
       --overwrite=True --name=20m-quality-seed$s-solo --results_file="$R"
   done
 }
-speedrun() { screens; speed; contexts; quality320; quality4; quality; }
+speedrun() { screens; speed; contexts; speed6; quality320; quality4; quality; }
 
 for part in "${parts[@]}"; do
   case $part in

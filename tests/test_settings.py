@@ -158,21 +158,24 @@ def test_the_quality_candidate_is_the_speed_candidate_wider_over_three_passes_re
     quality = settings.resolve(TrainSettings, [os.path.relpath(root / "config" / "20m_quality.py")])
     assert {k: quality[k] for k in quality if quality[k] != speed[k]} == \
         {"name": "20m-quality", "dim": 384, "n_heads": 6, "hidden_dim": 1024, "train_subset_tokens": 0, "epochs": 3,
-         "seq_len_schedule": "", "tokens_per_update": 24576, "micro_batch_size": 24, "muon_lr": 0.0035,
-         "muon_split_projections": True, "weight_decay": 0.3, "cooldown_fraction": 0.7, "ema": 0.998}
+         "n_layers": 0, "seq_len_schedule": "", "tokens_per_update": 24576, "micro_batch_size": 24,
+         "muon_lr": 0.0035, "weight_decay": 0.3, "cooldown_fraction": 0.7, "ema": 0.998}
 
 
 def test_the_narrow_keys_of_the_docs_and_the_reproduce_script_restore_the_width_320_candidate():
     """docs/TIME_TO_QUALITY.md's NARROW and scripts/reproduce_h200.sh's $NARROW, on config/20m_quality.py, must give
-    the candidate that ran before the width grew (the speed candidate over three passes, regularised), or the rows
-    they claim to reproduce would run another recipe."""
+    the candidate that ran before the width grew (the speed candidate as it was then, eight blocks with Muon on
+    whole projections: the reproduce script's $EIGHT, over three passes, regularised), or the rows they claim to
+    reproduce would run another recipe."""
     root = Path(__file__).resolve().parent.parent
+    script_text = (root / "scripts" / "reproduce_h200.sh").read_text()
     docs = re.search(r"`NARROW` = `([^`]+)`", (root / "docs" / "TIME_TO_QUALITY.md").read_text())
-    script = re.search(r'^NARROW="([^"]+)"', (root / "scripts" / "reproduce_h200.sh").read_text(), re.M)
-    assert docs and script, "NARROW's definition is gone from the docs or the reproduce script"
+    script = re.search(r'^NARROW="([^"]+)"', script_text, re.M)
+    eight = re.search(r'^EIGHT="([^"]+)"', script_text, re.M)
+    assert docs and script and eight, "NARROW's or EIGHT's definition is gone from the docs or the reproduce script"
     keys = docs.group(1).split()
     assert keys == script.group(1).split()
-    speed = settings.resolve(TrainSettings, [str(root / "config" / "20m_speed.py")])
+    speed = settings.resolve(TrainSettings, [str(root / "config" / "20m_speed.py"), *eight.group(1).split()])
     narrow = settings.resolve(TrainSettings, [str(root / "config" / "20m_quality.py"), *keys])
     preset = model_lib.PRESETS[speed["preset"]]  # the speed candidate's 0s keep the preset's shape, NARROW names it
     shape = {"dim": preset.dim, "n_heads": preset.n_heads, "hidden_dim": preset.hidden_dim}
