@@ -257,8 +257,9 @@ speed() {  # "The speed candidate": its three seeds, each alone (the first fills
     timeout 300 python train.py config/20m_speed.py $EIGHT $SPLIT --seed=$s --target_loss=4.2462 --overwrite=True \
       --name=20m-speed-winners-14m-seed$s --results_file="$R"
   done
-  timeout 600 python compare.py config/20m_speed.py $EIGHT $SPLIT --mode=time-to-target --seeds=5 --target_loss=4.2462 \
-    --target_baseline=config/20m_gh200.py --target_baseline_seeds=3 --name=20m-speed-winners --results_file="$R"
+  timeout 600 python compare.py config/20m_speed.py $EIGHT $SPLIT --mode=time-to-target --seeds=5 \
+    --target_loss=4.2462 --target_baseline=config/20m_gh200.py --target_baseline_seeds=3 --name=20m-speed-winners \
+    --results_file="$R"
 }
 contexts() {  # "The contexts in one shape": seed 1339 split (once to fill its caches, then warm), then in whole rows;
   # then the 5-seed verdict with the contexts in one shape (the candidate's settings now), beside the reference's 3
@@ -271,17 +272,30 @@ contexts() {  # "The contexts in one shape": seed 1339 split (once to fill its c
   timeout 900 python compare.py config/20m_speed.py $EIGHT --mode=time-to-target --seeds=5 --target_loss=4.2462 \
     --target_baseline=config/20m_gh200.py --target_baseline_seeds=3 --name=20m-speed-context-windows --results_file="$R"
 }
-speed6() {  # "The speed candidate" now: six blocks with muon_split_projections, three seeds four at once with seven
-  # blocks beside them (the losses compare), then its 5-seed verdict beside the reference's 3 seeds after a short run
-  # that compiles the reference's graphs (the candidate's compiled by the screens)
-  local n s
-  for n in 6:1337 6:1338 6:1339 7:1337; do
-    timeout 200 python train.py config/20m_speed.py --n_layers=${n%:*} --seed=${n#*:} --target_loss=4.2462 \
-      --overwrite=True --name=screen-speed-l${n%:*}-split-s${n#*:} --results_file="$R" &
+wait_each() {  # each background run's status, so that a failed one trips the ERR trap as a plain command does
+  local p
+  for p in "$@"; do wait "$p"; done
+}
+speed6() {  # "The speed candidate" now: with muon_split_projections, eight blocks on 13M tokens and on 14M, then six
+  # blocks and seven, four runs at once (the losses compare); then its 5-seed verdict beside the reference's 3 seeds
+  # after a short run that compiles the reference's graphs
+  local s pids=()
+  for s in 1337 1338 1339; do  # the preset's eight blocks on 13M tokens, and on 14M beside them
+    timeout 200 python train.py config/20m_speed.py --n_layers=0 --train_subset_tokens=13000000 --seed=$s \
+      --target_loss=4.2462 --overwrite=True --name=screen-speed-13m-split-s$s --results_file="$R" & pids+=($!)
   done
-  wait
-  timeout 120 python train.py config/20m_gh200.py --stop_after_updates=30 --eval_interval=25 --overwrite=True \
-    --name=warm-reference-graphs-speed --results_file="$R"
+  timeout 200 python train.py config/20m_speed.py --n_layers=0 --seed=1337 --target_loss=4.2462 --overwrite=True \
+    --name=screen-speed-14m-split-s1337 --results_file="$R" & pids+=($!)
+  wait_each "${pids[@]}"; pids=()
+  for s in 1337 1338 1339; do  # six blocks (the config's), and seven beside them
+    timeout 200 python train.py config/20m_speed.py --seed=$s --target_loss=4.2462 --overwrite=True \
+      --name=screen-speed-l6-split-s$s --results_file="$R" & pids+=($!)
+  done
+  timeout 200 python train.py config/20m_speed.py --n_layers=7 --seed=1337 --target_loss=4.2462 --overwrite=True \
+    --name=screen-speed-l7-split-s1337 --results_file="$R" & pids+=($!)
+  wait_each "${pids[@]}"; pids=()
+  timeout 90 python train.py config/20m_gh200.py --epochs=2 --train_subset_tokens=655361 --val_subset_tokens=65536 \
+    --overwrite=True --name=warm-reference-graphs-speed --results_file="$R"
   timeout 600 python compare.py config/20m_speed.py --mode=time-to-target --seeds=5 --target_loss=4.2462 \
     --target_baseline=config/20m_gh200.py --target_baseline_seeds=3 --name=20m-speed-l6-split --results_file="$R"
 }
