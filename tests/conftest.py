@@ -1,8 +1,9 @@
-"""Shared test fixtures: small token caches in the format data/prepare.py writes."""
+"""Shared test fixtures: small token caches in the format data/prepare.py writes, and a stand-in wandb."""
 import hashlib
 import json
 import math
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -139,3 +140,15 @@ def setup(cfg):
     import plan
     p = plan.resolve(cfg, world=(0, 0, 1))
     return p.cache, p.model, p.recipe
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch):
+    """A stand-in wandb module (none is installed, and a real one would log): the calls its init, a run's log and
+    finish were given, in order."""
+    calls = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kwargs: calls.append(("init", kwargs)) or types.SimpleNamespace(
+        log=lambda scalars, step: calls.append(("log", step, scalars)), finish=lambda: calls.append(("finish",)))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    return calls

@@ -1,23 +1,7 @@
 """dashboard.py: the W&B run's identity and settings, and TensorBoard's events on disk once the dashboards close."""
-import sys
-import types
-
-import pytest
-
 import dashboard
 import settings
 import train
-
-
-@pytest.fixture
-def fake_wandb(monkeypatch):
-    """A stand-in wandb module recording what init, log and finish were given."""
-    calls = []
-    fake = types.ModuleType("wandb")
-    fake.init = lambda **kwargs: calls.append(("init", kwargs)) or types.SimpleNamespace(
-        log=lambda scalars, step: calls.append(("log", step, scalars)), finish=lambda: calls.append(("finish",)))
-    monkeypatch.setitem(sys.modules, "wandb", fake)
-    return calls
 
 
 def test_the_wandb_run_is_named_for_the_run_resumable_by_its_id_and_holds_the_config(tmp_path, fake_wandb):

@@ -7,15 +7,7 @@ import configurator
 import matched
 import settings
 from results import record
-
-
-def finished(loss, recipe="r1", std=3.0, tokens=1_000_000, **fields):
-    """A hand-made complete training entry, as train.py records one."""
-    return dict({"status": "complete", "recipe_identity": recipe, "recipe": {"seed": recipe},
-                 "run_id": f"{loss}-{recipe}", "final_validation": {"loss": loss, "loss_std": std, "tokens": tokens},
-                 "median_training_tokens_per_second": 1000.0,
-                 "validation_curve": [{"epoch": 1, "tokens": 10, "loss": loss + 1, "training_seconds": 1.0}]},
-                **fields)
+from tests.test_compare import finished
 
 
 def matched_config(tmp_path, *argv):
@@ -69,7 +61,7 @@ def test_an_entry_without_a_config_is_an_unknown_execution_not_the_same_one(tmp_
     which would say that any speed ratio between them is noise."""
     results = tmp_path / "results.json"
     record(results, ["base"], dict(finished(4.600), config={"seed": 7, "device": "cpu"}))
-    record(results, ["opt"], finished(4.601, median_training_tokens_per_second=2000.0))
+    record(results, ["opt"], finished(4.601, speed=2000.0))
     c = matched.compare_runs(results, "base", "opt", False, tmp_path / "p.png", noise_seed_runs=0)
     assert c["same_execution"] is None and c["execution_differences"] is None
     assert c["speed_ratio"] == pytest.approx(2.0) and c["speed_verdict"] == "noise not measured"

@@ -12,4 +12,3 @@ def test_an_empty_or_blank_results_file_reads_as_no_entries_and_takes_a_record(t
     assert read_results(path) == {}
     record(path, ["runs", "a"], {"run_id": "1"})
     assert lookup(path, ["runs", "a", "run_id"]) == "1"
-

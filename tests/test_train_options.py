@@ -2,7 +2,6 @@
 (init_from), no silent overwrite of a run, the training-loss curve in the entry and the optional dashboards."""
 import sys
 import time
-import types
 
 import pytest
 import torch
@@ -145,12 +144,8 @@ def test_a_vocab_size_above_the_caches_is_refused(text_cache, tmp_path, capsys):
     one_line_error(capsys, "vocab_size 32000 is larger than the 256 tokens")
 
 
-def test_the_entry_holds_the_training_curve_and_the_dashboards_get_it(text_cache, tmp_path, monkeypatch):
-    logged = []
-    fake = types.ModuleType("wandb")
-    fake.init = lambda **kwargs: logged.append(("init", kwargs)) or types.SimpleNamespace(
-        log=lambda scalars, step: logged.append(("log", step, scalars)), finish=lambda: logged.append(("finish",)))
-    monkeypatch.setitem(sys.modules, "wandb", fake)
+def test_the_entry_holds_the_training_curve_and_the_dashboards_get_it(text_cache, tmp_path, fake_wandb):
+    logged = fake_wandb
     cfg = small_config(text_cache, tmp_path, epochs=1, log_interval=2, tensorboard_dir=str(tmp_path / "tb"),
                        wandb_log=True)
     entry = train.train(cfg)
