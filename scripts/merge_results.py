@@ -107,7 +107,7 @@ def held(data, path, value):
 
 
 def merge(source, target):
-    """Merges source's entries into target; returns how many were merged and how many skipped as older than
+    """Merges source's entries into target; returns how many were merged and how many skipped as no newer than
     target's (entries target already holds count as neither)."""
     data = read_results(source)
     items, counts = entries(source, data), {"merged": 0, "same": 0, "stale": 0}
@@ -143,7 +143,7 @@ def main(argv):
                                    f"there to start one)")
         merged, stale = merge(source, into)
         print(f"merged {merged} entries of {source} into {into}"
-              + (f"; skipped {stale} older than {into}'s own" if stale else ""))
+              + (f"; skipped {stale} no newer than {into}'s own" if stale else ""))
     except ResultsFileError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

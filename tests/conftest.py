@@ -152,3 +152,16 @@ def fake_wandb(monkeypatch):
         log=lambda scalars, step: calls.append(("log", step, scalars)), finish=lambda: calls.append(("finish",)))
     monkeypatch.setitem(sys.modules, "wandb", fake)
     return calls
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Makes torch see a CUDA GPU of the capability given to the returned function (named "NVIDIA GPU" unless
+    another name is given), for the checks that read it; no kernel runs on it."""
+    import torch
+
+    def of(capability, name="NVIDIA GPU"):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    return of
