@@ -39,8 +39,16 @@ def profile_lines(name, p):
     lines = [f"{name}: {fmt(kernel_ms / n if finite_number(kernel_ms) else None, '.2f')} ms of kernels per update "
              f"({categories})"]
     for k in p.get("top_kernels", [])[:12]:
-        lines.append(f"  {fmt(k['ms'] / n, '7.3f')} ms  x{k['count'] // n:<4} {k['category']:<14}{k['name'][:100]}")
+        lines.append(kernel_line(k, n))
     return lines
+
+
+def kernel_line(k, n):
+    """One of the slowest kernels, per update; "-" for a field a hand-cut entry lacks."""
+    ms, count = k.get("ms"), k.get("count")
+    times = f"x{count // n}" if isinstance(count, int) else "x-"
+    return (f"  {fmt(ms / n if finite_number(ms) else None, '7.3f')} ms  {times:<5} {str(k.get('category', '-')):<14}"
+            f"{str(k.get('name', '-'))[:100]}")
 
 
 def run_line(name, run, width):

@@ -114,14 +114,13 @@ def test_train_py_trains_with_it_and_records_it_in_the_recipe(text_cache, tmp_pa
     assert first[0] != first[1] and abs(first[0] - first[1]) < 5e-3 * first[0]
 
 
-def test_a_gpu_without_fp8_tensor_cores_is_refused_in_one_line(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+def test_a_gpu_without_fp8_tensor_cores_is_refused_in_one_line(fake_gpu):
+    fake_gpu((8, 0), "NVIDIA A100")
     import settings
     cfg = settings.Config(train.DEFAULTS, lm_head_fp8=True, loss_impl="fused", attention_backend="sdpa")
     with pytest.raises(ConfigError, match="needs FP8 tensor cores .* NVIDIA A100 has 8.0; set lm_head_fp8=False"):
         plan.check_device(cfg, torch.device("cuda"))
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    fake_gpu((9, 0), "NVIDIA A100")
     plan.check_device(cfg, torch.device("cuda"))  # Hopper: accepted
 
 

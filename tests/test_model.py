@@ -609,7 +609,7 @@ def test_fa4_with_a_flash_attn_4_lacking_its_functions_is_a_clear_error(flash_at
         model.Transformer(tiny_config(), attention_backend="fa4")
 
 
-def test_a_flash_attn_4_that_fails_as_it_imports_leaves_auto_on_sdpa_and_refuses_fa4(monkeypatch):
+def test_a_flash_attn_4_that_fails_as_it_imports_leaves_auto_on_sdpa_and_refuses_fa4(monkeypatch, fake_gpu):
     """It loads the CUTLASS DSL as it imports, so a version clash there is a RuntimeError, say, not an ImportError:
     the default (auto), which the user never pointed at fa4, failed with a traceback."""
     import importlib
@@ -620,7 +620,7 @@ def test_a_flash_attn_4_that_fails_as_it_imports_leaves_auto_on_sdpa_and_refuses
             raise RuntimeError("nvidia-cutlass-dsl 4.1 is not supported; need >= 4.2")
         return real(name, *args, **kwargs)
     monkeypatch.setattr(attention.importlib, "import_module", clash)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    fake_gpu((9, 0))
     backend, why = attention.resolve_backend("auto", "cuda")
     assert backend == "sdpa" and "did not import (RuntimeError: nvidia-cutlass-dsl 4.1" in why
     with pytest.raises(ValueError, match="did not import"):
@@ -743,18 +743,18 @@ def test_a_bf16_residual_stream_is_bf16_between_blocks_and_close_to_float32():
         model.Transformer(config, residual_dtype="float16")
 
 
-def test_auto_attention_is_fa4_where_it_runs_and_sdpa_elsewhere_saying_why(flash_attn_4_stand_in, monkeypatch):
+def test_auto_attention_is_fa4_where_it_runs_and_sdpa_elsewhere_saying_why(flash_attn_4_stand_in, monkeypatch,
+                                                                          fake_gpu):
     """The default: flash-attn-4's backward on a Hopper/Blackwell GPU with the package, SDPA everywhere else."""
     assert attention.resolve_backend("auto", "cpu") == ("sdpa", "the default; fa4 runs on Hopper and Blackwell GPUs "
                                                                 "only, not on the cpu")
     assert attention.resolve_backend("cudnn", "cpu") == ("cudnn", "as set")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    fake_gpu((9, 0))
     assert attention.resolve_backend("auto", "cuda")[0] == "fa4"
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    fake_gpu((8, 0), "NVIDIA A100")
     assert attention.resolve_backend("auto", "cuda") == ("sdpa", "the default; fa4 runs on Hopper and Blackwell "
                                                                  "GPUs only, not on NVIDIA A100")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    fake_gpu((9, 0))
     monkeypatch.delitem(sys.modules, "flash_attn.cute.interface")
     monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", None)  # not installed
     backend, why = attention.resolve_backend("auto", "cuda")

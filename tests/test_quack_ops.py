@@ -221,28 +221,25 @@ def test_quack_is_refused_on_the_cpu_in_one_sentence_naming_the_setting_and_what
                        f"instead")
 
 
-def test_quack_is_refused_on_another_gpu_and_without_the_package(monkeypatch):
+def test_quack_is_refused_on_another_gpu_and_without_the_package(monkeypatch, fake_gpu):
     """The GPU's own rules, with the GPU's answers stood in: none, another capability, then Hopper without quack."""
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert quack_ops.quack_problem(cuda) == "PyTorch sees no CUDA GPU here"
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    fake_gpu((8, 0), "NVIDIA A100")
     assert quack_ops.quack_problem(cuda) == "NVIDIA A100 has compute capability 8.0"
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    fake_gpu((9, 0), "NVIDIA A100")
     monkeypatch.setitem(sys.modules, "quack", None)  # not installed: import quack raises ImportError
     assert quack_ops.quack_problem(cuda).startswith("quack did not import (ModuleNotFoundError")
     with pytest.raises(ConfigError, match=r"^mlp_impl 'quack' needs .* but quack did not import"):
         plan.check_device(settings.Config(train.DEFAULTS, mlp_impl="quack"), cuda)
 
 
-def test_quack_installed_outside_site_packages_is_named_with_what_to_do(monkeypatch):
+def test_quack_installed_outside_site_packages_is_named_with_what_to_do(monkeypatch, fake_gpu):
     """quack 0.6.5 installed with pip --target outside a site-packages folder fails its import with a TypeError
     about a semantic key (as it did on the H200); the refusal says where to install it instead."""
     cuda = torch.device("cuda")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    fake_gpu((9, 0))
 
     class Quack(types.ModuleType):
         def __getattr__(self, name):

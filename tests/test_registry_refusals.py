@@ -11,17 +11,16 @@ def cfg(**change):
     return settings.Config(train.DEFAULTS, **change)
 
 
-def test_the_fp8_head_on_a_gpu_without_fp8_tensor_cores_is_refused_with_what_to_change(monkeypatch):
+def test_the_fp8_head_on_a_gpu_without_fp8_tensor_cores_is_refused_with_what_to_change(fake_gpu):
     """The declared FP8 head (a recipe key) passes the settings' own numbers, then meets the GPU: an A100's 8.0 is
     refused in one line that says to turn it off; an H100's 9.0, and the CPU, run it."""
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    fake_gpu((8, 0), "NVIDIA A100")
     fp8_head, gpu = cfg(loss_impl="fused", lm_head_fp8=True), torch.device("cuda")
     assert registry.problem(fp8_head) is None
     assert registry.problem(fp8_head, gpu) == (
         "lm_head_fp8 needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, Blackwell); NVIDIA A100 "
         "has 8.0; set lm_head_fp8=False")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    fake_gpu((9, 0), "NVIDIA A100")
     assert registry.problem(fp8_head, gpu) is None
     assert registry.problem(fp8_head, torch.device("cpu")) is None
 

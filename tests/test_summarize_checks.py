@@ -48,3 +48,13 @@ def test_the_command_line_says_its_usage_and_a_missing_file_in_one_line(monkeypa
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_path(SCRIPT, run_name="__main__")
     assert exit_info.value.code == said
+
+
+def test_a_slowest_kernel_row_without_some_fields_prints_dashes_not_a_traceback(tmp_path, capsys):
+    path = tmp_path / "results.json"
+    kernels = [{"name": "gemm", "category": "matmul", "count": 4, "ms": 3.0}, {"name": "cut by hand"}]
+    record(path, ["profiles", "p"], {"profiled_updates": 2, "kernel_ms": 4.0, "kernel_ms_by_category": {"matmul": 4.0},
+                                     "top_kernels": kernels})
+    summarize.main(str(path), [])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert rows == [["1.500", "ms", "x2", "matmul", "gemm"], ["-", "ms", "x-", "-", "cut", "by", "hand"]]
