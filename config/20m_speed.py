@@ -5,9 +5,10 @@
 # eight) with Muon on q, k, v, the gate and up apart (muon_split_projections), which buys back the loss six blocks
 # lose. It exports to no transformers class (value embeddings). Execution settings as the reference's, and the
 # context schedule's windows kept in whole rows (context_windows: one shape for every context, compiled and
-# captured once; the same math). Its 5-seed verdicts on two H100s, warm caches: it reaches the reference's best loss
-# L = 4.2462 (p < 0.001) in a median 11.1 and 11.6 training s, 3.03x and 2.88x the reference's 33.7 and 33.5 s on
-# the same machines, where the bar is 3x: at the bar, not over it (docs/TIME_TO_QUALITY.md, "The speed candidate").
+# captured once; the same math). Its 5-seed verdicts on three H100s, warm caches: it reaches the reference's best
+# loss L = 4.2462 (p < 0.001) in a median 11.1, 11.6 and 11.3 training s, 3.03x, 2.88x and 3.00x the reference's
+# 33.7, 33.5 and 33.9 s on the same machines, where the bar is 3x: at the bar, not over it (docs/TIME_TO_QUALITY.md,
+# "The speed candidate").
 # Not yet measured on an H200, where the eight-block candidate before it (--n_layers=0
 # --muon_split_projections=False) had 11.8 s against at least 28.4 s (2.47x).
 name = "20m-speed"
