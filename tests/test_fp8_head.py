@@ -120,7 +120,7 @@ def test_a_gpu_without_fp8_tensor_cores_is_refused_in_one_line(fake_gpu):
     cfg = settings.Config(train.DEFAULTS, lm_head_fp8=True, loss_impl="fused", attention_backend="sdpa")
     with pytest.raises(ConfigError, match="needs FP8 tensor cores .* NVIDIA A100 has 8.0; set lm_head_fp8=False"):
         plan.check_device(cfg, torch.device("cuda"))
-    fake_gpu((9, 0), "NVIDIA A100")
+    fake_gpu((9, 0), "NVIDIA H100 80GB HBM3")
     plan.check_device(cfg, torch.device("cuda"))  # Hopper: accepted
 
 

@@ -228,7 +228,7 @@ def test_quack_is_refused_on_another_gpu_and_without_the_package(monkeypatch, fa
     assert quack_ops.quack_problem(cuda) == "PyTorch sees no CUDA GPU here"
     fake_gpu((8, 0), "NVIDIA A100")
     assert quack_ops.quack_problem(cuda) == "NVIDIA A100 has compute capability 8.0"
-    fake_gpu((9, 0), "NVIDIA A100")
+    fake_gpu((9, 0), "NVIDIA H100 80GB HBM3")
     monkeypatch.setitem(sys.modules, "quack", None)  # not installed: import quack raises ImportError
     assert quack_ops.quack_problem(cuda).startswith("quack did not import (ModuleNotFoundError")
     with pytest.raises(ConfigError, match=r"^mlp_impl 'quack' needs .* but quack did not import"):

@@ -20,7 +20,7 @@ def test_the_fp8_head_on_a_gpu_without_fp8_tensor_cores_is_refused_with_what_to_
     assert registry.problem(fp8_head, gpu) == (
         "lm_head_fp8 needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, Blackwell); NVIDIA A100 "
         "has 8.0; set lm_head_fp8=False")
-    fake_gpu((9, 0), "NVIDIA A100")
+    fake_gpu((9, 0), "NVIDIA H100 80GB HBM3")
     assert registry.problem(fp8_head, gpu) is None
     assert registry.problem(fp8_head, torch.device("cpu")) is None
 
