@@ -83,6 +83,17 @@ on_signal() {  # Ctrl-C or a TERM: timeout keeps its step out of the terminal's 
 }
 current=""  # the step in flight with JOBS=1: its timeout's pid
 trap on_signal INT TERM
+# A signal between a step's start and the script's note of its pid waits for the note (hold_signals, then
+# release_signals): on_signal before it would miss the step, then wait out the step's whole run.
+deferred=""
+hold_signals() {
+  deferred=""
+  trap 'deferred=1' INT TERM
+}
+release_signals() {
+  trap on_signal INT TERM
+  [ -z "$deferred" ] || on_signal
+}
 
 reap() {  # waits until a step in flight ends, then reports it
   local s done_step="" rest=()
@@ -108,8 +119,10 @@ run() {  # run LABEL COMMAND...: the command's output, then one line saying it p
   if [ "$JOBS" -eq 1 ]; then
     local t=$SECONDS status
     echo "=== $(date +%T) step $step, $label: $*"
+    hold_signals
     timeout --kill-after=30 "$STEP_LIMIT" "$@" &  # in the background, so that a signal reaches on_signal at once
     current=$!
+    release_signals
     wait "$current"; status=$?
     current=""
     ended "$step" "$label" $status $((SECONDS - t)) "$*"
@@ -120,6 +133,7 @@ run() {  # run LABEL COMMAND...: the command's output, then one line saying it p
   rm -f "$LOGS/$step.status" "$LOGS/$step.pid"
   echo "=== $(date +%T) step $step started, $label: $*"
   # the step's timeout, its pid written for stop_running, and its exit status when it ends (whole, by a rename)
+  hold_signals
   ( timeout --kill-after=30 "$STEP_LIMIT" "$@" > "$LOGS/$step.log" 2>&1 &
     echo $! > "$LOGS/$step.pid"; wait $!; echo $? > "$LOGS/$step.ended"; mv "$LOGS/$step.ended" "$LOGS/$step.status" ) &
   pid_of[$step]=$!
@@ -127,6 +141,7 @@ run() {  # run LABEL COMMAND...: the command's output, then one line saying it p
   command_of[$step]="$*"
   started_at[$step]=$SECONDS
   running+=("$step")
+  release_signals
 }
 
 run "train, the reference recipe" python train.py $REF --name=smoke-train --results_file="$R" $SHORT_TRAIN
