@@ -202,6 +202,9 @@ class Execution:
     warm_kernels: bool = setting(True, "compiled, on a GPU: a child process compiles the kernels that compile at "
                                        "their first call (flash-attn-4's backward, the fused loss) while the model "
                                        "compiles (model_kernels/first_calls.py)")
+    warm_compiler: bool = setting(True, "compiled: Inductor's modules imported and the hashes of torch's and "
+                                        "Triton's sources that key its caches computed as the run starts, with its "
+                                        "other imports, not in its first update (model_kernels/first_calls.py)")
     compile_scope: str = setting("blocks", "blocks: each block and the loss head a graph of its own, compiled once "
                                            "for all blocks (with CUDA graphs, on one GPU, each update then captured "
                                            "whole as one); model: one graph of the whole model, compiled in one piece "

@@ -21,7 +21,8 @@ timings() says when each was ready and how long the run waited for it (bench.py 
 
 Inductor starts its compile workers at the first compile, and compiles a kernel in this process, one after another,
 while they are not yet ready (torch._inductor.async_compile); each imports torch first. Cold, prestart starts
-them too.
+them too. Warm or cold, it then imports the compiler and hashes the sources its caches' keys need
+(import_compiler), which every first compile did in the first update.
 
     python -m model_kernels.first_calls KERNEL STARTED_UNIX_SECONDS    # then, on its input:
     {"device": "cuda:0", "attention": [[B, T, H, D], ...], "windows": [[ROWS, T, H, D, SMALLEST]], "vocab_size": V}
@@ -108,8 +109,8 @@ def prestart(cfg, device, cold, command=None):
     cfg compiles on a GPU, and a child per kernel that the run may compile at a first call (kernels_for before the
     backend is resolved), each importing what it needs until start() gives it its job or ends it; start_early's
     children are kept where they are such a kernel's, under the run's cache folders. device: the torch.device the
-    run will use; command as start()'s. Warm, nothing: Inductor loads its kernels from its cache, in this process
-    while its workers are not yet up."""
+    run will use; command as start()'s. Warm, no child nor worker: Inductor loads its kernels from its cache, in this
+    process while its workers are not yet up. Then, warm or cold, import_compiler."""
     wanted, folders = kernels_for(cfg, device, None, cold), env.compiler_cache()
     for kernel, child in list(_children.items()):
         if kernel not in wanted or child["folders"] != folders or child["process"].stdin.closed:
@@ -123,6 +124,25 @@ def prestart(cfg, device, cold, command=None):
     for kernel in wanted:
         if kernel not in _children:
             _spawn(kernel, command)
+    import_compiler(cfg)
+
+
+def import_compiler(cfg):
+    """What a compiled run's first compile does once a process, whatever the recipe, done as the run starts (prestart),
+    with its other imports, where its first update would otherwise pay it (warm_compiler, on): Inductor's modules and
+    its device backends' code generators (torch imports them at the first compile: about 1 s on this project's CPU
+    runs), and the hashes of torch's and Triton's sources that key Inductor's, AOTAutograd's and Triton's caches
+    (torch_key, triton_key: 0.15 and 0.46 s on an H100's host). On the main thread: Triton's hash imports its
+    packages, and two threads importing at once can meet a half-made module."""
+    if not (cfg.compile and cfg.get("warm_compiler", True)):
+        return
+    from torch._inductor import codecache, compile_fx  # noqa: F401
+    from torch._inductor.codegen.common import init_backend_registration
+    from torch._inductor.runtime.triton_compat import HAS_TRITON, triton_key
+    init_backend_registration()
+    codecache.torch_key()
+    if HAS_TRITON:
+        triton_key()
 
 
 def start(job, command=None):

@@ -3,8 +3,8 @@
     python scripts/cold_start_profile.py config/20m_gh200.py --cold=True --name=cold-start-20m
     python scripts/cold_start_profile.py config/20m_gh200.py --name=warm-start-20m
 
-Times the imports (torch, the project), the run's checks (which import the attention backend's package), the model
-and optimizer, the attention kernel's and the loss kernel's first calls (flash-attn-4 and the fused loss compile on
+Times the imports (torch, the project), the run's checks (which import the attention backend's package), the
+compiler's imports and its caches' source hashes (warm_compiler), the model and optimizer, the attention kernel's and the loss kernel's first calls (flash-attn-4 and the fused loss compile on
 first use), then three updates of synthetic tokens: the first compiles (its seconds split into torch.compile's
 phases: Dynamo's tracing, AOTAutograd, Inductor's code generation, the wait for the Triton compiles, the backward's
 compile), the second records the CUDA graphs, the third replays them. Records the phases, and what torch.compile's
@@ -25,7 +25,7 @@ import env  # noqa: E402
 import plan as plan_lib  # noqa: E402
 import settings  # noqa: E402
 from data.loader import batch_stream, synthetic_batches  # noqa: E402
-from model_kernels import cross_entropy  # noqa: E402
+from model_kernels import cross_entropy, first_calls  # noqa: E402
 from model_kernels.attention import causal_attention  # noqa: E402
 from plan import USER_ERRORS  # noqa: E402
 from results import record  # noqa: E402
@@ -76,6 +76,9 @@ def main(argv):
                             synthetic=True)  # synthetic tokens, as bench's; every check before any folder is made
     # the checks import the attention backend's package (flash-attn-4 and the CUTLASS DSL for fa4) and start CUDA
     phases = {"import_torch": IMPORT_TORCH, "import_project": IMPORT_PROJECT, "plan": time.perf_counter() - begin}
+    begin = time.perf_counter()
+    first_calls.import_compiler(cfg)  # as train.py's and bench.py's plan does (warm_compiler)
+    phases["compiler_imports"] = time.perf_counter() - begin
     device, mcfg = torch.device(plan.device), plan.model
     _, make = synthetic_batches(cfg, mcfg.vocab_size, plan.sequences_per_update, 0, 1)
     batches = batch_stream(make, device, 4)

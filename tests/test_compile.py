@@ -795,6 +795,36 @@ def test_bench_cold_folders_made_at_the_start_are_the_runs_and_put_back_when_it_
         first_calls.stop()
 
 
+COMPILER_AT_PRESTART = """
+import sys, torch
+from torch._inductor import codecache
+from torch._inductor.runtime.triton_compat import HAS_TRITON, triton_key
+hashed = []  # torch_key's walk over torch's sources
+real = codecache.build_code_hash
+codecache.build_code_hash = lambda roots, prefix, hasher: (hashed.append(prefix), real(roots, prefix, hasher))[1]
+import settings
+from model_kernels import first_calls
+seen = []
+for changes in (dict(compile=False), dict(warm_compiler=False), dict()):
+    cfg = settings.Config(dict(compile=True, warm_kernels=True, warm_compiler=True), **changes)
+    first_calls.prestart(cfg, torch.device("cpu"), False)
+    seen.append(["torch._inductor.compile_fx" in sys.modules, "torch._inductor.codegen.halide" in sys.modules,
+                 bool(hashed), triton_key.cache_info().currsize == 1 if HAS_TRITON else True])
+print(seen)
+"""
+
+
+def test_a_compiled_runs_plan_imports_the_compiler_and_hashes_the_sources_its_first_update_would():
+    """warm_compiler: prestart (train.py's and bench.py's plan) imports Inductor's compiler and its backends' code
+    generators and computes the hashes of torch's and Triton's sources that key its caches, which the first compile
+    of a process otherwise does inside the first update; an eager run, or the setting off, leaves all of it to the
+    first compile. In a process of its own: this one has compiled before."""
+    out = subprocess.run([sys.executable, "-c", COMPILER_AT_PRESTART], cwd=REPO, capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1].lower()) == [[False] * 4, [False] * 4, [True] * 4]
+
+
 @pytest.mark.parametrize("static", [False, True])
 def test_static_launch_is_in_the_environment_before_inductors_workers_start(monkeypatch, static_launch_unset, static):
     """Cold, prestart starts Inductor's compile workers early; with static_launch_user_kernels their environment
