@@ -4,11 +4,12 @@
     python scripts/cold_start_profile.py config/20m_gh200.py --name=warm-start-20m
 
 Times the imports (torch, the project), the run's checks (which import the attention backend's package), the
-compiler's imports and its caches' source hashes (warm_compiler), the model and optimizer, the attention kernel's and the loss kernel's first calls (flash-attn-4 and the fused loss compile on
-first use), then three updates of synthetic tokens: the first compiles (its seconds split into torch.compile's
-phases: Dynamo's tracing, AOTAutograd, Inductor's code generation, the wait for the Triton compiles, the backward's
-compile), the second records the CUDA graphs, the third replays them. Records the phases, and what torch.compile's
-caches gave (hits and misses), under --name in the results file.
+compiler's imports and its caches' source hashes (warm_compiler), the model and optimizer, the attention kernel's
+and the loss kernel's first calls (flash-attn-4 and the fused loss compile on first use), then three updates of
+synthetic tokens: the first compiles (its seconds split into torch.compile's phases: Dynamo's tracing, AOTAutograd,
+Inductor's code generation, the wait for the Triton compiles, the backward's compile), the second records the CUDA
+graphs, the third replays them. Records the phases, and what torch.compile's caches gave (hits and misses), under
+--name in the results file.
 """
 import sys
 import time

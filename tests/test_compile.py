@@ -798,7 +798,7 @@ def test_bench_cold_folders_made_at_the_start_are_the_runs_and_put_back_when_it_
 COMPILER_AT_PRESTART = """
 import sys, torch
 from torch._inductor import codecache
-from torch._inductor.runtime.triton_compat import HAS_TRITON, triton_key
+from torch._inductor.runtime.triton_compat import triton_key  # Triton: in requirements.txt, as on the GPU
 hashed = []  # torch_key's walk over torch's sources
 real = codecache.build_code_hash
 codecache.build_code_hash = lambda roots, prefix, hasher: (hashed.append(prefix), real(roots, prefix, hasher))[1]
@@ -809,7 +809,7 @@ for changes in (dict(compile=False), dict(warm_compiler=False), dict()):
     cfg = settings.Config(dict(compile=True, warm_kernels=True, warm_compiler=True), **changes)
     first_calls.prestart(cfg, torch.device("cpu"), False)
     seen.append(["torch._inductor.compile_fx" in sys.modules, "torch._inductor.codegen.halide" in sys.modules,
-                 bool(hashed), triton_key.cache_info().currsize == 1 if HAS_TRITON else True])
+                 bool(hashed), triton_key.cache_info().currsize == 1])
 print(seen)
 """
 
